@@ -1,0 +1,37 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -y -qq
+
+.PHONY: demo test bench sysdeps clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Java (for PySpark) and tshark (the independent MoldUDP64 decoder the tests use).
+sysdeps:
+	@command -v java >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing a headless JRE for PySpark"; $(APT_GET) update && $(APT_GET) install openjdk-17-jre-headless >/dev/null; \
+	  else echo "PySpark needs Java 17+: install a JRE (e.g. apt-get install openjdk-17-jre-headless)"; exit 1; fi; }
+	@command -v tshark >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing tshark (independent MoldUDP64 decoder for the tests)"; \
+	    $(APT_GET) update >/dev/null && $(APT_GET) install tshark >/dev/null || echo "tshark unavailable: its wire test will be skipped"; \
+	  else echo "tshark not found: its wire test will be skipped (apt-get install tshark)"; fi; }
+
+demo: $(STAMP) sysdeps
+	$(VENV)/bin/tape demo
+
+test: $(STAMP) sysdeps
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/tape bench protocol
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
