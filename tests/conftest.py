@@ -1,0 +1,10 @@
+import os
+import sys
+
+from hypothesis import settings
+
+settings.register_profile("ci", max_examples=200, deadline=None)
+settings.register_profile("dev", max_examples=100, deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+TAPE = [sys.executable, "-m", "tape.ops.cli"]  # the real CLI, in this venv

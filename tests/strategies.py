@@ -1,0 +1,20 @@
+"""Hypothesis strategies for Tape's wire formats."""
+
+from hypothesis import strategies as st
+
+from tape.protocol import messages
+
+ascii_text = lambda n: st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=n)
+u64 = st.integers(0, 2**64 - 1)
+i64 = st.integers(-(2**63), 2**63 - 1)
+session = ascii_text(10).map(lambda s: s.encode().ljust(10, b" "))
+
+inbound = st.one_of(
+    st.builds(messages.purchase_request, u64, i64, ascii_text(16), ascii_text(8)),
+    st.builds(messages.purchase, u64, u64, i64, ascii_text(16), ascii_text(8)),
+)
+sequenced = st.one_of(
+    st.builds(messages.stamp, inbound, u64, session, u64),
+    st.builds(messages.term_start, u64, session, u64, ascii_text(10)),
+    st.builds(messages.time_tick, u64, session),
+)

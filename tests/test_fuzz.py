@@ -1,0 +1,66 @@
+"""Random and mutated bytes never raise anything but ProtocolError."""
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tape.protocol import messages as msg
+from tape.protocol import moldudp64 as m
+from tape.protocol import soupbintcp as soup
+from tape.protocol.errors import ProtocolError
+from tape.protocol.packets import PacketBuilder
+from tape.protocol.receiver import StreamReceiver
+
+from strategies import inbound, sequenced
+
+VALID = st.one_of(
+    st.lists(sequenced, min_size=1, max_size=17).map(lambda s: PacketBuilder(b"TAPE      ", 1).add_sequenced(s)[0]),
+    st.lists(inbound, min_size=1, max_size=20).map(lambda s: m.encode_packet(b"client1   ", 1, s)),
+    st.just(m.encode_heartbeat(b"TAPE      ", 9)),
+    st.just(m.encode_request(b"TAPE      ", 3, 4)),
+)
+
+
+@st.composite
+def mutated(draw):
+    data = bytearray(draw(VALID))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert"]))
+        if op == "flip" and data:
+            i = draw(st.integers(0, len(data) - 1))
+            data[i] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del data[draw(st.integers(0, len(data))):]
+        else:
+            i = draw(st.integers(0, len(data)))
+            data[i:i] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
+def every_decoder(data: bytes) -> None:
+    for decode in (
+        m.decode_packet,
+        m.decode_request,
+        msg.decode,
+        msg.check_inbound,
+        lambda d: msg.decode_packet_messages(d, m.decode_header(d)[2]),
+        lambda d: msg.check_inbound_batch(d, m.decode_header(d)[2]),
+        lambda d: StreamReceiver(b"TAPE      ").on_packet(*m.decode_header(d), d),
+        lambda d: soup.FrameDecoder().feed(d),
+        soup.parse_login,
+        soup.parse_login_accepted,
+    ):
+        try:
+            decode(data)
+        except ProtocolError:
+            pass
+
+
+@settings(max_examples=1000, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2000))
+def test_random_bytes(data):
+    every_decoder(data)
+
+
+@settings(max_examples=1000, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated())
+def test_mutated_valid_packets(data):
+    every_decoder(data)

@@ -1,0 +1,178 @@
+import json
+import os
+import subprocess
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tape.journal import format as fmt
+from tape.journal.store import Journal, JournalCorruption
+from tape.protocol import messages as msg
+
+from conftest import TAPE
+
+S = b"TAPE      "
+
+
+def message(i: int) -> bytes:
+    return msg.stamp(msg.purchase(i, i // 3, i % 500, "Sendence", "AAPL"), 10 * i, b"client1   ", i)
+
+
+def fill(path, n, batch=10, **kw) -> Journal:
+    j = Journal(path, S, **kw)
+    for start in range(1, n + 1, batch):
+        j.append([(s, 1 + s // 50, message(s)) for s in range(start, min(n, start + batch - 1) + 1)])
+    return j
+
+
+def seqs(j, *a):
+    return [r[0] for r in j.read(*a)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 300), seg=st.integers(300, 5000), every=st.integers(1, 40), lo=st.integers(1, 300), span=st.integers(0, 300))
+def test_reads_from_any_seq_across_segments(tmp_path_factory, n, seg, every, lo, span):
+    path = tmp_path_factory.mktemp("j")
+    j = fill(path, n, segment_bytes=seg, index_every=every, fsync="never")
+    hi = lo + span
+    expect = list(range(lo, min(hi, n) + 1))
+    assert seqs(j, lo, hi) == expect
+    j.close()
+    j2 = Journal(path, index_every=every)  # sealed segments now read through their .idx files
+    assert j2.last_seq == n and seqs(j2, lo, hi) == expect
+    assert [m for _, _, m in j2.read(lo, hi)] == [message(s) for s in expect]
+
+
+def test_records_keep_seq_term_and_message(tmp_path):
+    j = fill(tmp_path, 120, segment_bytes=2000)
+    assert len(j.segments) > 3
+    assert list(j.read(49, 51)) == [(s, 1 + s // 50, message(s)) for s in (49, 50, 51)]
+    assert j.last_term == 3
+    j.close()
+    assert sorted(p.name for p in tmp_path.glob("*.seg"))[:2] == [fmt.segment_name(1), fmt.segment_name(21)]  # rolls between batches of 10
+
+
+def test_append_must_continue_the_log(tmp_path):
+    j = fill(tmp_path, 5)
+    with pytest.raises(ValueError):
+        j.append([(7, 1, message(7))])
+    with pytest.raises(ValueError):
+        j.append([(6, 1, message(6)), (8, 1, message(8))])
+
+
+def test_torn_write_at_every_byte_of_the_last_record(tmp_path):
+    src = tmp_path / "src"
+    fill(src, 30).close()
+    seg = sorted(src.glob("*.seg"))[-1]
+    data = seg.read_bytes()
+    last_start = len(data) - (fmt.RECORD_HEADER_SIZE + msg.SEQUENCED_SIZE)
+    for cut in range(last_start, len(data)):
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        (d / seg.name).write_bytes(data[:cut])
+        j = Journal(d)
+        assert j.last_seq == 29, cut
+        assert j.recovery.truncated_bytes == cut - last_start
+        assert seqs(j) == list(range(1, 30))
+        assert (d / seg.name).stat().st_size == last_start
+        j.append([(30, 1, message(30))])  # and the log goes on
+        assert seqs(j, 28) == [28, 29, 30]
+        j.close()
+
+
+def test_zero_filled_tail_is_torn_not_corrupt(tmp_path):
+    fill(tmp_path, 10).close()
+    seg = sorted(tmp_path.glob("*.seg"))[-1]
+    with open(seg, "ab") as f:
+        f.write(bytes(4096))
+    j = Journal(tmp_path)
+    assert j.last_seq == 10 and j.recovery.truncated_bytes == 4096
+
+
+@pytest.mark.parametrize("where", ["crc", "length", "seq", "message"])
+def test_flipped_byte_mid_file_is_reported_with_seq_and_offset(tmp_path, where):
+    fill(tmp_path, 40).close()
+    seg = sorted(tmp_path.glob("*.seg"))[-1]
+    data = bytearray(seg.read_bytes())
+    rec = fmt.RECORD_HEADER_SIZE + msg.SEQUENCED_SIZE
+    start = fmt.SEGMENT_HEADER_SIZE + 19 * rec  # record of seq 20
+    data[start + {"crc": 1, "length": 6, "seq": 15, "message": 60}[where]] ^= 0x40
+    seg.write_bytes(bytes(data))
+    with pytest.raises(JournalCorruption) as e:
+        Journal(tmp_path)
+    assert e.value.seq == 20 and e.value.offset == start
+    assert seg.stat().st_size == len(data)  # nothing truncated
+    out = subprocess.run(TAPE + ["journal", "verify", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 1 and "seq 20" in out.stdout and f"offset {start}" in out.stdout
+
+
+def test_corruption_in_a_sealed_segment_fails_the_read(tmp_path):
+    fill(tmp_path, 100, segment_bytes=2000).close()
+    first = sorted(tmp_path.glob("*.seg"))[0]
+    data = bytearray(first.read_bytes())
+    data[fmt.SEGMENT_HEADER_SIZE + 5 * 99 + 50] ^= 1  # inside seq 6
+    first.write_bytes(bytes(data))
+    j = Journal(tmp_path)  # the tail is fine: opening works
+    assert seqs(j, 50, 52) == [50, 51, 52]
+    with pytest.raises(JournalCorruption) as e:
+        list(j.read(1, 10))
+    assert e.value.seq == 6
+
+
+def test_empty_segment_left_by_a_crash_during_a_roll_is_removed(tmp_path):
+    j = fill(tmp_path, 20)
+    j.close()
+    (tmp_path / fmt.segment_name(21)).write_bytes(fmt.encode_segment_header(S, 21)[:17])
+    j = Journal(tmp_path)
+    assert j.last_seq == 20 and not (tmp_path / fmt.segment_name(21)).exists()
+    j.append([(21, 1, message(21))])
+    assert seqs(j, 20) == [20, 21]
+
+
+def test_truncate_after_drops_a_suffix_across_segments(tmp_path):
+    j = fill(tmp_path, 100, segment_bytes=2000)
+    j.truncate_after(37)
+    assert j.last_seq == 37 and seqs(j, 30) == list(range(30, 38)) and j.last_term == 1
+    j.append([(38, 9, b"x" * 75)])
+    j.close()
+    j = Journal(tmp_path)
+    assert j.last_seq == 38 and j.last_term == 9 and list(j.read(38))[0][2] == b"x" * 75
+
+
+def test_a_reader_sees_a_consistent_prefix_while_the_writer_appends(tmp_path):
+    j = fill(tmp_path, 50, segment_bytes=3000)
+    reader = Journal(tmp_path, readonly=True)
+    for s in range(51, 90):
+        j.append([(s, 1, message(s))])
+    assert seqs(reader) == list(range(1, 51))
+    assert seqs(Journal(tmp_path, readonly=True)) == list(range(1, 90))
+
+
+def test_fsync_policies(tmp_path):
+    j = fill(tmp_path / "b", 50, fsync="batch")
+    assert j.fsyncs == 5
+    j = fill(tmp_path / "n", 50, fsync="never")
+    assert j.fsyncs == 0
+    j.sync()
+    assert j.fsyncs == 1
+    j = fill(tmp_path / "t", 50, fsync=60_000)
+    assert j.fsyncs == 1  # the first append syncs, then not again within the minute
+    with pytest.raises(ValueError):
+        Journal(tmp_path / "x", S, fsync="sometimes")
+
+
+def test_session_of_a_segment_must_match(tmp_path):
+    fill(tmp_path, 5).close()
+    with pytest.raises(JournalCorruption):
+        Journal(tmp_path, b"OTHER     ")
+
+
+def test_dump_cli_prints_every_record(tmp_path):
+    fill(tmp_path, 60, segment_bytes=2000).close()
+    out = subprocess.run(TAPE + ["journal", "dump", str(tmp_path), "--from", "10"], capture_output=True, text=True, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["seq"] for r in rows] == list(range(10, 61))
+    assert rows[0] == {"seq": 10, "term": 1, "type": "purchase", "purchase_id": 10, "order_id": 3, "shares": 10,
+                       "client": "Sendence", "stock": "AAPL", "stamp_ns": 100, "origin": "client1", "client_seq": 10}
+    out = subprocess.run(TAPE + ["journal", "verify", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0 and "60 records" in out.stdout
