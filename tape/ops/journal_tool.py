@@ -21,9 +21,16 @@ def record_dict(seq: int, term: int, raw: bytes) -> dict:
         return {"seq": seq, "term": term, "error": str(e), "hex": raw.hex()}
 
 
+def open_existing(path: str) -> Journal:
+    journal = Journal(path, readonly=True)
+    if not journal.segments:
+        raise FileNotFoundError(f"no journal segments (*.seg) in {path}")
+    return journal
+
+
 def dump(path: str, from_seq: int, to_seq: int | None, form: str, out: TextIO) -> int:
     try:
-        journal = Journal(path, readonly=True)
+        journal = open_existing(path)
         lines = []
         for seq, term, raw in journal.read(from_seq, to_seq):
             rec = record_dict(seq, term, raw)
@@ -51,7 +58,7 @@ def dump(path: str, from_seq: int, to_seq: int | None, form: str, out: TextIO) -
 
 def verify(path: str, out: TextIO) -> int:
     try:
-        journal = Journal(path, readonly=True)
+        journal = open_existing(path)
         count = 0
         bad = 0
         for seq, term, raw in journal.read():
@@ -63,6 +70,9 @@ def verify(path: str, out: TextIO) -> int:
                 print(f"seq {seq}: message does not decode: {e}", file=out)
     except JournalCorruption as e:
         print(f"CORRUPT: {e}", file=out)
+        return 1
+    except FileNotFoundError as e:
+        print(f"tape journal verify: {e}", file=sys.stderr)
         return 1
     tail = f"; incomplete tail of {journal.recovery.truncated_bytes} bytes" if journal.recovery else ""
     print(f"{count} records in {len(journal.segments)} segments, seqs {journal.first_seq}..{journal.last_seq}, "
