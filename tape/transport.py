@@ -54,9 +54,17 @@ def udp_socket(host: str = "127.0.0.1", port: int = 0, rcvbuf: int = DEFAULT_RCV
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free for both TCP and UDP on `host` right now."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+            t.bind((host, 0))
+            port = t.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                try:
+                    u.bind((host, port))
+                except OSError:
+                    continue
+                return port
 
 
 class LossInjector:

@@ -224,7 +224,7 @@ class Journal:
         seg.last_seq = records[-1][0]
         self.last_term = records[-1][1]
         self._dirty = True
-        self._maybe_sync()
+        self.maybe_sync()
 
     def _write(self, buf: bytes) -> None:
         view = memoryview(buf)
@@ -265,8 +265,9 @@ class Journal:
         finally:
             os.close(fd)
 
-    def _maybe_sync(self) -> None:
-        if self.fsync_interval is None:
+    def maybe_sync(self) -> None:
+        """fsync if the policy says one is due (call on a timer too)."""
+        if self.fsync_interval is None or not self._dirty:
             return
         if self.fsync_interval == 0 or time.monotonic() - self._last_sync >= self.fsync_interval:
             self._fsync()

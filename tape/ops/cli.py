@@ -33,6 +33,60 @@ def _demo(args) -> int:
     return run_demo(args.messages, args.out, args.drop, args.seed)
 
 
+def _config(args):
+    from tape.ops.config import ConfigError, load
+
+    try:
+        return load(args.config, getattr(args, "data", "."))
+    except ConfigError as e:
+        raise SystemExit(f"tape: config error: {e}")
+
+
+def _sequencer(args) -> int:
+    from tape.sequencer.server import run
+
+    return run(_config(args), args.node, args.drop, args.seed)
+
+
+def _rewinder(args) -> int:
+    from tape.rewinder.server import run
+
+    return run(_config(args), args.node, args.drop, args.seed)
+
+
+def _load(args) -> int:
+    from tape.ops.load import main
+
+    return main(_config(args), args.client, args.rate, args.duration, args.messages, args.seed, args.drop, args.overfill)
+
+
+def _tail(args) -> int:
+    from tape.ops.tail import main
+
+    return main(_config(args), args.stats, args.until, args.drop, args.seed, args.summary, args.idle_exit)
+
+
+def _onramp(args) -> int:
+    from tape.ops.onramp import main
+
+    cfg = _config(args)
+    return main(cfg, args.client or cfg.clients[0].name, args.file, args.timeout)
+
+
+def _config_default(args) -> int:
+    from tape.ops.config import default_toml
+
+    sys.stdout.write(default_toml(args.data, args.rewinders, args.clients, free=args.free_ports))
+    return 0
+
+
+def _cluster_options(p: argparse.ArgumentParser, drop: bool = True) -> None:
+    p.add_argument("--config", default=None, help="cluster TOML file (default: the embedded loopback cluster)")
+    if drop:
+        p.add_argument("--drop", type=float, default=0.0, help="fraction of received datagrams to drop, for tests (default 0)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the loss injection (default 0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tape",
@@ -63,6 +117,55 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Read the whole journal, checking every record; exit 1 on corruption.")
     verify.add_argument("path", help="journal directory")
     verify.set_defaults(func=_journal_verify)
+
+    p = sub.add_parser("sequencer", help="run a sequencer node", description="Run a sequencer: stamp inbound "
+                       "trades, journal and replicate them, publish committed packets on the multicast stream.")
+    _cluster_options(p)
+    p.add_argument("--node", default="seq-a", help="this node's name in the config (default seq-a)")
+    p.set_defaults(func=_sequencer)
+
+    p = sub.add_parser("rewinder", help="run a rewinder node", description="Run a rewinder: follow the leader's "
+                       "log, answer gap-fill requests (UDP) and replay sessions (SoupBinTCP over TCP).")
+    _cluster_options(p)
+    p.add_argument("--node", default="rw-1", help="this node's name in the config (default rw-1)")
+    p.set_defaults(func=_rewinder)
+
+    p = sub.add_parser("load", help="submit generated trades at a target rate",
+                       description="Generate purchase requests and purchases (seeded) and submit them exactly once; "
+                                   "prints a JSON summary and exits 1 if anything stayed unacknowledged.")
+    _cluster_options(p)
+    p.add_argument("--client", action="append", help="client name from the config (repeatable; default: all)")
+    p.add_argument("--rate", type=float, default=10_000, help="messages per second (default 10000)")
+    p.add_argument("--duration", type=float, default=None, help="seconds to run (default 10)")
+    p.add_argument("--messages", type=int, default=None, help="messages to send (instead of --duration)")
+    p.add_argument("--overfill", type=float, default=0.2, help="share of orders overfilled (default 0.2)")
+    p.set_defaults(func=_load)
+
+    p = sub.add_parser("tail", help="print the public stream", description="Join the public stream, fill gaps from "
+                       "the rewinders and print each message as JSON, or rates with --stats.")
+    _cluster_options(p)
+    p.add_argument("--stats", action="store_true", help="print rates, lag and gaps each second instead of messages")
+    p.add_argument("--summary", action="store_true", help="print only a JSON summary (count, digest) at the end")
+    p.add_argument("--until", type=int, default=None, help="stop after delivering this seq")
+    p.add_argument("--idle-exit", type=float, default=None, help="stop after this many seconds with nothing new")
+    p.set_defaults(func=_tail)
+
+    p = sub.add_parser("onramp", help="submit trades from JSON lines",
+                       description="Read trades in the challenge's JSON-lines shape from FILE (or - for stdin), "
+                                   "report malformed lines with their number, submit the rest exactly once.")
+    _cluster_options(p, drop=False)
+    p.add_argument("file", nargs="?", default="-", help="JSON-lines file (default: stdin)")
+    p.add_argument("--client", default=None, help="client name from the config (default: the first)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for acknowledgement (default 30)")
+    p.set_defaults(func=_onramp)
+
+    p = sub.add_parser("config", help="print a cluster config", description="Print the embedded default cluster "
+                       "config as TOML, to copy and edit.")
+    p.add_argument("--data", default="data", help="directory for the nodes' data (default data)")
+    p.add_argument("--rewinders", type=int, default=2, help="number of rewinders (default 2)")
+    p.add_argument("--clients", type=int, default=2, help="number of clients (default 2)")
+    p.add_argument("--free-ports", action="store_true", help="pick free ports and a random group instead of the fixed ones")
+    p.set_defaults(func=_config_default)
 
     bench = sub.add_parser("bench", help="measure throughput", description="Benchmarks (figures, not pass/fail).")
     bsub = bench.add_subparsers(dest="bench_command", metavar="TARGET", required=True)

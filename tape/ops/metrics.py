@@ -1,0 +1,41 @@
+"""Prometheus metrics without hot-path cost: processes keep plain numbers and
+a function that reports them; a custom Collector reads it at scrape time."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# A sample: (name, kind "counter" | "gauge", help, value or {label value: value}, label name)
+Sample = tuple
+
+
+class FunctionCollector(Collector):
+    def __init__(self, prefix: str, node: str, report: Callable[[], Iterable[Sample]]):
+        self.prefix = prefix
+        self.node = node
+        self.report = report
+
+    def collect(self):
+        for sample in self.report():
+            name, kind, doc, value = sample[:4]
+            label = sample[4] if len(sample) > 4 else "reason"
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            if isinstance(value, dict):
+                m = family(f"{self.prefix}_{name}", doc, labels=["node", label])
+                for key in sorted(value):
+                    m.add_metric([self.node, str(key)], value[key])
+            else:
+                m = family(f"{self.prefix}_{name}", doc, labels=["node"])
+                m.add_metric([self.node], value)
+            yield m
+
+
+def serve(port: int, prefix: str, node: str, report: Callable[[], Iterable[Sample]], host: str = "127.0.0.1") -> None:
+    """Expose `report` on http://host:port/metrics (port 0: not at all)."""
+    REGISTRY.register(FunctionCollector(prefix, node, report))
+    if port:
+        start_http_server(port, addr=host)

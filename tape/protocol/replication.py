@@ -1,0 +1,125 @@
+"""Replication frames between the leader and its followers (TCP), Raft-style.
+
+Every frame: length u32 (of what follows), type u8, payload.
+
+    'A' append     term u64, leader 10, prev_seq u64, prev_term u64,
+                   commit_seq u64, entries_term u64, count u32,
+                   then count x 75-byte sequenced messages (seqs prev_seq+1..)
+                   count 0 is a heartbeat that carries the commit point
+    'K' ack        term u64, follower 10, success u8, last_seq u64
+                   (success: the follower holds the leader's log through
+                   last_seq; failure: its log ends at last_seq or disagrees
+                   at prev_seq, so the leader must send from earlier)
+    'H' hello      term u64, node 10, last_seq u64, last_term u64
+                   (first frame of a follower on a new connection)
+
+All entries of one append share a term, so a catch-up that crosses terms is
+sent as several appends. Sans-I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from .errors import ProtocolError
+from .messages import SEQUENCED_SIZE
+
+FRAME = struct.Struct(">IB")
+APPEND = struct.Struct(">Q10sQQQQI")
+ACK = struct.Struct(">Q10sBQ")
+HELLO = struct.Struct(">Q10sQQ")
+T_APPEND, T_ACK, T_HELLO = ord("A"), ord("K"), ord("H")
+MAX_FRAME = 16 << 20
+
+
+class Append(NamedTuple):
+    term: int
+    leader: bytes
+    prev_seq: int
+    prev_term: int
+    commit_seq: int
+    entries_term: int
+    count: int
+    entries: bytes  # count x 75 bytes
+
+    def messages(self) -> list[bytes]:
+        e = self.entries
+        return [e[i:i + SEQUENCED_SIZE] for i in range(0, len(e), SEQUENCED_SIZE)]
+
+
+class Ack(NamedTuple):
+    term: int
+    follower: bytes
+    success: bool
+    last_seq: int
+
+
+class Hello(NamedTuple):
+    term: int
+    node: bytes
+    last_seq: int
+    last_term: int
+
+
+def encode_append(term, leader, prev_seq, prev_term, commit_seq, entries_term, messages: list[bytes]) -> bytes:
+    body = b"".join(messages)
+    head = APPEND.pack(term, leader, prev_seq, prev_term, commit_seq, entries_term, len(messages))
+    return FRAME.pack(1 + len(head) + len(body), T_APPEND) + head + body
+
+
+def encode_ack(term: int, follower: bytes, success: bool, last_seq: int) -> bytes:
+    return FRAME.pack(1 + ACK.size, T_ACK) + ACK.pack(term, follower, 1 if success else 0, last_seq)
+
+
+def encode_hello(term: int, node: bytes, last_seq: int, last_term: int) -> bytes:
+    return FRAME.pack(1 + HELLO.size, T_HELLO) + HELLO.pack(term, node, last_seq, last_term)
+
+
+def _decode(kind: int, payload: bytes, where: int):
+    if kind == T_APPEND:
+        if len(payload) < APPEND.size:
+            raise ProtocolError("truncated", "append frame shorter than its header", where)
+        fields = APPEND.unpack_from(payload, 0)
+        entries = payload[APPEND.size:]
+        if len(entries) != fields[-1] * SEQUENCED_SIZE:
+            raise ProtocolError("bad_length", f"append says {fields[-1]} entries, carries {len(entries)} bytes", where)
+        return Append(*fields, entries)
+    if kind == T_ACK:
+        if len(payload) != ACK.size:
+            raise ProtocolError("bad_length", f"ack is {ACK.size} bytes, got {len(payload)}", where)
+        term, follower, ok, last = ACK.unpack(payload)
+        return Ack(term, follower, bool(ok), last)
+    if kind == T_HELLO:
+        if len(payload) != HELLO.size:
+            raise ProtocolError("bad_length", f"hello is {HELLO.size} bytes, got {len(payload)}", where)
+        return Hello(*HELLO.unpack(payload))
+    raise ProtocolError("unknown_type", f"replication frame type 0x{kind:02x}", where)
+
+
+class FrameReader:
+    """Incremental decoder of a replication byte stream."""
+
+    def __init__(self, max_frame: int = MAX_FRAME):
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._consumed = 0
+
+    def feed(self, data: bytes) -> list:
+        buf = self._buf
+        buf += data
+        out = []
+        pos = 0
+        while len(buf) - pos >= FRAME.size:
+            length, kind = FRAME.unpack_from(buf, pos)
+            if length < 1 or length > self.max_frame:
+                raise ProtocolError("bad_frame", f"frame length {length}", self._consumed + pos)
+            if len(buf) - pos - 4 < length:
+                break
+            payload = bytes(buf[pos + 5:pos + 4 + length])
+            out.append(_decode(kind, payload, self._consumed + pos))
+            pos += 4 + length
+        if pos:
+            del buf[:pos]
+            self._consumed += pos
+        return out

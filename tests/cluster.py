@@ -1,0 +1,103 @@
+"""Real `tape` processes on loopback for tests: a config with free ports and a
+multicast group of its own, processes started and killed by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from tape.ops.config import default_toml, load
+
+from conftest import TAPE
+
+
+class Cluster:
+    def __init__(self, root: Path, rewinders: int = 2, clients: int = 2, extra: str = ""):
+        self.root = root
+        self.config_path = root / "cluster.toml"
+        text = default_toml(root / "data", rewinders, clients, free=True)
+        text = text.replace("[journal]", extra + "\n[journal]") if extra else text
+        self.config_path.write_text(text)
+        self.cfg = load(self.config_path)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def start(self, name: str, *args: str, wait_metrics: int | None = None) -> subprocess.Popen:
+        log = self.root / f"{name}.log"
+        self.logs[name] = log
+        proc = subprocess.Popen(TAPE + list(args) + ["--config", str(self.config_path)],
+                                stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "a"))
+        self.procs[name] = proc
+        if wait_metrics:
+            self.wait_http(wait_metrics, proc, name)
+        return proc
+
+    def start_node(self, name: str, drop: float = 0.0, seed: int = 0) -> subprocess.Popen:
+        node = self.cfg.node(name)
+        return self.start(name, node.role, "--node", name, "--drop", str(drop), "--seed", str(seed),
+                          wait_metrics=node.metrics_port)
+
+    def start_all(self, drop: float = 0.0) -> None:
+        for i, n in enumerate(self.cfg.by_role("rewinder")):
+            self.start_node(n.name, drop, seed=10 + i)
+        for n in self.cfg.by_role("sequencer"):
+            self.start_node(n.name, drop, seed=1)
+
+    def wait_http(self, port: int, proc: subprocess.Popen, name: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {self.logs[name].read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"{name} did not serve metrics on :{port}")
+
+    def metrics(self, name: str) -> dict[str, float]:
+        """The node's metrics as {'name{labels}': value}."""
+        port = self.cfg.node(name).metrics_port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.kill(proc.pid, sig)
+            proc.wait(timeout=10)
+
+    def stop(self, name: str) -> int:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return proc.returncode
+
+    def close(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def journal_dump(self, node: str) -> list[dict]:
+        out = subprocess.run(TAPE + ["journal", "dump", str(Path(self.cfg.node(node).data) / "journal")],
+                             capture_output=True, text=True, check=True)
+        return [json.loads(line) for line in out.stdout.splitlines()]
+
+    def output(self, name: str) -> str:
+        return self.logs[name].with_suffix(".out").read_text()

@@ -1,0 +1,144 @@
+"""The live stream with real processes on loopback multicast (issue 3)."""
+
+import hashlib
+import json
+import random
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tape.journal.store import Journal
+from tape.protocol import moldudp64
+
+from cluster import Cluster
+
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path, extra="[timeouts]\nclient_resend_ms = 100\ngap_request_ms = 10\n")
+    yield c
+    c.close()
+
+
+def journal_digest(path: Path, to_seq: int | None = None) -> tuple[int, str]:
+    d = hashlib.blake2b(digest_size=16)
+    n = 0
+    for _, _, m in Journal(path, readonly=True).read(1, to_seq):
+        d.update(m)
+        n += 1
+    return n, d.hexdigest()
+
+
+def check_exactly_once(cluster: Cluster, submitted: int) -> list[dict]:
+    rows = cluster.journal_dump("seq-a")
+    assert [r["seq"] for r in rows] == list(range(1, len(rows) + 1))
+    trades = [(r["origin"], r["client_seq"]) for r in rows if r["type"] in ("purchase", "purchase_request")]
+    assert len(trades) == submitted
+    assert len(set(trades)) == submitted  # no (client, client seq) twice
+    per_client = Counter(o for o, _ in trades)
+    for origin, count in per_client.items():  # and each client's messages in client-seq order, none missing
+        assert [s for o, s in trades if o == origin] == list(range(1, count + 1))
+    return rows
+
+
+def test_100k_messages_with_5_percent_loss_everywhere(cluster):
+    cluster.start_all(drop=0.05)
+    total = 100_000
+    tail = cluster.start("tail", "tail", "--summary", "--until", str(total + 1), "--drop", "0.05", "--seed", "7")
+    load = cluster.start("load", "load", "--rate", "25000", "--messages", str(total), "--drop", "0.05", "--seed", "3")
+    assert load.wait(timeout=240) == 0, cluster.output("load") + cluster.logs["load"].read_text()[-2000:]
+    result = json.loads(cluster.output("load"))
+    assert result["acked"] == total and result["resends"] > 0  # loss happened and was repaired
+    assert tail.wait(timeout=60) == 0
+    seen = json.loads(cluster.output("tail"))
+    time.sleep(0.3)  # the last commit point reaches the rewinders
+    for name in ("seq-a", "rw-1", "rw-2"):
+        assert cluster.stop(name) == 0
+    rows = check_exactly_once(cluster, total)
+    digests = {n: journal_digest(Path(cluster.cfg.node(n).data) / "journal") for n in ("seq-a", "rw-1", "rw-2")}
+    assert len(set(digests.values())) == 1, digests  # three identical journals
+    # The stream as tail saw it: gap-free from 1, identical to the journal.
+    assert seen["first_seq"] == 1 and seen["messages"] == seen["last_seq"] >= total + 1
+    n, digest = journal_digest(Path(cluster.cfg.node("seq-a").data) / "journal", seen["last_seq"])
+    assert n == seen["last_seq"] and seen["digest"] == digest
+    assert seen["gaps_detected"] > 0 and seen["injected_loss"] > 0
+    assert rows[0]["type"] == "term_start"
+
+
+def test_kill_9_a_rewinder_mid_run_and_restart_it(cluster):
+    cluster.start_all()
+    total = 60_000
+    load = cluster.start("load", "load", "--rate", "20000", "--messages", str(total), "--seed", "5")
+    time.sleep(1.0)
+    before = cluster.metrics("seq-a")['tape_sequencer_commit_seq{node="seq-a"}']
+    cluster.kill("rw-2")
+    time.sleep(0.7)
+    during = cluster.metrics("seq-a")['tape_sequencer_commit_seq{node="seq-a"}']
+    assert during > before  # the stream goes on: leader + rw-1 are a majority of three
+    cluster.start_node("rw-2")
+    assert load.wait(timeout=120) == 0, cluster.output("load")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = cluster.metrics("rw-2")
+        if m['tape_rewinder_last_seq{node="rw-2"}'] >= cluster.metrics("seq-a")['tape_sequencer_sequenced_seq{node="seq-a"}']:
+            break
+        time.sleep(0.1)
+    for name in ("seq-a", "rw-1", "rw-2"):
+        assert cluster.stop(name) == 0
+    check_exactly_once(cluster, total)
+    digests = {n: journal_digest(Path(cluster.cfg.node(n).data) / "journal") for n in ("seq-a", "rw-1", "rw-2")}
+    assert len(set(digests.values())) == 1, digests
+
+
+def test_garbage_flood_at_every_port_harms_nothing(cluster):
+    cluster.start_all()
+    cfg = cluster.cfg
+    total = 20_000
+    load = cluster.start("load", "load", "--rate", "10000", "--messages", str(total), "--seed", "9")
+    rng = random.Random(42)
+    sess = cfg.session_bytes
+    udp_targets = [("127.0.0.1", cfg.node("seq-a").inbound_port)] + \
+                  [("127.0.0.1", n.gapfill_port) for n in cfg.by_role("rewinder")] + [(cfg.group, cfg.port)]
+    samples = [
+        b"", b"x", bytes(19), rng.randbytes(1400), bytes(70000)[:65000],
+        moldudp64.encode_packet(b"STRANGER  ", 1, [bytes(49)]),               # unknown client / foreign session
+        moldudp64.encode_packet(b"load0     ", 1, [b"T" + bytes(48)]),         # control type from a client
+        moldudp64.encode_packet(b"load0     ", 1, [b"R" + bytes(47)]),         # wrong length
+        moldudp64.encode_request(sess, 10**12, 5),                              # not committed
+        moldudp64.encode_request(b"OTHER     ", 1, 5),
+        moldudp64.HEADER.pack(sess, 1, 3) + b"\x00\x4b" + bytes(10),            # truncated on the stream
+    ]
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+    deadline = time.monotonic() + 2.0
+    sent = 0
+    while time.monotonic() < deadline and sent < 20_000:
+        for target in udp_targets:
+            udp.sendto(rng.choice(samples), target)
+            sent += 1
+        if sent % 200 == 0:
+            time.sleep(0.002)
+    udp.close()
+    for node in cfg.by_role("rewinder"):  # TCP: garbage at the replication and replay listeners
+        for port in (node.replication_port, node.replay_port):
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as t:
+                t.sendall(b"\xff" * 64 + rng.randbytes(512))
+                time.sleep(0.05)
+    assert load.wait(timeout=120) == 0, cluster.output("load")
+    for name in ("seq-a", "rw-1", "rw-2"):
+        assert cluster.procs[name].poll() is None, f"{name} died"
+    seq = cluster.metrics("seq-a")
+    dropped = {k: v for k, v in seq.items() if k.startswith("tape_sequencer_dropped_datagrams_total")}
+    for reason in ("unknown_client", "truncated", "unknown_type"):
+        assert dropped.get(f'tape_sequencer_dropped_datagrams_total{{node="seq-a",reason="{reason}"}}', 0) > 0, dropped
+    rw = cluster.metrics("rw-1")
+    assert rw['tape_rewinder_dropped_datagrams_total{node="rw-1",reason="not_committed"}'] > 0
+    assert rw['tape_rewinder_dropped_datagrams_total{node="rw-1",reason="bad_request"}'] > 0
+    for name in ("seq-a", "rw-1", "rw-2"):
+        assert cluster.stop(name) == 0
+    check_exactly_once(cluster, total)
