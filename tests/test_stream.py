@@ -142,3 +142,61 @@ def test_garbage_flood_at_every_port_harms_nothing(cluster):
     for name in ("seq-a", "rw-1", "rw-2"):
         assert cluster.stop(name) == 0
     check_exactly_once(cluster, total)
+
+
+def replay(port: int, session: str, seq: int, want: int, timeout: float = 10.0):
+    """Log in to a rewinder's replay port; return (first frame, messages)."""
+    from tape.protocol import soupbintcp as soup
+
+    dec = soup.FrameDecoder()
+    frames = []
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(soup.login("test", "", session, seq))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and sum(k == soup.SEQUENCED for k, _ in frames) < want:
+            data = s.recv(65536)
+            if not data:
+                break
+            frames.extend(dec.feed(data))
+            if frames and frames[0][0] == soup.LOGIN_REJECTED:
+                break
+        s.sendall(soup.logout())
+    return frames[0], [p for k, p in frames if k == soup.SEQUENCED]
+
+
+def test_onramp_and_replay(cluster, tmp_path):
+    cluster.start_all()
+    lines = [
+        '{"id": 1, "# shares": 100, "client": "Sendence", "stock": "AAPL"}',
+        '{"id": 2, "initial order id": 1, "# shares": 90, "client": "Sendence", "stock": "AAPL"}',
+        '{"id": 3, "initial order id": 1, "# shares": "30", "client": "Sendence", "stock": "AAPL"}',
+        'not json',
+        '{"id": 4, "initial order id": 1, "# shares": 30, "client": "Sendence", "stock": "AAPL"}',
+        '{"id": 5, "# shares": 10, "client": "Sendence"}',
+        '{"id": 6, "# shares": 10, "client": "Sendence", "stock": "TOOLONGSTOCK"}',
+    ]
+    src = tmp_path / "trades.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    ramp = cluster.start("onramp", "onramp", str(src))
+    assert ramp.wait(timeout=60) == 2  # done, with rejected lines
+    assert json.loads(cluster.output("onramp")) == {"submitted": 3, "acked": 3, "all_acked": True, "rejected_lines": 4}
+    errors = cluster.logs["onramp"].read_text()
+    for expect in ('line 3: "# shares" must be an integer', "line 4: not JSON", 'line 6: missing "stock"',
+                   'line 7: "stock" must be 1-8 printable'):
+        assert expect in errors, errors
+    rows = [r for r in cluster.journal_dump("seq-a") if r["type"] in ("purchase", "purchase_request")]
+    assert [(r["type"], r.get("purchase_id"), r["order_id"], r["shares"]) for r in rows] == [
+        ("purchase_request", None, 1, 100), ("purchase", 2, 1, 90), ("purchase", 4, 1, 30)]
+
+    load = cluster.start("load", "load", "--rate", "20000", "--messages", "5000", "--seed", "2")
+    assert load.wait(timeout=60) == 0
+    time.sleep(0.3)
+    port = cluster.cfg.node("rw-1").replay_port
+    journal = [m for _, _, m in Journal(Path(cluster.cfg.node("rw-1").data) / "journal", readonly=True).read()]
+    first, msgs = replay(port, "TAPE", 1, len(journal))
+    assert first[0] == b"A" and first[1][10:].strip() == b"1"
+    assert msgs[:len(journal)] == journal
+    first, msgs = replay(port, "", 4000, 10)
+    assert msgs[:10] == journal[3999:4009]
+    first, _ = replay(port, "NOPE", 1, 1)
+    assert first == (b"J", b"S")

@@ -1,0 +1,172 @@
+import hashlib
+import hmac
+
+import pytest
+
+from tape.protocol import messages as msg
+from tape.protocol import moldudp64 as m
+from tape.protocol import replication as rep
+from tape.rewinder.follower import FollowerCore
+from tape.sequencer.core import InvariantViolation, LeaderCore, rebuild_client_state
+
+S = b"TAPE      "
+A, B = b"clientA   ", b"clientB   "
+F1, F2 = b"rw-1      ", b"rw-2      "
+
+
+def leader(**kw):
+    core = LeaderCore(S, b"seq-a     ", 1, [F1, F2], {A: None, B: b"k" * 32}, **kw)
+    start = core.start_term(100)
+    return core, start
+
+
+def batch(client, cseq, n, key=None):
+    data = m.encode_packet(client, cseq, [msg.purchase_request(cseq + i, 10, "X", "Y") for i in range(n)])
+    return data + hmac.new(key, data, hashlib.sha256).digest() if key else data
+
+
+def test_term_start_is_the_first_entry_and_nothing_publishes_before_a_majority():
+    core, start = leader()
+    assert start.first_seq == 1 and msg.decode(start.messages[0])[msg.TYPE] == msg.TERM_START
+    assert core.on_journaled(1) == []  # the leader alone is 1 of 3
+    packets = core.on_ack(F1, 1, True, 1)
+    assert [m.decode_packet(p).seq for p in packets] == [1]  # leader + rw-1 = 2 of 3
+    assert core.on_ack(F2, 1, True, 1) == []  # already published
+
+
+def test_each_client_message_is_sequenced_once_in_client_order():
+    core, _ = leader()
+    assert core.on_inbound(batch(A, 1, 5), 200) is None
+    assert core.on_inbound(batch(A, 1, 5), 200) == "duplicate"
+    assert core.on_inbound(batch(A, 4, 4), 200) is None  # overlap: only 6 and 7 are new
+    b = core.flush(300)
+    assert [msg.decode(x)[msg.CLIENT_SEQ] for x in b.messages] == [1, 2, 3, 4, 5, 6, 7]
+    assert {msg.decode(x)[msg.STAMP] for x in b.messages} == {300}
+    assert b.first_seq == 2 and b.prev_seq == 1
+
+
+def test_batches_ahead_of_a_lost_one_are_held_until_it_arrives():
+    core, _ = leader()
+    assert core.on_inbound(batch(A, 6, 5), 1) is None  # 1..5 lost
+    assert core.on_inbound(batch(A, 11, 5), 1) is None
+    assert core.flush(2) is None
+    core.on_inbound(batch(A, 1, 5), 3)
+    b = core.flush(4)
+    assert [msg.decode(x)[msg.CLIENT_SEQ] for x in b.messages] == list(range(1, 16))
+
+
+def test_authentication_and_unknown_clients():
+    core, _ = leader()
+    assert core.on_inbound(batch(B, 1, 2), 1) == "unauthenticated"
+    assert core.on_inbound(batch(B, 1, 2, key=b"x" * 32), 1) == "unauthenticated"
+    assert core.on_inbound(batch(B, 1, 2, key=b"k" * 32), 1) is None
+    assert core.on_inbound(batch(b"nobody    ", 1, 2), 1) == "unknown_client"
+    assert core.on_inbound(b"junk", 1) == "truncated"
+    assert core.dropped == {"unauthenticated": 2, "unknown_client": 1, "truncated": 1}
+
+
+def test_commit_is_a_majority_and_publishes_whole_batches_in_order():
+    core, _ = leader()
+    core.on_journaled(1)
+    core.on_ack(F1, 1, True, 1)
+    for i in range(3):
+        core.on_inbound(batch(A, 1 + 40 * i, 40), 10)
+        core.on_journaled(core.flush(10).last_seq)
+    assert core.last_seq == 121 and core.commit_seq == 1
+    pkts = core.on_ack(F2, 1, True, 50)  # mid-batch: 2..41 is whole, 42..81 is not yet
+    assert [(p.seq, p.count) for p in map(m.decode_packet, pkts)] == [(2, 17), (19, 17), (36, 6)]
+    assert core.commit_seq == 50 and core.published_seq == 41
+    pkts = core.on_ack(F1, 1, True, 121)
+    seqs = [(p.seq, p.count) for p in map(m.decode_packet, pkts)]
+    assert seqs[0][0] == 42 and sum(c for _, c in seqs) == 80 and core.published_seq == 121
+
+
+def test_higher_term_means_step_down_and_impossible_acks_stop_the_process():
+    core, _ = leader()
+    assert core.on_ack(F1, 2, True, 0) is None
+    with pytest.raises(InvariantViolation):
+        core.on_ack(F1, 1, True, 99)
+
+
+def test_time_ticks_when_idle_and_heartbeats_carry_the_next_published_seq():
+    core, _ = leader(tick_ns=1000, heartbeat_ns=500)
+    b, hb = core.on_timer(2000)
+    assert msg.decode(b.messages[0])[msg.TYPE] == msg.TIME_TICK
+    assert m.decode_packet(hb).seq == 1  # nothing published yet
+    assert core.on_timer(2100) == (None, None)
+
+
+def test_stamps_never_go_backwards():
+    core, _ = leader()
+    core.on_inbound(batch(A, 1, 1), 0)
+    b1 = core.flush(1000)
+    core.on_inbound(batch(A, 2, 1), 0)
+    b2 = core.flush(10)  # the clock stepped back
+    assert msg.decode(b2.messages[0])[msg.STAMP] >= msg.decode(b1.messages[0])[msg.STAMP]
+
+
+def test_rebuilt_dedupe_state_drops_retransmits_of_what_the_log_holds():
+    core, start = leader()
+    core.on_inbound(batch(A, 1, 7), 1)
+    b = core.flush(2)
+    state, last_seq, last_term = rebuild_client_state(start.records() + b.records())
+    assert state == {A: 7} and last_seq == 8 and last_term == 1
+    new = LeaderCore(S, b"seq-b     ", 2, [F1, F2], {A: None}, last_seq=8, last_term=1, client_last=state)
+    assert new.on_inbound(batch(A, 1, 7), 3) == "duplicate"
+    assert new.on_inbound(batch(A, 5, 5), 3) is None and new.pending == 2
+
+
+# --- follower ---------------------------------------------------------------------
+
+class Log:
+    def __init__(self):
+        self.terms = {}
+
+    def apply(self, core, res):
+        if res.truncate_after is not None:
+            for s in [s for s in self.terms if s > res.truncate_after]:
+                del self.terms[s]
+        for s, t, _ in res.records:
+            self.terms[s] = t
+
+
+def entries(n, first=1):
+    return [msg.time_tick(first + i, b"x" * 10) for i in range(n)]
+
+
+def append(term, prev, prev_term, commit, eterm, msgs):
+    frame = rep.encode_append(term, b"seq-a     ", prev, prev_term, commit, eterm, msgs)
+    return rep.FrameReader().feed(frame)[0]
+
+
+def test_follower_appends_acks_and_tracks_commit():
+    log = Log()
+    f = FollowerCore(F1, 0, 0, lambda s: log.terms[s])
+    res = f.on_append(append(1, 0, 0, 0, 1, entries(5)))
+    log.apply(f, res)
+    assert res.success and res.last_seq == 5 and [r[0] for r in res.records] == [1, 2, 3, 4, 5]
+    res = f.on_append(append(1, 5, 1, 3, 1, []))
+    assert res.success and f.commit_seq == 3
+
+
+def test_follower_refuses_gaps_old_terms_and_mismatched_prev():
+    log = Log()
+    f = FollowerCore(F1, 0, 0, lambda s: log.terms[s])
+    log.apply(f, f.on_append(append(2, 0, 0, 0, 2, entries(3))))
+    assert not f.on_append(append(2, 7, 2, 0, 2, entries(1))).success  # gap: we end at 3
+    assert not f.on_append(append(1, 3, 2, 0, 1, entries(1))).success  # stale leader
+    res = f.on_append(append(2, 3, 1, 0, 2, entries(1)))  # our seq 3 is term 2, not 1
+    assert not res.success and res.last_seq == 2
+
+
+def test_follower_drops_a_conflicting_uncommitted_suffix():
+    log = Log()
+    f = FollowerCore(F1, 0, 0, lambda s: log.terms[s])
+    log.apply(f, f.on_append(append(1, 0, 0, 2, 1, entries(5))))
+    res = f.on_append(append(2, 2, 1, 2, 2, entries(2, first=100)))
+    log.apply(f, res)
+    assert res.truncate_after == 2 and [r[:2] for r in res.records] == [(3, 2), (4, 2)]
+    assert f.last_seq == 4 and f.last_term == 2
+    # A resend of what we already hold changes nothing.
+    again = f.on_append(append(2, 2, 1, 2, 2, entries(2, first=100)))
+    assert again.success and again.truncate_after is None and again.records == []
