@@ -13,7 +13,7 @@ import pytest
 from tape.journal.store import Journal
 from tape.protocol import moldudp64
 
-from cluster import Cluster
+from tape.ops.local import LocalCluster as Cluster
 
 pytestmark = pytest.mark.process
 

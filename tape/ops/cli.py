@@ -30,7 +30,7 @@ def _bench_protocol(args) -> int:
 def _demo(args) -> int:
     from tape.ops.demo import run_demo
 
-    return run_demo(args.messages, args.out, args.drop, args.seed)
+    return run_demo(args.messages, args.rate, args.out, args.drop, args.seed)
 
 
 def _config(args):
@@ -95,12 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = sub.add_parser("demo", help="run the end-to-end demo on loopback multicast",
-                          description="Stamp trades, journal them, publish them as MoldUDP64 over loopback "
-                                      "multicast, receive and check them, and dump the journal.")
-    demo.add_argument("--messages", type=int, default=200_000, help="trades to send (default 200000)")
-    demo.add_argument("--out", default=None, help="directory to keep the journal in (default: a temporary one)")
-    demo.add_argument("--drop", type=float, default=0.0, help="fraction of datagrams the receiver drops (default 0)")
+    demo = sub.add_parser("demo", help="run the live stream on loopback multicast and check it",
+                          description="Start a sequencer, two rewinders, a load generator and a listener as real "
+                                      "processes on loopback multicast, show the stream live, then check that every "
+                                      "trade was sequenced once and every journal and listener agrees.")
+    demo.add_argument("--messages", type=int, default=100_000, help="trades to send (default 100000)")
+    demo.add_argument("--rate", type=float, default=20_000, help="trades per second (default 20000)")
+    demo.add_argument("--out", default=None, help="directory to keep config, journals and logs (default: temporary)")
+    demo.add_argument("--drop", type=float, default=0.02, help="fraction of datagrams every receiver drops (default 0.02)")
     demo.add_argument("--seed", type=int, default=1, help="seed of the trade generator and loss injection")
     demo.set_defaults(func=_demo)
 

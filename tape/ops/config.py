@@ -62,7 +62,7 @@ class Config:
     tick_ms: int = 1000
     fsync: str | float = "batch"
     segment_mb: int = 64
-    client_resend_ms: int = 200
+    client_resend_ms: int = 50
     gap_request_ms: int = 20
     nodes: list[Node] = field(default_factory=list)
     clients: list[Client] = field(default_factory=list)
@@ -141,7 +141,7 @@ def parse(doc: dict, base: Path | None = None) -> Config:
         raise ConfigError(f"journal.fsync: {cfg.fsync!r}: use \"batch\", \"never\" or milliseconds")
     cfg.segment_mb = _get(journal, "segment_mb", int, "journal.", 64)
     timeouts = _get(doc, "timeouts", dict, "", {})
-    cfg.client_resend_ms = _get(timeouts, "client_resend_ms", int, "timeouts.", 200)
+    cfg.client_resend_ms = _get(timeouts, "client_resend_ms", int, "timeouts.", 50)
     cfg.gap_request_ms = _get(timeouts, "gap_request_ms", int, "timeouts.", 20)
     names = set()
     for i, n in enumerate(_get(doc, "node", list, "", [])):

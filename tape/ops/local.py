@@ -1,10 +1,13 @@
-"""Real `tape` processes on loopback for tests: a config with free ports and a
-multicast group of its own, processes started and killed by pid."""
+"""A local cluster of real `tape` processes on loopback, for the demo, drills
+and tests: a config with free ports and a multicast group of its own,
+processes started, watched through their metrics, and stopped or killed by
+pid."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import signal
 import subprocess
 import time
@@ -13,10 +16,10 @@ from pathlib import Path
 
 from tape.ops.config import default_toml, load
 
-from conftest import TAPE
+TAPE = [sys.executable, "-m", "tape.ops.cli"]
 
 
-class Cluster:
+class LocalCluster:
     def __init__(self, root: Path, rewinders: int = 2, clients: int = 2, extra: str = ""):
         self.root = root
         self.config_path = root / "cluster.toml"
@@ -64,12 +67,10 @@ class Cluster:
         """The node's metrics as {'name{labels}': value}."""
         port = self.cfg.node(name).metrics_port
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return parse_metrics(text)
+
+    def journal_dir(self, node: str) -> Path:
+        return Path(self.cfg.node(node).data) / "journal"
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
@@ -95,9 +96,18 @@ class Cluster:
                 proc.wait()
 
     def journal_dump(self, node: str) -> list[dict]:
-        out = subprocess.run(TAPE + ["journal", "dump", str(Path(self.cfg.node(node).data) / "journal")],
+        out = subprocess.run(TAPE + ["journal", "dump", str(self.journal_dir(node))],
                              capture_output=True, text=True, check=True)
         return [json.loads(line) for line in out.stdout.splitlines()]
 
     def output(self, name: str) -> str:
         return self.logs[name].with_suffix(".out").read_text()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
