@@ -62,10 +62,10 @@ def encode_record(seq: int, term: int, message: bytes) -> bytes:
 def encode_records(records, crc32=zlib.crc32, pack_body=_BODY_HEADER.pack, pack_crc=struct.Struct(">I").pack) -> bytes:
     """Many (seq, term, message) records as one contiguous buffer."""
     parts = []
+    append = parts.append
     for seq, term, message in records:
         body = pack_body(len(message), seq, term) + message
-        parts.append(pack_crc(crc32(body)))
-        parts.append(body)
+        append(pack_crc(crc32(body)) + body)
     return b"".join(parts)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 import tempfile
 import time
 
@@ -70,3 +71,84 @@ def bench_protocol(n: int = 1_000_000, batch: int = 1000) -> dict:
         table.add_row(name, _rate(count, secs), f"{secs:.3f}")
     console.print(table)
     return {k: c / s for k, (c, s) in results.items()}
+
+
+def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never") -> float:
+    """The sequencer's work on one core: accept inbound batches, stamp, journal,
+    publish (real multicast sends), with no followers (a majority of one)."""
+    from tape.protocol import moldudp64
+    from tape.sequencer.core import LeaderCore
+    from tape.transport import multicast_sender
+
+    origin = moldudp64.session_bytes("load0")
+    gen = TradeGenerator(seed=11)
+    per_batch = (1400 - moldudp64.HEADER_SIZE) // messages.INBOUND_BLOCK_SIZE
+    datagrams = []
+    cseq = 1
+    while cseq <= n:
+        chunk = gen.take(min(per_batch, n - cseq + 1))
+        datagrams.append(moldudp64.encode_packet(origin, cseq, chunk))
+        cseq += len(chunk)
+    d = tempfile.mkdtemp(prefix="tape-bench-")
+    sock = multicast_sender()
+    dest = ("239.77.99.99", 9)  # nobody listens: measures the send path only
+    try:
+        journal = Journal(d, moldudp64.session_bytes("BENCH"), fsync=fsync)
+        core = LeaderCore(moldudp64.session_bytes("BENCH"), moldudp64.session_bytes("seq-a"), 1, [], {origin: None})
+        tune_gc()
+        t0 = time.perf_counter()
+        now = time.time_ns()
+        for i in range(0, len(datagrams), per_drain):
+            for data in datagrams[i:i + per_drain]:
+                core.on_inbound(data, now)
+            batch = core.flush(now)
+            journal.append(batch.records())
+            for pkt in core.on_journaled(batch.last_seq):
+                try:
+                    sock.sendto(pkt, dest)
+                except BlockingIOError:
+                    pass
+        secs = time.perf_counter() - t0
+        journal.close()
+    finally:
+        sock.close()
+        shutil.rmtree(d)
+    if core.last_seq != n + 1:  # the term start is not stamped here: n trades only
+        if core.last_seq != n:
+            raise RuntimeError(f"sequenced {core.last_seq} of {n}")
+    return n / secs
+
+
+def bench_stream(rates: list[float], seconds: float, sequencer_only: bool = False) -> None:
+    import json as _json
+
+    from tape.ops.local import LocalCluster
+
+    console = Console()
+    table = Table(title="tape bench stream: sequencer alone, one core, 1,000,000 messages")
+    table.add_column("journal fsync")
+    table.add_column("msg/s stamped, journaled, published", justify="right")
+    for policy in ("never", "batch"):
+        table.add_row(policy, f"{bench_sequencer(fsync=policy):,.0f}")
+    console.print(table)
+    if sequencer_only:
+        return
+    table = Table(title=f"tape bench stream: sequencer + 2 rewinders + load client, loopback, {seconds:.0f} s per rate")
+    for col in ("target msg/s", "acked msg/s", "p50 ms", "p99 ms", "max ms", "resends", "all acked"):
+        table.add_column(col, justify="right")
+    for rate in rates:
+        root = Path(tempfile.mkdtemp(prefix="tape-bench-stream-"))
+        cluster = LocalCluster(root, clients=2)
+        try:
+            cluster.start_all()
+            load = cluster.start("load", "load", "--rate", str(rate), "--messages", str(int(rate * seconds)))
+            load.wait(timeout=seconds * 10 + 60)
+            r = _json.loads(cluster.output("load") or "{}")
+        finally:
+            cluster.close()
+            shutil.rmtree(root, ignore_errors=True)
+        lat = r.get("latency_ms", {})
+        table.add_row(f"{rate:,.0f}", f"{r.get('rate_acked', 0):,.0f}", f"{lat.get('p50', 0):.2f}",
+                      f"{lat.get('p99', 0):.2f}", f"{lat.get('max', 0):.2f}", f"{r.get('resends', 0):,}",
+                      "yes" if r.get("all_acked") else "NO")
+    console.print(table)

@@ -27,6 +27,13 @@ def _bench_protocol(args) -> int:
     return 0
 
 
+def _bench_stream(args) -> int:
+    from tape.ops.bench import bench_stream
+
+    bench_stream([float(r) for r in args.rates.split(",")], args.seconds, args.sequencer_only)
+    return 0
+
+
 def _demo(args) -> int:
     from tape.ops.demo import run_demo
 
@@ -176,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--messages", type=int, default=1_000_000, help="messages per measurement (default 1000000)")
     bp.add_argument("--batch", type=int, default=1000, help="messages per journal append (default 1000)")
     bp.set_defaults(func=_bench_protocol)
+    bs = bsub.add_parser("stream", help="sequencer alone, then the local cluster at several rates",
+                         description="Messages/s of the sequencer alone on one core, then achieved rate and "
+                                     "submit-to-sequenced latency of sequencer + 2 rewinders + load on loopback.")
+    bs.add_argument("--rates", default="25000,50000,100000,150000", help="comma-separated target rates")
+    bs.add_argument("--seconds", type=float, default=5.0, help="seconds per rate (default 5)")
+    bs.add_argument("--sequencer-only", action="store_true", help="only the single-core sequencer measurement")
+    bs.set_defaults(func=_bench_stream)
     return parser
 
 

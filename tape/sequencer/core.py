@@ -157,7 +157,7 @@ class LeaderCore:
 
     def _accept(self, client: bytes, cseq: int, count: int, data: bytes, last: int) -> None:
         skip = last + 1 - cseq
-        self._pending.append((client, last + 1, [messages.inbound_message_bytes(data, i) for i in range(skip, count)]))
+        self._pending.append((client, last + 1, messages.inbound_messages(data, skip, count)))
         self._pending_count += count - skip
         self.client_last[client] = cseq + count - 1
         self.accepted += count - skip
@@ -185,13 +185,14 @@ class LeaderCore:
         if not self._pending:
             return None
         stamp = self._stamp(now_ns)
-        env = messages.ENVELOPE.pack
         out = []
+        stamp_bytes = stamp.to_bytes(8, "big")
         for origin, first_cseq, msgs in self._pending:
             if origin is None:
                 out.extend(msgs)  # control messages come stamped
             else:
-                out.extend([m + env(stamp, origin, first_cseq + i) for i, m in enumerate(msgs)])
+                head = stamp_bytes + origin  # the envelope is stamp, origin, client seq
+                out.extend([m + head + cseq.to_bytes(8, "big") for cseq, m in enumerate(msgs, first_cseq)])
         self._pending = []
         self._pending_count = 0
         batch = Batch(self.last_seq + 1, self.last_seq, self.last_term, self.term, out)
