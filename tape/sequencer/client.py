@@ -23,6 +23,7 @@ from tape.ops.config import Config
 from tape.protocol import messages, moldudp64
 from tape.transport import udp_socket
 
+RESENDS_PER_ROUND = 16
 # Only origin and client seq of each 77-byte block: cheap to scan the whole stream.
 _ORIGIN_CSEQ = struct.Struct(">59x10sQ")
 
@@ -40,10 +41,11 @@ class Client:
         self.next_cseq = 1
         self.acked = 0  # highest client seq seen sequenced
         self.acked_at_seq: dict[int, int] = {}
-        self._unacked: deque = deque()  # [first cseq, count, datagram, first sent, last sent]
+        self._unacked: deque = deque()  # [first cseq, count, datagram, first sent, next resend due, resends]
         self._progress = asyncio.Event()
         self.resends = 0
         self.latencies_ns: list[int] = []  # submit -> seen sequenced, one sample per batch
+        self._timeout = cfg.client_resend_ms * 1_000_000
         self._task = None
 
     async def start(self) -> None:
@@ -72,7 +74,7 @@ class Client:
             data = moldudp64.encode_packet(self.origin, self.next_cseq, chunk)
             if self.key:
                 data += hmac.new(self.key, data, hashlib.sha256).digest()
-            self._unacked.append([self.next_cseq, len(chunk), data, now, now])
+            self._unacked.append([self.next_cseq, len(chunk), data, now, now + self._timeout, 0])
             self.next_cseq += len(chunk)
             self._send(data)
         return self.next_cseq - 1
@@ -112,12 +114,21 @@ class Client:
             self._progress.set()
 
     async def _resend_loop(self) -> None:
-        timeout = self.cfg.client_resend_ms * 1_000_000
+        """Resend the oldest unacknowledged batches that are due, a few per
+        round. The oldest one blocks everything behind it (the leader holds
+        what arrives ahead of it), so it is resent at the plain timeout; the
+        ones behind it back off (up to 8x), so that a loaded cluster is not
+        sent everything again."""
         while True:
             await asyncio.sleep(self.cfg.client_resend_ms / 4000)
             now = time.monotonic_ns()
-            for entry in self._unacked:
-                if now - entry[4] >= timeout:
-                    entry[4] = now
+            budget = RESENDS_PER_ROUND
+            for i, entry in enumerate(self._unacked):
+                if budget == 0:
+                    break
+                if now >= entry[4]:
+                    entry[5] += 1
+                    entry[4] = now + (self._timeout if i == 0 else self._timeout * min(1 << entry[5], 8))
                     self.resends += 1
+                    budget -= 1
                     self._send(entry[2])

@@ -23,7 +23,7 @@ from tape.protocol.errors import ProtocolError
 from tape.protocol.packets import PacketBuilder
 
 HMAC_SIZE = 32
-MAX_HELD_BATCHES = 256  # per client: batches that arrived ahead of a lost one
+MAX_HELD_BATCHES = 4096  # per client: batches that arrived ahead of a lost one
 
 
 @dataclass
