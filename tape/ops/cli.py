@@ -34,6 +34,13 @@ def _bench_stream(args) -> int:
     return 0
 
 
+def _bench_replica(args) -> int:
+    from tape.ops.bench import bench_replica
+
+    bench_replica(args.messages)
+    return 0
+
+
 def _demo(args) -> int:
     from tape.ops.demo import run_demo
 
@@ -190,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--seconds", type=float, default=5.0, help="seconds per rate (default 5)")
     bs.add_argument("--sequencer-only", action="store_true", help="only the single-core sequencer measurement")
     bs.set_defaults(func=_bench_stream)
+    br = bsub.add_parser("replica", help="decode + apply rate of one replica on one core",
+                         description="Decode a pre-built committed stream from memory and apply it to the audit "
+                                     "state machine; prints msg/s, alerts and the digest.")
+    br.add_argument("--messages", type=int, default=1_000_000, help="messages (default 1000000)")
+    br.set_defaults(func=_bench_replica)
     return parser
 
 

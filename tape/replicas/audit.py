@@ -39,6 +39,7 @@ from tape.protocol import messages as M
 
 DEFAULT_BOOK_TTL_NS = 3600 * 10**9
 DEFAULT_ORPHAN_TTL_NS = 10 * 10**9
+DIGEST_BLOCK = 4096
 REJECT_REASONS = ("duplicate_order", "bad_shares", "client_mismatch", "stock_mismatch", "orphan_expired")
 
 # Outcome codes fed to the digest, one byte per applied message.
@@ -102,24 +103,34 @@ class AuditMachine:
         self.rejects = dict.fromkeys(REJECT_REASONS, 0)
         self.alerts_raised = 0
         self.applied = 0
-        self._digest = hashlib.blake2b(digest_size=16)
-        self._codes = bytearray()
+        # The digest: a hash chain folded at every seq multiple of DIGEST_BLOCK,
+        # over the effect bytes since the last fold (snapshot-able, unlike a
+        # hashlib object, and independent of how the stream was cut).
+        self.chain = bytes(16)
+        self._codes = bytearray()  # effect bytes since the last fold
         self.dirty: set[int] = set()  # order ids whose book or orphans changed since the last snapshot
 
     # --- the digest ----------------------------------------------------------------
 
     def digest(self) -> str:
-        """Rolling digest of every applied effect through last_seq. Equal
-        streams give equal digests, whenever they are read."""
-        if self._codes:
-            self._digest.update(self._codes)
-            self._codes.clear()
-        return self._digest.hexdigest()
+        """Digest of every applied effect through last_seq: equal streams
+        give equal digests, whenever and however they were applied."""
+        return hashlib.blake2b(self.chain + self._codes, digest_size=16).hexdigest()
+
+    @property
+    def pending_effects(self) -> bytes:
+        return bytes(self._codes)
+
+    def restore_digest(self, chain: bytes, pending: bytes) -> None:
+        self.chain = chain
+        self._codes = bytearray(pending)
+
+    def _fold(self) -> None:
+        self.chain = hashlib.blake2b(self.chain + self._codes, digest_size=16).digest()
+        self._codes.clear()
 
     def _effect(self, record: bytes) -> None:
-        self._digest.update(self._codes)
-        self._codes.clear()
-        self._digest.update(record)
+        self._codes += record
 
     # --- applying ---------------------------------------------------------------------
 
@@ -130,40 +141,71 @@ class AuditMachine:
         return self.apply_run(seq, [msg])
 
     def apply_run(self, first_seq: int, msgs: list) -> list[Alert]:
-        """Apply consecutive decoded messages from first_seq (the hot path)."""
+        """Apply consecutive decoded messages from first_seq."""
         if first_seq != self.last_seq + 1:
             raise InvariantViolation(f"applying seq {first_seq} after {self.last_seq}")
         out: list[Alert] = []
+        start = 0
+        while start < len(msgs):
+            # Runs end at fold points (seq multiples of DIGEST_BLOCK), where the digest chain folds.
+            seq = first_seq + start
+            end = min(len(msgs), start + DIGEST_BLOCK - (seq - 1) % DIGEST_BLOCK)
+            self._apply(seq, msgs[start:end] if start or end < len(msgs) else msgs, out)
+            if self.last_seq % DIGEST_BLOCK == 0:
+                self._fold()
+            start = end
+        return out
+
+    def _apply(self, first_seq: int, msgs: list, out: list) -> None:
+        """The hot path: the common purchase and request cases are inlined."""
         books = self.books
-        codes = self._codes
-        dirty = self.dirty
+        get_book = books.get
+        code = self._codes.append
+        mark = self.dirty.add
+        book_expiry = self._book_expiry
+        book_ttl = self.book_ttl_ns
+        orphans = self.orphans
+        now = self.now_ns
         seq = first_seq - 1
         for m in msgs:
             seq += 1
             stamp = m[6]
-            if stamp > self.now_ns:
-                self.now_ns = stamp
-                if (self._book_expiry and self._book_expiry[0][0] <= stamp) or \
+            if stamp > now:
+                now = self.now_ns = stamp
+                if (book_expiry and book_expiry[0][0] <= stamp) or \
                         (self._orphan_expiry and self._orphan_expiry[0][0] <= stamp):
                     self._expire(seq)
             kind = m[0]
             if kind == 80:  # 'P'
-                book = books.get(m[1])
-                if book is None:
-                    if m[2] <= 0:
-                        self._reject(seq, "bad_shares")
-                        continue
+                order_id = m[1]
+                book = get_book(order_id)
+                if book is not None and m[2] > 0 and m[3] == book[2] and m[4] == book[3]:
+                    total = book[1] = book[1] + m[2]
+                    mark(order_id)
+                    if total > book[0] and not book[5]:
+                        self._alert(seq, m, book, seq, out)
+                    else:
+                        code(70)  # 'F'
+                elif book is not None:
+                    self._purchase(seq, m, book, seq, out)  # a reject
+                elif m[2] <= 0:
+                    self._reject(seq, "bad_shares")
+                else:
                     self._hold(seq, m)
-                    codes += _HELD
-                    continue
-                self._purchase(seq, m, book, seq, out)
+                    code(72)  # 'H'
             elif kind == 82:  # 'R'
-                self._request(seq, m, out)
+                order_id = m[1]
+                if order_id in books or m[2] <= 0 or order_id in orphans:
+                    self._request(seq, m, out)
+                else:
+                    books[order_id] = [m[2], 0, m[3], m[4], stamp, False, seq]
+                    mark(order_id)
+                    book_expiry.append((stamp + book_ttl, order_id, seq))
+                    code(79)  # 'O'
             else:  # control: term start, time tick
-                codes += _CONTROL
+                code(67)  # 'C'
         self.last_seq = seq
         self.applied += len(msgs)
-        return out
 
     def _purchase(self, seq: int, m: tuple, book: list, emit_seq: int, out: list) -> None:
         shares = m[2]
@@ -179,13 +221,16 @@ class AuditMachine:
         book[1] += shares
         self.dirty.add(m[1])
         if not book[5] and book[1] > book[0]:
-            book[5] = True
-            alert = Alert(emit_seq, seq, m[5], m[1], m[3], m[4], book[0], book[1], m[6])
-            self.alerts_raised += 1
-            self._effect(_ALERT + alert.encode())
-            out.append(alert)
+            self._alert(seq, m, book, emit_seq, out)
         else:
             self._codes += _FILLED
+
+    def _alert(self, seq: int, m: tuple, book: list, emit_seq: int, out: list) -> None:
+        book[5] = True
+        alert = Alert(emit_seq, seq, m[5], m[1], m[3], m[4], book[0], book[1], m[6])
+        self.alerts_raised += 1
+        self._effect(_ALERT + alert.encode())
+        out.append(alert)
 
     def _request(self, seq: int, m: tuple, out: list) -> None:
         order_id, shares = m[1], m[2]
