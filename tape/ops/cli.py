@@ -68,6 +68,24 @@ def _rewinder(args) -> int:
     return run(_config(args), args.node, args.drop, args.seed)
 
 
+def _replica(args) -> int:
+    from tape.replicas.runtime import run
+
+    return run(_config(args), args.node, args.drop, args.seed, args.exit_on_end)
+
+
+def _emitter(args) -> int:
+    from tape.replicas.emitter import run
+
+    return run(_config(args), args.node)
+
+
+def _up(args) -> int:
+    from tape.ops.up import run_up
+
+    return run_up(args.rate, args.duration, args.drop, args.out, args.seed)
+
+
 def _load(args) -> int:
     from tape.ops.load import main
 
@@ -145,6 +163,30 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_options(p)
     p.add_argument("--node", default="rw-1", help="this node's name in the config (default rw-1)")
     p.set_defaults(func=_rewinder)
+
+    p = sub.add_parser("replica", help="run a replica auditor", description="Run a replica: apply the stream to "
+                       "the audit state machine, snapshot to LMDB, send alerts to the emitter.")
+    _cluster_options(p)
+    p.add_argument("--node", default="replica-A", help="this node's name in the config (default replica-A)")
+    p.add_argument("--exit-on-end", action="store_true", help="stop after applying up to the stream's end of session")
+    p.set_defaults(func=_replica)
+
+    p = sub.add_parser("emitter", help="run the alert emitter", description="Run the emitter: receive alerts from "
+                       "the replicas and deliver each exactly once to the JSON-lines sink.")
+    _cluster_options(p, drop=False)
+    p.add_argument("--node", default="emitter", help="this node's name in the config (default emitter)")
+    p.set_defaults(func=_emitter)
+
+    p = sub.add_parser("up", help="run the whole local cluster and check it",
+                       description="Start sequencer, 2 rewinders, 3 replicas, the emitter and a load generator on "
+                                   "loopback multicast, show them live, stop them in order and print a verdict "
+                                   "against DESIGN.md section 9 (exit 1 on fail).")
+    p.add_argument("--rate", type=float, default=20_000, help="trades per second (default 20000)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10)")
+    p.add_argument("--drop", type=float, default=0.0, help="fraction of datagrams every receiver drops (default 0)")
+    p.add_argument("--out", default=None, help="directory to keep journals, LMDB files, alerts.jsonl, report.json")
+    p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
+    p.set_defaults(func=_up)
 
     p = sub.add_parser("load", help="submit generated trades at a target rate",
                        description="Generate purchase requests and purchases (seeded) and submit them exactly once; "

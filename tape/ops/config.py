@@ -4,9 +4,11 @@
     [stream]    group, port, interface, max_packet, heartbeat_ms, tick_ms
     [journal]   fsync ("batch" | "never" | ms), segment_mb
     [timeouts]  client_resend_ms, gap_request_ms
-    [[node]]    name, role ("sequencer" | "rewinder"), host, data,
-                inbound_port (sequencer), replication_port, gapfill_port and
-                replay_port (rewinder), metrics_port (0 = none)
+    [audit]     book_ttl_s, orphan_ttl_s, snapshot_every, snapshot_ms
+    [[node]]    name, role ("sequencer" | "rewinder" | "replica" | "emitter"),
+                host, data, metrics_port (0 = none); sequencer: inbound_port,
+                replication_port; rewinder: replication_port, gapfill_port,
+                replay_port; emitter: alert_port
     [[client]]  name, key (hex HMAC-SHA256 key, optional)
 
 Every problem raises ConfigError naming the key.
@@ -39,6 +41,7 @@ class Node:
     gapfill_port: int = 0
     replay_port: int = 0
     metrics_port: int = 0
+    alert_port: int = 0
 
     @property
     def wire_name(self) -> bytes:
@@ -64,6 +67,10 @@ class Config:
     segment_mb: int = 64
     client_resend_ms: int = 50
     gap_request_ms: int = 20
+    book_ttl_s: float = 3600.0
+    orphan_ttl_s: float = 10.0
+    snapshot_every: int = 100_000
+    snapshot_ms: int = 1000
     nodes: list[Node] = field(default_factory=list)
     clients: list[Client] = field(default_factory=list)
 
@@ -79,6 +86,10 @@ class Config:
 
     def by_role(self, role: str) -> list[Node]:
         return [n for n in self.nodes if n.role == role]
+
+    @property
+    def voters(self) -> list[Node]:
+        return [n for n in self.nodes if n.role in ("sequencer", "rewinder")]
 
     def client(self, name: str) -> Client:
         for c in self.clients:
@@ -108,7 +119,7 @@ def _port(table, key, where, required=False) -> int:
 
 
 def parse(doc: dict, base: Path | None = None) -> Config:
-    known = {"session", "stream", "journal", "timeouts", "node", "client"}
+    known = {"session", "stream", "journal", "timeouts", "audit", "node", "client"}
     for key in doc:
         if key not in known:
             raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(known))})")
@@ -143,13 +154,20 @@ def parse(doc: dict, base: Path | None = None) -> Config:
     timeouts = _get(doc, "timeouts", dict, "", {})
     cfg.client_resend_ms = _get(timeouts, "client_resend_ms", int, "timeouts.", 50)
     cfg.gap_request_ms = _get(timeouts, "gap_request_ms", int, "timeouts.", 20)
+    audit = _get(doc, "audit", dict, "", {})
+    cfg.book_ttl_s = _get(audit, "book_ttl_s", float, "audit.", 3600.0)
+    cfg.orphan_ttl_s = _get(audit, "orphan_ttl_s", float, "audit.", 10.0)
+    cfg.snapshot_every = _get(audit, "snapshot_every", int, "audit.", 100_000)
+    cfg.snapshot_ms = _get(audit, "snapshot_ms", int, "audit.", 1000)
+    if cfg.book_ttl_s <= 0 or cfg.orphan_ttl_s <= 0:
+        raise ConfigError("audit.book_ttl_s / audit.orphan_ttl_s: must be positive")
     names = set()
     for i, n in enumerate(_get(doc, "node", list, "", [])):
         where = f"node[{i}]."
         name = _get(n, "name", str, where, required=True)
         role = _get(n, "role", str, where, required=True)
-        if role not in ("sequencer", "rewinder"):
-            raise ConfigError(f"{where}role: {role!r} is not sequencer or rewinder")
+        if role not in ("sequencer", "rewinder", "replica", "emitter"):
+            raise ConfigError(f"{where}role: {role!r} is not sequencer, rewinder, replica or emitter")
         if name in names:
             raise ConfigError(f"{where}name: {name!r} appears twice")
         names.add(name)
@@ -157,13 +175,16 @@ def parse(doc: dict, base: Path | None = None) -> Config:
         if base is not None and not Path(data).is_absolute():
             data = str(base / data)
         node = Node(name, role, _get(n, "host", str, where, "127.0.0.1"), data,
-                    metrics_port=_port(n, "metrics_port", where),
-                    replication_port=_port(n, "replication_port", where, required=True))
+                    metrics_port=_port(n, "metrics_port", where))
+        if role in ("sequencer", "rewinder"):
+            node.replication_port = _port(n, "replication_port", where, required=True)
         if role == "sequencer":
             node.inbound_port = _port(n, "inbound_port", where, required=True)
-        else:
+        elif role == "rewinder":
             node.gapfill_port = _port(n, "gapfill_port", where, required=True)
             node.replay_port = _port(n, "replay_port", where, required=True)
+        elif role == "emitter":
+            node.alert_port = _port(n, "alert_port", where, required=True)
         cfg.nodes.append(node)
     if not cfg.by_role("sequencer"):
         raise ConfigError("node: at least one node with role = \"sequencer\" is needed")
@@ -200,7 +221,7 @@ DEFAULT_BASE_PORT = 31400
 
 
 def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 2, free: bool = False,
-                 seed: int | None = None) -> str:
+                 seed: int | None = None, replicas: int = 0) -> str:
     """The embedded default: one sequencer and `rewinders` rewinders on
     loopback. Fixed ports and group, so that separate processes agree; with
     `free`, free ports and a random group (tests, parallel runs)."""
@@ -225,6 +246,12 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
             f'[[node]]\nname = "rw-{i}"\nrole = "rewinder"\ndata = "{data / f"rw-{i}"}"\n'
             f'replication_port = {port()}\ngapfill_port = {port()}\nreplay_port = {port()}\n'
             f'metrics_port = {port()}')
+    for name in "ABCDEFGH"[:replicas]:
+        lines.append(f'[[node]]\nname = "replica-{name}"\nrole = "replica"\ndata = "{data / f"replica-{name}"}"\n'
+                     f'metrics_port = {port()}')
+    if replicas:
+        lines.append(f'[[node]]\nname = "emitter"\nrole = "emitter"\ndata = "{data / "emitter"}"\n'
+                     f'alert_port = {port()}\nmetrics_port = {port()}')
     for i in range(clients):
         lines.append(f'[[client]]\nname = "load{i}"')
     return "\n\n".join(lines) + "\n"

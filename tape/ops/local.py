@@ -20,10 +20,10 @@ TAPE = [sys.executable, "-m", "tape.ops.cli"]
 
 
 class LocalCluster:
-    def __init__(self, root: Path, rewinders: int = 2, clients: int = 2, extra: str = ""):
+    def __init__(self, root: Path, rewinders: int = 2, clients: int = 2, extra: str = "", replicas: int = 0):
         self.root = root
         self.config_path = root / "cluster.toml"
-        text = default_toml(root / "data", rewinders, clients, free=True)
+        text = default_toml(root / "data", rewinders, clients, free=True, replicas=replicas)
         text = text.replace("[journal]", extra + "\n[journal]") if extra else text
         self.config_path.write_text(text)
         self.cfg = load(self.config_path)
@@ -40,16 +40,22 @@ class LocalCluster:
             self.wait_http(wait_metrics, proc, name)
         return proc
 
-    def start_node(self, name: str, drop: float = 0.0, seed: int = 0) -> subprocess.Popen:
+    def start_node(self, name: str, drop: float = 0.0, seed: int = 0, *extra: str) -> subprocess.Popen:
         node = self.cfg.node(name)
-        return self.start(name, node.role, "--node", name, "--drop", str(drop), "--seed", str(seed),
-                          wait_metrics=node.metrics_port)
+        args = [node.role, "--node", name, *extra]
+        if node.role != "emitter":
+            args += ["--drop", str(drop), "--seed", str(seed)]
+        return self.start(name, *args, wait_metrics=node.metrics_port)
 
     def start_all(self, drop: float = 0.0) -> None:
         for i, n in enumerate(self.cfg.by_role("rewinder")):
             self.start_node(n.name, drop, seed=10 + i)
         for n in self.cfg.by_role("sequencer"):
             self.start_node(n.name, drop, seed=1)
+        for n in self.cfg.by_role("emitter"):
+            self.start_node(n.name)
+        for i, n in enumerate(self.cfg.by_role("replica")):
+            self.start_node(n.name, drop, 20 + i, "--exit-on-end")
 
     def wait_http(self, port: int, proc: subprocess.Popen, name: str, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout

@@ -41,8 +41,9 @@ class SnapshotStore:
     def close(self) -> None:
         self.env.close()
 
-    def save(self, m: AuditMachine, extra: dict | None = None) -> int:
-        """Write what changed since the last save, atomically; returns keys written."""
+    def save(self, m: AuditMachine, extra: dict | None = None, outbox: bytes | None = None) -> int:
+        """Write what changed since the last save, atomically; returns keys
+        written. `outbox`: the alerts not yet acknowledged, saved with it."""
         dirty = sorted(m.dirty)
         with self.env.begin(write=True) as txn:
             for order_id in dirty:
@@ -61,12 +62,18 @@ class SnapshotStore:
             pending = m.pending_effects
             meta = {"format": FORMAT, "rejects": m.rejects, "alerts_raised": m.alerts_raised,
                     "book_ttl_ns": m.book_ttl_ns, "orphan_ttl_ns": m.orphan_ttl_ns, **(extra or {})}
+            if outbox is not None:
+                txn.put(b"outbox", outbox, db=self.meta)
             txn.put(b"state", STATE.pack(m.last_seq, m.now_ns, m.applied, m.chain, len(pending)) + pending
                     + json.dumps(meta, sort_keys=True).encode(), db=self.meta)
         m.dirty.clear()
         self.saves += 1
         self.keys_written += len(dirty)
         return len(dirty)
+
+    def outbox(self) -> bytes:
+        with self.env.begin() as txn:
+            return bytes(txn.get(b"outbox", b"", db=self.meta))
 
     def last_seq(self) -> int:
         with self.env.begin() as txn:

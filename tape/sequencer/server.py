@@ -50,7 +50,7 @@ class Sequencer:
         self.journal = Journal(Path(node.data) / "journal", cfg.session_bytes, fsync=cfg.fsync,
                                segment_bytes=cfg.segment_mb << 20)
         client_last, last_seq, last_term = rebuild_client_state(self.journal.read())
-        followers = [n for n in cfg.nodes if n is not node]
+        followers = [n for n in cfg.voters if n is not node]
         self.core = LeaderCore(
             cfg.session_bytes, node.wire_name, last_term + 1, [f.wire_name for f in followers],
             {c.name.encode().ljust(10): c.key for c in cfg.clients},
