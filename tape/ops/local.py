@@ -30,30 +30,31 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
 
-    def start(self, name: str, *args: str, wait_metrics: int | None = None) -> subprocess.Popen:
+    def start(self, name: str, *args: str, wait_metrics: int | None = None, env: dict | None = None) -> subprocess.Popen:
         log = self.root / f"{name}.log"
         self.logs[name] = log
         proc = subprocess.Popen(TAPE + list(args) + ["--config", str(self.config_path)],
-                                stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "a"))
+                                stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "a"),
+                                env={**os.environ, **(env or {})})
         self.procs[name] = proc
         if wait_metrics:
             self.wait_http(wait_metrics, proc, name)
         return proc
 
-    def start_node(self, name: str, drop: float = 0.0, seed: int = 0, *extra: str) -> subprocess.Popen:
+    def start_node(self, name: str, drop: float = 0.0, seed: int = 0, *extra: str, env: dict | None = None) -> subprocess.Popen:
         node = self.cfg.node(name)
         args = [node.role, "--node", name, *extra]
         if node.role != "emitter":
             args += ["--drop", str(drop), "--seed", str(seed)]
-        return self.start(name, *args, wait_metrics=node.metrics_port)
+        return self.start(name, *args, wait_metrics=node.metrics_port, env=env)
 
-    def start_all(self, drop: float = 0.0) -> None:
+    def start_all(self, drop: float = 0.0, emitter_env: dict | None = None) -> None:
         for i, n in enumerate(self.cfg.by_role("rewinder")):
             self.start_node(n.name, drop, seed=10 + i)
         for n in self.cfg.by_role("sequencer"):
             self.start_node(n.name, drop, seed=1)
         for n in self.cfg.by_role("emitter"):
-            self.start_node(n.name)
+            self.start_node(n.name, env=emitter_env)
         for i, n in enumerate(self.cfg.by_role("replica")):
             self.start_node(n.name, drop, 20 + i, "--exit-on-end")
 

@@ -1,0 +1,99 @@
+"""The whole cluster with real processes (issue 4): tape up, replica
+restarts from LMDB, emitter crashes at every point of its delivery step."""
+
+import json
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tape.journal.store import Journal
+from tape.ops.local import LocalCluster
+from tape.ops.reference import expected_alerts
+from tape.protocol import messages as M
+
+from conftest import TAPE
+
+pytestmark = pytest.mark.process
+REPLICAS = ("replica-A", "replica-B", "replica-C")
+
+
+def test_tape_up_with_5_percent_loss_passes(tmp_path):
+    out = subprocess.run(TAPE + ["up", "--rate", "8000", "--duration", "3", "--drop", "0.05", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verdict"] == "pass" and report["sequenced"] == 24_000
+    assert len(set(report["digests"].values())) == 1 and len(report["digests"]) == 3
+    assert report["alerts_delivered"] == report["alerts_expected"] > 0 and report["duplicates"] == 0
+    for key in ("submitted", "applied", "divergences", "rate_msgs_per_s", "latency_ms"):
+        assert key in report
+    assert (tmp_path / "alerts.jsonl").exists() and (tmp_path / "journal" / "rw-1").is_dir()
+
+
+def finish(cluster: LocalCluster, load) -> None:
+    assert load.wait(timeout=120) == 0, cluster.output("load")
+    cluster.stop("seq-a")
+    deadline = time.monotonic() + 60
+    for r in REPLICAS:
+        while cluster.procs[r].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cluster.stop(r) == 0
+    for n in ("emitter", "rw-1", "rw-2"):
+        cluster.stop(n)
+
+
+def expected_ids(cluster: LocalCluster) -> set:
+    cfg = cluster.cfg
+    decoded = [(s, M.SEQUENCED.unpack(raw)) for s, _, raw in Journal(cluster.journal_dir("seq-a"), readonly=True).read()]
+    alerts, _ = expected_alerts(decoded, int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9))
+    return {f"{cfg.session}:{a['purchase_seq']}" for a in alerts}
+
+
+def delivered_ids(cluster: LocalCluster) -> list:
+    sink = Path(cluster.cfg.node("emitter").data) / "alerts.jsonl"
+    return [json.loads(line)["alert_id"] for line in sink.read_text().splitlines()]
+
+
+def test_kill_9_a_replica_and_it_resumes_from_its_snapshot(tmp_path):
+    cluster = LocalCluster(tmp_path, replicas=3, extra="[audit]\nsnapshot_every = 5000\nsnapshot_ms = 200\n")
+    try:
+        cluster.start_all()
+        load = cluster.start("load", "load", "--rate", "10000", "--messages", "50000", "--seed", "4")
+        time.sleep(2.5)
+        cluster.kill("replica-B")
+        time.sleep(1.0)
+        cluster.start_node("replica-B", 0.0, 21, "--exit-on-end")
+        resumed = cluster.metrics("replica-B")['tape_replica_resumed_from_seq{node="replica-B"}']
+        assert resumed > 5000  # from its LMDB snapshot, not from seq 1
+        finish(cluster, load)
+        status = {r: json.loads((Path(cluster.cfg.node(r).data) / "status.json").read_text()) for r in REPLICAS}
+        assert status["replica-B"]["resumed_from"] == resumed
+        assert len({s["digest"] for s in status.values()}) == 1
+        assert len({s["last_seq"] for s in status.values()}) == 1
+        ids = delivered_ids(cluster)
+        assert len(ids) == len(set(ids)) and set(ids) == expected_ids(cluster)
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("point", ["before_intent", "after_intent", "after_deliver", "after_done"])
+def test_emitter_crash_at_each_point_delivers_every_alert_once(tmp_path, point):
+    cluster = LocalCluster(tmp_path, replicas=3)
+    try:
+        cluster.start_all(emitter_env={"TAPE_EMITTER_CRASH": point, "TAPE_EMITTER_CRASH_AFTER": "5"})
+        load = cluster.start("load", "load", "--rate", "8000", "--messages", "24000", "--seed", "6")
+        emitter = cluster.procs["emitter"]
+        assert emitter.wait(timeout=60) == 99  # died at the crash point
+        cluster.start_node("emitter")  # restarted without the hook
+        finish(cluster, load)
+        ids = delivered_ids(cluster)
+        assert Counter(ids).most_common(1)[0][1] == 1  # each once
+        assert set(ids) == expected_ids(cluster)
+        log = cluster.logs["emitter"].read_text()
+        if point in ("after_intent", "after_deliver"):
+            assert "in doubt after a crash" in log
+    finally:
+        cluster.close()
