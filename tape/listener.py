@@ -24,9 +24,13 @@ Deliver = Callable[[int, bytes, int], None]
 
 
 class StreamListener:
-    def __init__(self, cfg: Config, deliver: Deliver, drop: float = 0.0, seed: int = 0, next_seq: int = 1):
+    def __init__(self, cfg: Config, deliver: Deliver, drop: float = 0.0, seed: int = 0, next_seq: int = 1,
+                 on_undecodable: Callable[[int, ProtocolError], None] | None = None):
         self.cfg = cfg
         self.deliver = deliver
+        # Called when a rewinder's answer (the committed log itself) holds a
+        # message this listener cannot decode: skipping it would diverge.
+        self.on_undecodable = on_undecodable
         self.loss = LossInjector(drop, seed)
         self.receiver = StreamReceiver(cfg.session_bytes, next_seq)
         self.rewinders = [(n.host, n.gapfill_port) for n in cfg.by_role("rewinder")]
@@ -56,6 +60,7 @@ class StreamListener:
 
     def _drain(self, sock) -> None:
         loss, on_datagram = self.loss, self.on_datagram
+        committed = sock is self.req  # unicast answers from the rewinders
         for _ in range(512):
             try:
                 data = sock.recv(65536)
@@ -63,14 +68,21 @@ class StreamListener:
                 break
             self.datagrams += 1
             if not loss.drop():
-                on_datagram(data)
+                on_datagram(data, committed)
         self._maybe_ask()
 
-    def on_datagram(self, data: bytes) -> None:
+    def on_datagram(self, data: bytes, committed: bool = False) -> None:
         try:
             session, seq, count = moldudp64.decode_header(data)
             if 0 < count < 0xFFFF:
-                messages.check_packet_messages(data, count)
+                try:
+                    messages.check_packet_messages(data, count)
+                except ProtocolError as e:
+                    if committed and session == self.receiver.session and e.reason in ("unknown_type", "bad_length") \
+                            and seq <= self.receiver.next_seq < seq + count and self.on_undecodable:
+                        bad_seq = seq + max(0, e.offset - moldudp64.HEADER_SIZE) // messages.SEQUENCED_BLOCK_SIZE
+                        self.on_undecodable(bad_seq, e)
+                    raise
             runs = self.receiver.on_packet(session, seq, count, data)
         except ProtocolError as e:
             self.bad[e.reason] = self.bad.get(e.reason, 0) + 1

@@ -47,7 +47,8 @@ class Replica:
         self.resumed_from = self.machine.last_seq
         raw = self.store.outbox()
         self.outbox: deque = deque(Alert.decode(raw[i:i + ALERT_SIZE]) for i in range(0, len(raw), ALERT_SIZE))
-        self.listener = StreamListener(cfg, self._deliver, drop, seed, next_seq=self.machine.last_seq + 1)
+        self.listener = StreamListener(cfg, self._deliver, drop, seed, next_seq=self.machine.last_seq + 1,
+                                       on_undecodable=self._undecodable)
         self.emitters = cfg.by_role("emitter")
         self.acked = 0
         self._writer: asyncio.StreamWriter | None = None
@@ -115,6 +116,11 @@ class Replica:
         if self._since_snapshot >= self.cfg.snapshot_every:
             self._snapshot()
 
+    def _undecodable(self, seq: int, error: ProtocolError) -> None:
+        self.failed = f"the committed message at seq {seq} cannot be decoded ({error})"
+        log.critical("%s: %s; stopping rather than skipping it (skipping would diverge)", self.node.name, self.failed)
+        self._stop.set()
+
     def _snapshot(self) -> None:
         self.store.save(self.machine, {"node": self.node.name},
                         outbox=b"".join(a.encode() for a in self.outbox))
@@ -173,7 +179,7 @@ class Replica:
                 if batch:
                     # Replayed messages go through the same receiver as the live stream.
                     for pkt in PacketBuilder(self.cfg.session_bytes, seq, self.cfg.max_packet).add_sequenced(batch):
-                        self.listener.on_datagram(pkt)
+                        self.listener.on_datagram(pkt, committed=True)
                     seq += len(batch)
                     self.replayed += len(batch)
                     batch = []
