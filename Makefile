@@ -25,7 +25,7 @@ sysdeps:
 	  else echo "tshark not found: its wire test will be skipped (apt-get install tshark)"; fi; }
 
 demo: $(STAMP) sysdeps
-	$(VENV)/bin/tape up --rate 20000 --duration 10 --drop 0.02 --out runs/demo
+	$(VENV)/bin/tape up --rate 10000 --duration 10 --drop 0.02 --out runs/demo
 
 test: $(STAMP) sysdeps
 	$(VENV)/bin/pytest -q
