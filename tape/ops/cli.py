@@ -86,6 +86,18 @@ def _up(args) -> int:
     return run_up(args.rate, args.duration, args.drop, args.out, args.seed)
 
 
+def _audit(args) -> int:
+    from tape.ops.audit_cmd import audit
+
+    return audit(args.journal, args.alerts, _config(args), args.master, args.report)
+
+
+def _replay(args) -> int:
+    from tape.ops.audit_cmd import replay
+
+    return replay(args.journal, args.to_lmdb, _config(args))
+
+
 def _load(args) -> int:
     from tape.ops.load import main
 
@@ -187,6 +199,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory to keep journals, LMDB files, alerts.jsonl, report.json")
     p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
     p.set_defaults(func=_up)
+
+    p = sub.add_parser("audit", help="reconcile delivered alerts with the journal (Spark)",
+                       description="Recompute the expected alerts from the journal in Spark (per order, in seq order, "
+                                   "with the replicas' rules) and reconcile them with the delivered alerts: missing, "
+                                   "duplicate, unexpected, mismatched. Exits 1 on any finding.")
+    _cluster_options(p, drop=False)
+    p.add_argument("--journal", required=True, help="journal directory (e.g. runs/demo/journal/seq-a)")
+    p.add_argument("--alerts", required=True, help="delivered alerts, JSON lines (e.g. runs/demo/alerts.jsonl)")
+    p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    p.add_argument("--report", default=None, help="write the findings as JSON to this file")
+    p.set_defaults(func=_audit)
+
+    p = sub.add_parser("replay", help="rebuild a replica's LMDB state from a journal",
+                       description="Apply a journal to the audit state machine and write its LMDB snapshot, so that "
+                                   "a lost replica can be restored without the network; prints seq and digest.")
+    _cluster_options(p, drop=False)
+    p.add_argument("--journal", required=True, help="journal directory")
+    p.add_argument("--to-lmdb", required=True, help="LMDB directory to write (resumes if it holds a snapshot)")
+    p.set_defaults(func=_replay)
 
     p = sub.add_parser("load", help="submit generated trades at a target rate",
                        description="Generate purchase requests and purchases (seeded) and submit them exactly once; "
