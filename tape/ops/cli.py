@@ -20,6 +20,20 @@ def _journal_verify(args) -> int:
     return verify(args.path, sys.stdout)
 
 
+def _journal_export(args) -> int:
+    from tape.ops.spark import session
+
+    spark = session(args.master, "tape-export")
+    try:
+        df = spark.read.format("tape").load(args.path)
+        df.write.mode("overwrite").parquet(args.out)
+        count = spark.read.parquet(args.out).count()
+    finally:
+        spark.stop()
+    print(f"{count:,} records written to {args.out} (Parquet)")
+    return 0
+
+
 def _bench_protocol(args) -> int:
     from tape.ops.bench import bench_protocol
 
@@ -163,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Read the whole journal, checking every record; exit 1 on corruption.")
     verify.add_argument("path", help="journal directory")
     verify.set_defaults(func=_journal_verify)
+    export = jsub.add_parser("export", help="write the journal as Parquet (Spark)",
+                             description="Read the journal through the tape data source and write it as Parquet, "
+                                         "for other tools and for faster repeated analytics.")
+    export.add_argument("path", help="journal directory")
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--format", choices=("parquet",), default="parquet", help="output format (parquet)")
+    export.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    export.set_defaults(func=_journal_export)
 
     p = sub.add_parser("sequencer", help="run a sequencer node", description="Run a sequencer: stamp inbound "
                        "trades, journal and replicate them, publish committed packets on the multicast stream.")

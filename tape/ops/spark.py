@@ -20,6 +20,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 SCHEMA = ("seq LONG, term LONG, type STRING, stamp TIMESTAMP, stamp_ns LONG, origin STRING, client_seq LONG, "
           "order_id LONG, purchase_id LONG, shares LONG, client STRING, stock STRING, leader STRING")
 LONG_MAX = 2**63 - 1
+LOG4J = Path(__file__).with_name("log4j2.properties")
 
 
 class SegmentPartition(InputPartition):
@@ -99,7 +100,9 @@ class TapeReader(DataSourceReader):
 
 
 def session(master: str = "local[*]", app: str = "tape"):
-    """A quiet Spark session with the `tape` source registered."""
+    """A quiet Spark session with the `tape` source registered. The JVM's
+    own stderr (start-up chatter, Spark's errors) goes to a log file whose
+    path is in SPARK_LOG, so that a command's output stays clean."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -108,15 +111,35 @@ def session(master: str = "local[*]", app: str = "tape"):
     logging.getLogger("py4j").setLevel(logging.WARNING)
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master(master).appName(app)
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.session.timeZone", "UTC")
-             .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=ERROR")
-             .getOrCreate())
+    import tempfile
+
+    global SPARK_LOG
+    SPARK_LOG = os.path.join(tempfile.gettempdir(), f"tape-spark-{os.getpid()}.log")
+    saved = os.dup(2)
+    log_fd = os.open(SPARK_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 2)  # the JVM started now inherits this as its stderr
+    try:
+        spark = _build(SparkSession, master, app)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(log_fd)
     spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(TapeDataSource)
     return spark
+
+
+SPARK_LOG = ""
+
+
+def _build(SparkSession, master: str, app: str):
+    return (SparkSession.builder.master(master).appName(app)
+             .config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
+             .config("spark.sql.session.timeZone", "UTC")
+             .config("spark.driver.extraJavaOptions", f"-Dlog4j.configurationFile=file:{LOG4J}")
+             .config("spark.executor.extraJavaOptions", f"-Dlog4j.configurationFile=file:{LOG4J}")
+             .getOrCreate())
 
 
 # --- the audit ----------------------------------------------------------------------------
