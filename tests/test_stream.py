@@ -1,6 +1,5 @@
 """The live stream with real processes on loopback multicast (issue 3)."""
 
-import hashlib
 import json
 import random
 import socket
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tape.journal.store import Journal
+from tape.ops.journal_tool import digest as journal_digest
 from tape.protocol import moldudp64
 
 from tape.ops.local import LocalCluster as Cluster
@@ -23,15 +23,6 @@ def cluster(tmp_path):
     c = Cluster(tmp_path, extra="[timeouts]\nclient_resend_ms = 100\ngap_request_ms = 10\n")
     yield c
     c.close()
-
-
-def journal_digest(path: Path, to_seq: int | None = None) -> tuple[int, str]:
-    d = hashlib.blake2b(digest_size=16)
-    n = 0
-    for _, _, m in Journal(path, readonly=True).read(1, to_seq):
-        d.update(m)
-        n += 1
-    return n, d.hexdigest()
 
 
 def check_exactly_once(cluster: Cluster, submitted: int) -> list[dict]:

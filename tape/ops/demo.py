@@ -10,7 +10,6 @@ to the journal.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -24,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tape.journal.store import Journal
+from tape.ops.journal_tool import digest
 from tape.ops.local import LocalCluster
 from tape.protocol import messages
 
@@ -103,19 +103,10 @@ def _watch(console, cluster: LocalCluster, load, total: int) -> None:
             time.sleep(0.25)
 
 
-def _digest(path: Path, to_seq: int | None = None) -> tuple[int, str]:
-    d = hashlib.blake2b(digest_size=16)
-    n = 0
-    for _, _, m in Journal(path, readonly=True).read(1, to_seq):
-        d.update(m)
-        n += 1
-    return n, d.hexdigest()
-
-
 def _verdict(console, cluster: LocalCluster, total: int) -> bool:
     load = json.loads(cluster.output("load") or "{}")
     tail = json.loads(cluster.output("tail") or "{}")
-    journals = {n: _digest(cluster.journal_dir(n)) for n in NODES}
+    journals = {n: digest(cluster.journal_dir(n)) for n in NODES}
     origins = []
     for _, _, raw in Journal(cluster.journal_dir("seq-a"), readonly=True).read():
         m = messages.SEQUENCED.unpack(raw)
@@ -123,7 +114,7 @@ def _verdict(console, cluster: LocalCluster, total: int) -> bool:
             origins.append((m[messages.ORIGIN], m[messages.CLIENT_SEQ]))
     dupes = sum(c - 1 for c in Counter(origins).values() if c > 1)
     tail_ok = bool(tail) and tail.get("first_seq") == 1 and tail["messages"] == tail["last_seq"] and \
-        _digest(cluster.journal_dir("seq-a"), tail["last_seq"])[1] == tail["digest"]
+        digest(cluster.journal_dir("seq-a"), tail["last_seq"])[1] == tail["digest"]
     checks = [
         ("trades submitted / acknowledged", f"{load.get('submitted', 0):,} / {load.get('acked', 0):,}",
          load.get("acked") == total),
