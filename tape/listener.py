@@ -38,7 +38,7 @@ class StreamListener:
         self.bad: dict[str, int] = {}
         self.requests_sent = 0
         self.datagrams = 0
-        self._asked: dict[int, float] = {}  # first seq of a missing run -> when it was last asked for
+        self._ask = (0, 0.0)  # (seq asked for, when)
         self._which = 0
         self._task = None
 
@@ -92,33 +92,21 @@ class StreamListener:
             self.deliver(first, pkt, skip)
 
     def _maybe_ask(self) -> None:
-        """Ask the rewinders for every missing run not asked for recently
-        (pipelined), rotating rewinders when a run stays missing."""
-        if not self.rewinders:
-            return
-        rx = self.receiver
-        if rx.missing() is None:
-            if self._asked:
-                self._asked.clear()
+        gap = self.receiver.missing()
+        if gap is None or not self.rewinders:
             return
         now = time.monotonic()
-        timeout = self.cfg.gap_request_ms / 1000
-        asked = self._asked
-        for start in [s for s in asked if s < rx.next_seq]:
-            del asked[start]
-        for start, count in rx.missing_ranges(32):
-            when = asked.get(start)
-            if when is not None and now - when < timeout:
-                continue
-            if when is not None:
-                self._which += 1  # no answer: try the next rewinder
-            asked[start] = now
-            target = self.rewinders[self._which % len(self.rewinders)]
-            try:
-                self.req.sendto(moldudp64.encode_request(self.cfg.session_bytes, start, count), target)
-                self.requests_sent += 1
-            except OSError:
-                pass
+        if gap[0] == self._ask[0] and now - self._ask[1] < self.cfg.gap_request_ms / 1000:
+            return
+        if gap[0] == self._ask[0]:
+            self._which += 1  # no answer: try the next rewinder
+        self._ask = (gap[0], now)
+        target = self.rewinders[self._which % len(self.rewinders)]
+        try:
+            self.req.sendto(moldudp64.encode_request(self.cfg.session_bytes, gap[0], gap[1]), target)
+            self.requests_sent += 1
+        except OSError:
+            pass
 
     async def _gap_timer(self) -> None:
         while True:

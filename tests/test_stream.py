@@ -41,7 +41,7 @@ def test_100k_messages_with_5_percent_loss_everywhere(cluster):
     cluster.start_all(drop=0.05)
     total = 100_000
     tail = cluster.start("tail", "tail", "--summary", "--until", str(total + 1), "--drop", "0.05", "--seed", "7")
-    load = cluster.start("load", "load", "--rate", "15000", "--messages", str(total), "--drop", "0.05", "--seed", "3")
+    load = cluster.start("load", "load", "--rate", "25000", "--messages", str(total), "--drop", "0.05", "--seed", "3")
     assert load.wait(timeout=240) == 0, cluster.output("load") + cluster.logs["load"].read_text()[-2000:]
     result = json.loads(cluster.output("load"))
     assert result["acked"] == total and result["resends"] > 0  # loss happened and was repaired

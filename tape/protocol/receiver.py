@@ -78,23 +78,6 @@ class StreamReceiver:
             return None
         return self.next_seq, min(end - self.next_seq, MAX_BLOCKS)
 
-    def missing_ranges(self, limit: int = 32) -> list[tuple[int, int]]:
-        """Up to `limit` runs (first seq, count) known to be missing, in seq
-        order: between what was delivered, the held packets, and the highest
-        seq known. Asking for all of them at once keeps gap filling from
-        being one round trip per gap."""
-        out = []
-        pos = self.next_seq
-        for seq in self._held.irange(minimum=pos):
-            if seq > pos:
-                out.append((pos, min(seq - pos, MAX_BLOCKS)))
-                if len(out) >= limit:
-                    return out
-            pos = max(pos, seq + self._held[seq][0])
-        if self.high_seq > pos:
-            out.append((pos, min(self.high_seq - pos, MAX_BLOCKS)))
-        return out[:limit]
-
     def lag(self) -> int:
         """How many messages known to exist are not delivered yet."""
         return self.high_seq - self.next_seq
