@@ -12,7 +12,7 @@ import time
 from tape.listener import StreamListener
 from tape.ops.config import Config
 from tape.ops.journal_tool import record_dict
-from tape.protocol import messages, moldudp64
+from tape.protocol import messages
 
 
 async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, seed: int, summary: bool,

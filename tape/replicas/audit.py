@@ -35,7 +35,6 @@ import struct
 from collections import deque
 from typing import NamedTuple
 
-from tape.protocol import messages as M
 
 DEFAULT_BOOK_TTL_NS = 3600 * 10**9
 DEFAULT_ORPHAN_TTL_NS = 10 * 10**9

@@ -177,8 +177,10 @@ class Emitter:
                 if fresh:
                     self._handle(fresh)
                     writer.write(alertlink.ack(self.mark))
-        except (ConnectionError, ProtocolError, asyncio.CancelledError):
-            self._reject("bad_frame") if name is None else None
+        except ProtocolError:
+            self._reject("bad_frame")
+        except (ConnectionError, asyncio.CancelledError):
+            pass
         finally:
             writer.close()
 

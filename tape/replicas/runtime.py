@@ -23,7 +23,7 @@ from tape.gctune import tune_gc
 from tape.listener import StreamListener
 from tape.ops import metrics
 from tape.ops.config import Config, Node
-from tape.protocol import alertlink, messages, moldudp64
+from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import ProtocolError
 from tape.protocol.packets import PacketBuilder
