@@ -355,10 +355,7 @@ class Journal:
             from_seq = seg.last_seq + 1
 
     def read_batch(self, from_seq: int, max_count: int) -> list[tuple[int, int, bytes]]:
-        out = []
-        for rec in self.read(from_seq, from_seq + max_count - 1):
-            out.append(rec)
-        return out
+        return list(self.read(from_seq, from_seq + max_count - 1))
 
     def _load_index(self, seg: Segment) -> None:
         idx = seg.path.with_suffix(fmt.INDEX_SUFFIX)

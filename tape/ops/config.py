@@ -91,6 +91,13 @@ class Config:
     def voters(self) -> list[Node]:
         return [n for n in self.nodes if n.role in ("sequencer", "rewinder")]
 
+    def open_journal(self, node: Node):
+        """The node's journal, with this cluster's session and journal settings."""
+        from tape.journal.store import Journal
+
+        return Journal(Path(node.data) / "journal", self.session_bytes, fsync=self.fsync,
+                       segment_bytes=self.segment_mb << 20)
+
     def client(self, name: str) -> Client:
         for c in self.clients:
             if c.name == name:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import struct
 
-from .errors import ProtocolError
+from . import framing
 
-FRAME = struct.Struct(">IB")
+FRAME = framing.FRAME
 MARK = struct.Struct(">Q")
 HELLO, WELCOME, ALERT, ACK = ord("H"), ord("W"), ord("A"), ord("K")
 MAX_FRAME = 4096
@@ -45,22 +45,7 @@ def alert(record: bytes) -> bytes:
 
 class Reader:
     def __init__(self):
-        self._buf = bytearray()
+        self._reader = framing.FrameReader(MAX_FRAME, bytes((HELLO, WELCOME, ALERT, ACK)))
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        buf = self._buf
-        buf += data
-        out = []
-        pos = 0
-        while len(buf) - pos >= FRAME.size:
-            length, kind = FRAME.unpack_from(buf, pos)
-            if not 1 <= length <= MAX_FRAME:
-                raise ProtocolError("bad_frame", f"alert frame length {length}", pos)
-            if kind not in (HELLO, WELCOME, ALERT, ACK):
-                raise ProtocolError("unknown_type", f"alert frame type 0x{kind:02x}", pos + 4)
-            if len(buf) - pos - 4 < length:
-                break
-            out.append((kind, bytes(buf[pos + 5:pos + 4 + length])))
-            pos += 4 + length
-        del buf[:pos]
-        return out
+        return [(kind, payload) for kind, payload, _ in self._reader.frames(data)]

@@ -22,10 +22,11 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+from . import framing
 from .errors import ProtocolError
 from .messages import SEQUENCED_SIZE
 
-FRAME = struct.Struct(">IB")
+FRAME = framing.FRAME
 APPEND = struct.Struct(">Q10sQQQQI")
 ACK = struct.Struct(">Q10sBQ")
 HELLO = struct.Struct(">Q10sQQ")
@@ -101,25 +102,7 @@ class FrameReader:
     """Incremental decoder of a replication byte stream."""
 
     def __init__(self, max_frame: int = MAX_FRAME):
-        self.max_frame = max_frame
-        self._buf = bytearray()
-        self._consumed = 0
+        self._reader = framing.FrameReader(max_frame)
 
     def feed(self, data: bytes) -> list:
-        buf = self._buf
-        buf += data
-        out = []
-        pos = 0
-        while len(buf) - pos >= FRAME.size:
-            length, kind = FRAME.unpack_from(buf, pos)
-            if length < 1 or length > self.max_frame:
-                raise ProtocolError("bad_frame", f"frame length {length}", self._consumed + pos)
-            if len(buf) - pos - 4 < length:
-                break
-            payload = bytes(buf[pos + 5:pos + 4 + length])
-            out.append(_decode(kind, payload, self._consumed + pos))
-            pos += 4 + length
-        if pos:
-            del buf[:pos]
-            self._consumed += pos
-        return out
+        return [_decode(kind, payload, where) for kind, payload, where in self._reader.frames(data)]

@@ -16,10 +16,8 @@ import asyncio
 import logging
 import signal
 import time
-from pathlib import Path
 
 from tape.gctune import tune_gc
-from tape.journal.store import Journal
 from tape.ops import metrics
 from tape.ops.config import Config, Node
 from tape.ops.ratelog import RateLimitedLog
@@ -41,8 +39,7 @@ class Rewinder:
         self.node = node
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
-        self.journal = Journal(Path(node.data) / "journal", cfg.session_bytes, fsync=cfg.fsync,
-                               segment_bytes=cfg.segment_mb << 20)
+        self.journal = cfg.open_journal(node)
         self.core = FollowerCore(node.wire_name, self.journal.last_seq, self.journal.last_term, self._term_at)
         self.gapfill = GapFillCore(cfg.session_bytes, messages_per_packet(cfg.max_packet))
         self.committed = asyncio.Event()

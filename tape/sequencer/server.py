@@ -15,10 +15,8 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tape.gctune import tune_gc
-from tape.journal.store import Journal
 from tape.ops import metrics
 from tape.ops.config import Config, Node
 from tape.ops.ratelog import RateLimitedLog
@@ -47,8 +45,7 @@ class Sequencer:
         self.node = node
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
-        self.journal = Journal(Path(node.data) / "journal", cfg.session_bytes, fsync=cfg.fsync,
-                               segment_bytes=cfg.segment_mb << 20)
+        self.journal = cfg.open_journal(node)
         client_last, last_seq, last_term = rebuild_client_state(self.journal.read())
         followers = [n for n in cfg.voters if n is not node]
         self.core = LeaderCore(
