@@ -153,7 +153,7 @@ def bench_stream(rates: list[float], seconds: float, sequencer_only: bool = Fals
     console.print(table)
 
 
-def bench_replica(n: int = 1_000_000) -> dict:
+def bench_replica(n: int = 1_000_000, open_orders: int = 1_000_000) -> dict:
     """One replica's hot path on one core: decode packets of a pre-built
     committed stream and apply them to the audit state machine."""
     from tape.protocol import moldudp64
@@ -178,19 +178,7 @@ def bench_replica(n: int = 1_000_000) -> dict:
         seq += count
     secs = time.perf_counter() - t0
     digest = machine.digest()
-    from tape.replicas.snapshot import SnapshotStore
-
-    snap_dir = tempfile.mkdtemp(prefix="tape-bench-lmdb-")
-    try:
-        store = SnapshotStore(snap_dir)
-        dirty = len(machine.dirty)
-        t1 = time.perf_counter()
-        store.save(machine)
-        snap_secs = time.perf_counter() - t1
-        store.close()
-        snap_bytes = sum(f.stat().st_size for f in Path(snap_dir).iterdir())
-    finally:
-        shutil.rmtree(snap_dir)
+    snap = _bench_snapshot(open_orders)
     table = Table(title=f"tape bench replica: {n:,} messages from memory, one core")
     table.add_column("measurement")
     table.add_column("value", justify="right")
@@ -198,6 +186,50 @@ def bench_replica(n: int = 1_000_000) -> dict:
     table.add_row("alerts raised", f"{machine.alerts_raised:,}")
     table.add_row("open books at the end", f"{len(machine.books):,}")
     table.add_row("digest", digest)
-    table.add_row(f"first snapshot ({dirty:,} dirty orders)", f"{snap_secs:.2f} s, {snap_bytes / 2**20:,.0f} MiB on disk")
+    table.add_row(f"full snapshot of {open_orders:,} open orders", f"{snap['save_s']:.2f} s, {snap['mib']:,.0f} MiB on disk")
+    table.add_row("load of that snapshot", f"{snap['load_s']:.2f} s")
+    table.add_row("incremental snapshot after 10,000 more", f"{snap['incremental_s'] * 1000:.0f} ms")
     console.print(table)
-    return {"rate": n / secs, "alerts": machine.alerts_raised}
+    return {"rate": n / secs, "alerts": machine.alerts_raised, "snapshot": snap}
+
+
+def _bench_snapshot(open_orders: int) -> dict:
+    """Snapshot time and size with `open_orders` open books, all dirty (the
+    worst case: the first snapshot), its load time, and an incremental one."""
+    from tape.protocol import moldudp64
+    from tape.protocol.packets import PacketBuilder
+    from tape.replicas.audit import AuditMachine
+    from tape.replicas.snapshot import SnapshotStore
+
+    session, origin = moldudp64.session_bytes("BENCH"), moldudp64.session_bytes("load0")
+    builder = PacketBuilder(session, 1)
+    machine = AuditMachine()
+    seq = 1
+    stamp = 1_700_000_000_000_000_000
+    for start in range(1, open_orders + 10_001, 10_000):
+        batch = [messages.purchase_request(oid, 100, "load0", "ACME") for oid in range(start, start + 10_000)]
+        for pkt in builder.add_stamped(batch, stamp + start, origin, start):
+            count = moldudp64.HEADER.unpack_from(pkt)[2]
+            machine.apply_run(seq, messages.decode_packet_messages(pkt, count))
+            seq += count
+        if start + 10_000 > open_orders and start <= open_orders:
+            snap_dir = tempfile.mkdtemp(prefix="tape-bench-lmdb-")
+            store = SnapshotStore(snap_dir)
+            t0 = time.perf_counter()
+            store.save(machine)
+            save_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    store.save(machine)  # the 10,000 books opened since
+    incremental_s = time.perf_counter() - t0
+    store.close()
+    try:
+        mib = sum(f.stat().st_size for f in Path(snap_dir).iterdir()) / 2**20
+        t0 = time.perf_counter()
+        store = SnapshotStore(snap_dir)
+        store.load(AuditMachine())
+        load_s = time.perf_counter() - t0
+        store.close()
+    finally:
+        shutil.rmtree(snap_dir)
+    return {"open_orders": open_orders, "save_s": save_s, "mib": mib, "load_s": load_s,
+            "incremental_s": incremental_s}

@@ -51,7 +51,7 @@ def _bench_stream(args) -> int:
 def _bench_replica(args) -> int:
     from tape.ops.bench import bench_replica
 
-    bench_replica(args.messages)
+    bench_replica(args.messages, args.open_orders)
     return 0
 
 
@@ -91,7 +91,13 @@ def _replica(args) -> int:
 def _emitter(args) -> int:
     from tape.replicas.emitter import run
 
-    return run(_config(args), args.node)
+    cfg = _config(args)
+    node = cfg.node(args.node)
+    if args.sinks:
+        node.sinks = args.sinks.split(",")
+    if args.webhook_url:
+        node.webhook_url = args.webhook_url
+    return run(cfg, args.node)
 
 
 def _up(args) -> int:
@@ -206,9 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_replica)
 
     p = sub.add_parser("emitter", help="run the alert emitter", description="Run the emitter: receive alerts from "
-                       "the replicas and deliver each exactly once to the JSON-lines sink.")
+                       "the replicas and deliver each exactly once to its sinks: a JSON-lines file, an HTTP webhook "
+                       "(POST, Idempotency-Key = alert id, retried with back-off) and/or stdout.")
     _cluster_options(p, drop=False)
     p.add_argument("--node", default="emitter", help="this node's name in the config (default emitter)")
+    p.add_argument("--sinks", help="comma-separated sinks, overriding the config: jsonl,webhook,stdout")
+    p.add_argument("--webhook-url", help="the webhook sink's URL, overriding the config")
     p.set_defaults(func=_emitter)
 
     p = sub.add_parser("up", help="run the whole local cluster and check it",
@@ -294,8 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=_bench_stream)
     br = bsub.add_parser("replica", help="decode + apply rate of one replica on one core",
                          description="Decode a pre-built committed stream from memory and apply it to the audit "
-                                     "state machine; prints msg/s, alerts and the digest.")
+                                     "state machine; prints msg/s, alerts and the digest; then times an LMDB snapshot "
+                                     "of --open-orders open books (save, size, load, incremental).")
     br.add_argument("--messages", type=int, default=1_000_000, help="messages (default 1000000)")
+    br.add_argument("--open-orders", type=int, default=1_000_000, help="open books to snapshot (default 1000000)")
     br.set_defaults(func=_bench_replica)
     return parser
 

@@ -8,7 +8,8 @@
     [[node]]    name, role ("sequencer" | "rewinder" | "replica" | "emitter"),
                 host, data, metrics_port (0 = none); sequencer: inbound_port,
                 replication_port; rewinder: replication_port, gapfill_port,
-                replay_port; emitter: alert_port
+                replay_port; emitter: alert_port, sinks (["jsonl", "webhook",
+                "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms
     [[client]]  name, key (hex HMAC-SHA256 key, optional)
 
 Every problem raises ConfigError naming the key.
@@ -30,6 +31,9 @@ class ConfigError(ValueError):
     pass
 
 
+SINKS = ("jsonl", "webhook", "stdout")
+
+
 @dataclass
 class Node:
     name: str
@@ -42,6 +46,9 @@ class Node:
     replay_port: int = 0
     metrics_port: int = 0
     alert_port: int = 0
+    sinks: list[str] = field(default_factory=lambda: ["jsonl"])
+    webhook_url: str = ""
+    webhook_timeout_ms: int = 5000
 
     @property
     def wire_name(self) -> bytes:
@@ -192,6 +199,14 @@ def parse(doc: dict, base: Path | None = None) -> Config:
             node.replay_port = _port(n, "replay_port", where, required=True)
         elif role == "emitter":
             node.alert_port = _port(n, "alert_port", where, required=True)
+            node.sinks = _get(n, "sinks", list, where, ["jsonl"])
+            unknown = [k for k in node.sinks if k not in SINKS]
+            if unknown or not node.sinks or len(set(node.sinks)) != len(node.sinks):
+                raise ConfigError(f"{where}sinks: {node.sinks!r}: a list of distinct sinks from {', '.join(SINKS)}")
+            node.webhook_url = _get(n, "webhook_url", str, where, "")
+            node.webhook_timeout_ms = _get(n, "webhook_timeout_ms", int, where, 5000)
+            if "webhook" in node.sinks and not node.webhook_url.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}webhook_url: the webhook sink needs an http:// or https:// URL")
         cfg.nodes.append(node)
     if not cfg.by_role("sequencer"):
         raise ConfigError("node: at least one node with role = \"sequencer\" is needed")

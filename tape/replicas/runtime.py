@@ -23,6 +23,7 @@ from tape.gctune import tune_gc
 from tape.listener import StreamListener
 from tape.ops import metrics
 from tape.ops.config import Config, Node
+from tape.ops.latency import LatencySamples
 from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import ProtocolError
@@ -56,6 +57,9 @@ class Replica:
         self._last_snapshot = time.monotonic()
         self.replayed = 0
         self.failed: str | None = None
+        # Sequencer stamp -> applied here (wall clock, same host or PTP-synced hosts):
+        # for the report only, never for state.
+        self.latency = LatencySamples()
         self._stop = asyncio.Event()
 
     def report(self):
@@ -88,7 +92,8 @@ class Replica:
         self._snapshot()
         status = {"name": self.node.name, "last_seq": self.machine.last_seq, "digest": self.machine.digest(),
                   "alerts_raised": self.machine.alerts_raised, "rejects": self.machine.rejects,
-                  "resumed_from": self.resumed_from, "failed": self.failed}
+                  "resumed_from": self.resumed_from, "failed": self.failed,
+                  "latency_ms": self.latency.summary_ms()}
         (self.data / "status.json").write_text(json.dumps(status, indent=1))
         self.store.close()
         log.info("%s stopped at seq %d, digest %s", self.node.name, self.machine.last_seq, status["digest"])
@@ -108,6 +113,9 @@ class Replica:
             log.critical("%s: %s; stopping", self.node.name, self.failed)
             self._stop.set()
             return
+        now = time.time_ns()
+        trades = (messages.REQUEST, messages.PURCHASE)
+        self.latency.extend([now - m[messages.STAMP] for m in msgs if m[messages.TYPE] in trades])
         self._since_snapshot += len(msgs)
         if alerts:
             self.outbox.extend(alerts)

@@ -1,0 +1,183 @@
+"""Where the emitter delivers alerts: a JSON-lines file, an HTTP webhook, stdout.
+
+Each sink takes a batch of alert records (dicts with an `alert_id`) and
+returns once they are delivered, raising SinkStopped if the emitter is
+stopping first. `idempotent` says whether delivering the same alert twice is
+harmless: after a crash, alerts in doubt are sent again to idempotent sinks
+and listed for the operator for the others.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import sys
+import threading
+import urllib.parse
+from pathlib import Path
+
+log = logging.getLogger("tape.emitter")
+TAIL_BYTES = 4 << 20  # how much of the JSON-lines file's tail is checked for ids on start
+
+
+class SinkStopped(Exception):
+    """The emitter is stopping; the batch was not (known to be) delivered."""
+
+
+def _line(record: dict) -> str:
+    return json.dumps(record, separators=(",", ":"))
+
+
+class JsonLinesSink:
+    """Appends one alert a line and fsyncs each batch; idempotent by alert id
+    against its own tail, which it reads (and cuts a torn last line off) on open."""
+
+    idempotent = True
+    name = "jsonl"
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.recent: set[str] = set()
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - TAIL_BYTES))
+                tail = f.read()
+            lines = tail.split(b"\n")
+            if not tail.endswith(b"\n") and lines:  # a torn last line: cut it off
+                torn = lines.pop()
+                with open(path, "r+b") as f:
+                    f.truncate(path.stat().st_size - len(torn))
+            for line in lines:
+                try:
+                    self.recent.add(json.loads(line)["alert_id"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+        self._file = open(path, "ab")
+
+    def deliver(self, records: list[dict]) -> int:
+        fresh = [r for r in records if r["alert_id"] not in self.recent]
+        if fresh:
+            self._file.write("".join(_line(r) + "\n" for r in fresh).encode())
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self.recent.update(r["alert_id"] for r in fresh)
+        return len(fresh)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class StdoutSink:
+    """One alert a line on standard output. Not idempotent: alerts in doubt
+    after a crash are listed for the operator rather than printed again."""
+
+    idempotent = False
+    name = "stdout"
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+
+    def deliver(self, records: list[dict]) -> int:
+        self.stream.write("".join(_line(r) + "\n" for r in records))
+        self.stream.flush()
+        return len(records)
+
+    def close(self) -> None:
+        pass
+
+
+class WebhookSink:
+    """POSTs each alert as JSON with an `Idempotency-Key` header equal to its
+    alert id, so that a receiver can drop the second copy of an alert resent
+    after a crash. Retries network errors, 5xx, 408 and 429 with exponential
+    back-off (capped) until delivered or the emitter stops: alerts are
+    delivered in order, so a down endpoint holds the emitter back rather than
+    losing alerts. Any other 4xx is a refusal: logged, counted, not retried."""
+
+    idempotent = True
+    name = "webhook"
+    RETRY_STATUS = {408, 425, 429}
+
+    def __init__(self, url: str, timeout_s: float = 5.0, backoff_s: float = 0.05, max_backoff_s: float = 5.0,
+                 stopping: threading.Event | None = None):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"webhook_url {url!r}: expected http(s)://host[:port]/path")
+        self.url = url
+        self.parts = parts
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.stopping = stopping or threading.Event()
+        self.retries = 0
+        self.refused = 0
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self.parts.scheme == "https" else http.client.HTTPConnection
+            self._conn = cls(self.parts.hostname, self.parts.port, timeout=self.timeout_s)
+        return self._conn
+
+    def _post(self, record: dict) -> int:
+        path = self.parts.path or "/"
+        if self.parts.query:
+            path += "?" + self.parts.query
+        conn = self._connection()
+        try:
+            conn.request("POST", path, body=_line(record).encode(),
+                         headers={"Content-Type": "application/json", "Idempotency-Key": record["alert_id"]})
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            self._conn = None
+            raise
+
+    def deliver(self, records: list[dict]) -> int:
+        for record in records:
+            delay = self.backoff_s
+            while True:
+                if self.stopping.is_set():
+                    raise SinkStopped(record["alert_id"])
+                try:
+                    status = self._post(record)
+                except (OSError, http.client.HTTPException) as e:
+                    problem = f"{type(e).__name__}: {e}"
+                else:
+                    if 200 <= status < 300:
+                        break
+                    if 400 <= status < 500 and status not in self.RETRY_STATUS:
+                        self.refused += 1
+                        log.error("webhook %s refused alert %s with HTTP %d; not retrying", self.url,
+                                  record["alert_id"], status)
+                        break
+                    problem = f"HTTP {status}"
+                self.retries += 1
+                log.warning("webhook %s: alert %s not delivered (%s); retrying in %.2f s", self.url,
+                            record["alert_id"], problem, delay)
+                self.stopping.wait(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+        return len(records)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+
+def build(kinds: list[str], data: Path, webhook_url: str = "", webhook_timeout_s: float = 5.0,
+          stopping: threading.Event | None = None) -> list:
+    sinks = []
+    for kind in kinds:
+        if kind == "jsonl":
+            sinks.append(JsonLinesSink(data / "alerts.jsonl"))
+        elif kind == "stdout":
+            sinks.append(StdoutSink())
+        elif kind == "webhook":
+            sinks.append(WebhookSink(webhook_url, webhook_timeout_s, stopping=stopping))
+        else:
+            raise ValueError(f"unknown sink {kind!r} (jsonl, webhook, stdout)")
+    return sinks

@@ -1,0 +1,221 @@
+"""The emitter's sinks and its bad-input handling (issue 4): a real HTTP
+endpoint for the webhook, a real `tape emitter` process, and the test
+speaking the alert link over real TCP as the replicas would."""
+
+import http.server
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tape.ops.config import load
+from tape.ops.local import LocalCluster
+from tape.protocol import alertlink
+from tape.replicas.audit import Alert
+from tape.replicas.sinks import JsonLinesSink, WebhookSink
+
+
+class Endpoint:
+    """A webhook receiver: answers the first `fail` POSTs with `status`, then 200; records what it got."""
+
+    def __init__(self, fail: int = 0, status: int = 503):
+        self.fail, self.status = fail, status
+        self.posts: list[tuple[str, dict]] = []
+        self.attempts = 0
+        endpoint = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                endpoint.attempts += 1
+                if endpoint.attempts <= endpoint.fail:
+                    self.send_response(endpoint.status)
+                else:
+                    endpoint.posts.append((self.headers["Idempotency-Key"], json.loads(body)))
+                    self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def endpoint():
+    e = Endpoint(fail=2)
+    yield e
+    e.close()
+
+
+def alert(seq: int, cumulative: int = 120) -> Alert:
+    return Alert(seq, seq, 7000 + seq, 500 + seq, b"load0".ljust(16), b"ACME".ljust(8), 100, cumulative, seq * 10)
+
+
+def record(seq: int) -> dict:
+    return alert(seq).to_dict("TAPE")
+
+
+def test_webhook_retries_with_backoff_and_sends_the_idempotency_key(endpoint):
+    sink = WebhookSink(endpoint.url, backoff_s=0.01)
+    assert sink.deliver([record(1), record(2)]) == 2
+    assert sink.retries == 2  # two 503s, then delivered
+    assert [key for key, _ in endpoint.posts] == ["TAPE:1", "TAPE:2"]
+    assert endpoint.posts[0][1]["order_id"] == 501
+
+
+def test_webhook_refusal_is_counted_not_retried():
+    e = Endpoint(fail=1, status=400)
+    try:
+        sink = WebhookSink(e.url, backoff_s=0.01)
+        sink.deliver([record(1), record(2)])
+        assert sink.refused == 1 and sink.retries == 0 and [k for k, _ in e.posts] == ["TAPE:2"]
+    finally:
+        e.close()
+
+
+def test_webhook_gives_up_only_when_stopping():
+    stopping = threading.Event()
+    sink = WebhookSink("http://127.0.0.1:9/none", timeout_s=0.2, backoff_s=0.01, stopping=stopping)
+    threading.Timer(0.3, stopping.set).start()
+    with pytest.raises(Exception, match="TAPE:1"):
+        sink.deliver([record(1)])
+    assert sink.retries >= 2
+
+
+def test_jsonl_sink_cuts_a_torn_line_and_never_writes_an_id_twice(tmp_path):
+    path = tmp_path / "alerts.jsonl"
+    sink = JsonLinesSink(path)
+    assert sink.deliver([record(1), record(2)]) == 2
+    sink.close()
+    with open(path, "a") as f:
+        f.write('{"alert_id":"TAPE:3","emit')  # torn by a crash
+    sink = JsonLinesSink(path)
+    assert sink.deliver([record(2), record(3)]) == 1
+    sink.close()
+    assert [json.loads(line)["alert_id"] for line in path.read_text().splitlines()] == ["TAPE:1", "TAPE:2", "TAPE:3"]
+
+
+# --- a real emitter process ----------------------------------------------------------------
+
+
+def emitter_cluster(tmp_path: Path, url: str) -> LocalCluster:
+    cluster = LocalCluster(tmp_path, replicas=3)
+    text = cluster.config_path.read_text().replace(
+        'role = "emitter"', f'role = "emitter"\nsinks = ["jsonl", "webhook", "stdout"]\nwebhook_url = "{url}"')
+    cluster.config_path.write_text(text)
+    cluster.cfg = load(cluster.config_path)
+    return cluster
+
+
+def link(cluster: LocalCluster, hello: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", cluster.cfg.node("emitter").alert_port), timeout=5)
+    sock.sendall(alertlink.hello(hello))
+    return sock
+
+
+def frames(sock: socket.socket, want: int) -> list:
+    reader, got = alertlink.Reader(), []
+    deadline = time.monotonic() + 10
+    while len(got) < want and time.monotonic() < deadline:
+        data = sock.recv(4096)
+        if not data:
+            break
+        got += reader.feed(data)
+    return got
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+
+
+def rejected(cluster: LocalCluster, reason: str) -> float:
+    return cluster.metrics("emitter").get(f'tape_emitter_rejected_total{{node="emitter",reason="{reason}"}}', 0)
+
+
+@pytest.mark.process
+def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, endpoint):
+    cluster = emitter_cluster(tmp_path, endpoint.url)
+    try:
+        cluster.start_node("emitter")
+        stranger = link(cluster, b"mallory".ljust(10))
+        assert closed_by_peer(stranger)
+        assert rejected(cluster, "unknown_replica") == 1
+        a = link(cluster, b"replica-A ")
+        assert frames(a, 1)[0] == (alertlink.WELCOME, alertlink.MARK.pack(0))
+        a.sendall(alertlink.alert(b"\x01\x02\x03"))  # well framed, not an alert
+        assert closed_by_peer(a)
+        assert rejected(cluster, "malformed_alert") == 1
+        junk = link(cluster, b"replica-A ")
+        frames(junk, 1)
+        junk.sendall(b"\x00\x00\x00\x05Zjunk")  # unknown frame type
+        assert closed_by_peer(junk)
+        assert rejected(cluster, "bad_frame") == 1
+
+        a = link(cluster, b"replica-A ")
+        frames(a, 1)
+        a.sendall(b"".join(alertlink.alert(alert(s).encode()) for s in (11, 12, 13)))
+        assert (alertlink.ACK, alertlink.MARK.pack(13)) in frames(a, 1)
+        b = link(cluster, b"replica-B ")
+        assert frames(b, 1)[0] == (alertlink.WELCOME, alertlink.MARK.pack(13))
+        b.sendall(alertlink.alert(alert(12).encode()) + alertlink.alert(alert(13, cumulative=999).encode()))
+        frames(b, 1)
+        m = cluster.metrics("emitter")
+        assert m['tape_emitter_duplicates_total{node="emitter"}'] == 1
+        assert m['tape_emitter_divergences_total{node="emitter"}'] == 1
+        assert m['tape_emitter_sink_retries_total{node="emitter",sink="webhook"}'] == 2
+        for s in (stranger, a, b):
+            s.close()
+        cluster.stop("emitter")
+        want = ["TAPE:11", "TAPE:12", "TAPE:13"]
+        assert [k for k, _ in endpoint.posts] == want
+        stdout = cluster.output("emitter").splitlines()
+        assert [json.loads(line)["alert_id"] for line in stdout] == want
+        sink = Path(cluster.cfg.node("emitter").data) / "alerts.jsonl"
+        assert [json.loads(line)["alert_id"] for line in sink.read_text().splitlines()] == want
+        assert "DIVERGENCE" in cluster.logs["emitter"].read_text()
+    finally:
+        cluster.close()
+
+
+@pytest.mark.process
+def test_emitter_crash_resends_in_doubt_alerts_to_the_webhook_and_lists_them_for_stdout(tmp_path, endpoint):
+    endpoint.fail = 0
+    cluster = emitter_cluster(tmp_path, endpoint.url)
+    try:
+        proc = cluster.start_node("emitter", env={"TAPE_EMITTER_CRASH": "after_deliver"})
+        a = link(cluster, b"replica-A ")
+        frames(a, 1)
+        a.sendall(alertlink.alert(alert(21).encode()))
+        assert proc.wait(timeout=20) == 99
+        a.close()
+        cluster.start_node("emitter")
+        a = link(cluster, b"replica-A ")
+        assert frames(a, 1)[0] == (alertlink.WELCOME, alertlink.MARK.pack(21))
+        a.sendall(alertlink.alert(alert(21).encode()) + alertlink.alert(alert(22).encode()))
+        assert (alertlink.ACK, alertlink.MARK.pack(22)) in frames(a, 1)
+        a.close()
+        cluster.stop("emitter")
+        # The webhook saw 21 twice under the same key (its receiver drops the copy), then 22.
+        assert [k for k, _ in endpoint.posts] == ["TAPE:21", "TAPE:21", "TAPE:22"]
+        data = Path(cluster.cfg.node("emitter").data)
+        assert [json.loads(line)["alert_id"] for line in (data / "alerts.jsonl").read_text().splitlines()] == \
+            ["TAPE:21", "TAPE:22"]
+        listed = [json.loads(line) for line in (data / "in_doubt.jsonl").read_text().splitlines()]
+        assert [(r["alert_id"], r["sink"]) for r in listed] == [("TAPE:21", "stdout")]
+    finally:
+        cluster.close()
