@@ -102,3 +102,47 @@ def test_replay_to_lmdb_gives_the_live_replicas_digest(run_dir, tmp_path):
     report = json.loads((run_dir / "report.json").read_text())
     assert set(report["digests"].values()) == {replayed["digest"]}
     assert replayed["last_seq"] == report["log_length"]
+
+
+def test_a_file_uri_reads_like_a_path(spark, multi_segment):
+    by_path = spark.read.format("tape").load(str(multi_segment)).count()
+    assert spark.read.format("tape").load(multi_segment.resolve().as_uri()).count() == by_path > 1000
+
+
+@pytest.fixture
+def corrupted(multi_segment, tmp_path):
+    """A copy of the journal with one record's CRC-covered byte flipped and another's length field smashed."""
+    import shutil
+
+    from tape.journal import columns, format as fmt
+
+    path = tmp_path / "journal"
+    shutil.copytree(multi_segment, path)
+    segs = sorted(path.glob("*.seg"))
+    for seg, at, where in ((segs[2], 10, 60), (segs[5], 3, 5)):  # record index, byte inside the record
+        data = bytearray(seg.read_bytes())
+        offset = fmt.SEGMENT_HEADER_SIZE + at * columns.RECORD_SIZE + where
+        data[offset] ^= 0xFF
+        seg.write_bytes(bytes(data))
+    return path, segs
+
+
+def test_a_corrupt_record_fails_the_read_naming_segment_and_offset(spark, corrupted):
+    from tape.journal import columns, format as fmt
+
+    path, segs = corrupted
+    with pytest.raises(Exception) as e:
+        spark.read.format("tape").load(str(path)).count()
+    assert segs[2].name in str(e.value)
+    assert f"offset {fmt.SEGMENT_HEADER_SIZE + 10 * columns.RECORD_SIZE}" in str(e.value)
+
+
+def test_skip_mode_counts_each_corrupt_record_and_keeps_the_rest(spark, corrupted, multi_segment):
+    path, segs = corrupted
+    df = spark.read.format("tape").option("corrupt", "skip").load(str(path))
+    bad = df.where("type = 'corrupt'").orderBy("seq").collect()
+    assert [r["corrupt"].split(" ")[0].rsplit("/", 1)[-1] for r in bad] == [segs[2].name, segs[5].name]
+    assert "CRC mismatch" in bad[0]["corrupt"] and "record length" in bad[1]["corrupt"]
+    good = {r[0] for r in df.where("type != 'corrupt'").select("seq").collect()}
+    everything = {r[0] for r in spark.read.format("tape").load(str(multi_segment)).select("seq").collect()}
+    assert everything - good == {bad[0]["seq"], bad[1]["seq"]}

@@ -1,26 +1,57 @@
-"""PySpark over the journal: the `tape` data source and the audit.
+"""PySpark over the journal: the `tape` data source, the audit, and progress.
 
     spark = session()                       # local[*], quiet, source registered
     df = spark.read.format("tape").load(path)                     # whole journal
     df = spark.read.format("tape").option("fromSeq", 100).option("toSeq", 200).load(path)
+    df = spark.read.format("tape").option("corrupt", "skip").load(path)
 
-One partition per segment file (the reader skips segments outside the seq
-range). A corrupt record fails the read with the segment, offset and seq.
+PATH is a journal directory: a local path or any URI pyarrow's file systems
+open (file://, hdfs://, s3://, gs://). One partition per segment file (the
+reader skips segments outside the seq range); rows come as Arrow batches.
+A corrupt record fails the read with the segment, offset and expected seq;
+with `corrupt = skip` each corrupt stretch becomes one row of type
+"corrupt" whose `corrupt` column says where and why, and reading goes on
+at the next good record.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
+import threading
 from pathlib import Path
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 SCHEMA = ("seq LONG, term LONG, type STRING, stamp TIMESTAMP, stamp_ns LONG, origin STRING, client_seq LONG, "
-          "order_id LONG, purchase_id LONG, shares LONG, client STRING, stock STRING, leader STRING")
-LONG_MAX = 2**63 - 1
+          "order_id LONG, purchase_id LONG, shares LONG, client STRING, stock STRING, leader STRING, corrupt STRING")
 LOG4J = Path(__file__).with_name("log4j2.properties")
+READ_CHUNK = 8 << 20  # bytes per Arrow batch, about 85,000 records
+
+
+def journal_fs(path: str):
+    """(pyarrow file system, path inside it) for a local path or a URI."""
+    from pyarrow import fs
+
+    if "://" in path:
+        return fs.FileSystem.from_uri(path)
+    return fs.LocalFileSystem(), str(Path(path).absolute())
+
+
+def list_segments(path: str) -> list[tuple[str, int]]:
+    """The journal's segment files as (path in its file system, first seq), in seq order."""
+    from pyarrow import fs as pafs
+
+    filesystem, root = journal_fs(path)
+    try:
+        infos = filesystem.get_file_info(pafs.FileSelector(root))
+    except (FileNotFoundError, OSError) as e:
+        raise FileNotFoundError(f"journal {path}: {e}") from None
+    segs = sorted((i.path, int(i.base_name[:-4])) for i in infos
+                  if i.type == pafs.FileType.File and i.base_name.endswith(".seg") and i.base_name[:-4].isdigit())
+    if not segs:
+        raise FileNotFoundError(f"no journal segments (*.seg) in {path}")
+    return sorted(segs, key=lambda s: s[1])
 
 
 class SegmentPartition(InputPartition):
@@ -46,17 +77,16 @@ class TapeReader(DataSourceReader):
         path = options.get("path")
         if not path:
             raise ValueError('spark.read.format("tape").load(PATH): PATH (a journal directory) is required')
-        self.dir = Path(path)
+        self.uri = path
         self.from_seq = int(options.get("fromSeq", 1))
         self.to_seq = int(options["toSeq"]) if options.get("toSeq") else None
-        segs = sorted(self.dir.glob("*.seg"))
-        if not segs:
-            raise FileNotFoundError(f"no journal segments (*.seg) in {path}")
-        self.segments = []
-        for i, seg in enumerate(segs):
-            first = int(seg.stem)
-            last = int(segs[i + 1].stem) - 1 if i + 1 < len(segs) else None
-            self.segments.append(SegmentPartition(str(seg), first, last, i + 1 < len(segs)))
+        mode = options.get("corrupt", "fail")
+        if mode not in ("fail", "skip"):
+            raise ValueError(f'option corrupt = {mode!r}: use "fail" (the default) or "skip"')
+        self.skip = mode == "skip"
+        segs = list_segments(path)
+        self.segments = [SegmentPartition(seg, first, segs[i + 1][1] - 1 if i + 1 < len(segs) else None,
+                                          i + 1 < len(segs)) for i, (seg, first) in enumerate(segs)]
 
     def partitions(self):
         out = [p for p in self.segments
@@ -64,39 +94,74 @@ class TapeReader(DataSourceReader):
         return out or [self.segments[-1]]
 
     def read(self, partition: SegmentPartition):
-        from tape.journal import format as fmt
-        from tape.journal.store import iter_segment_file
-        from tape.protocol import messages as M
+        import pyarrow as pa
 
-        names = M.TYPE_NAMES
-        utc = datetime.timezone.utc
-        epoch = datetime.datetime(1970, 1, 1, tzinfo=utc)
-        lo, hi = self.from_seq, self.to_seq
-        for seq, term, raw, _ in iter_segment_file(Path(partition.path), fmt.SEGMENT_HEADER_SIZE, partition.first_seq,
-                                                   sealed=partition.sealed):
-            if seq < lo:
-                continue
-            if hi is not None and seq > hi:
-                return
-            m = M.SEQUENCED.unpack(raw)
-            kind = m[M.TYPE]
-            stamp_ns = m[M.STAMP]
-            order_id, purchase_id = m[M.ORDER_ID], m[M.PURCHASE_ID]
-            if order_id > LONG_MAX or purchase_id > LONG_MAX or stamp_ns > LONG_MAX:
-                raise ValueError(f"seq {seq}: an id above 2^63-1 does not fit Spark's LONG; use tape journal dump")
-            stamp = epoch + datetime.timedelta(microseconds=stamp_ns // 1000)
-            origin = m[M.ORIGIN].decode("ascii", "replace").rstrip()
-            if kind == M.TERM_START:
-                yield (seq, term, names[kind], stamp, stamp_ns, origin, m[M.CLIENT_SEQ], None, None, None, None,
-                       None, m[M.LEADER].decode("ascii", "replace").rstrip())
-            elif kind == M.TIME_TICK:
-                yield (seq, term, names[kind], stamp, stamp_ns, origin, m[M.CLIENT_SEQ], None, None, None, None,
-                       None, None)
-            else:
-                yield (seq, term, names[kind], stamp, stamp_ns, origin, m[M.CLIENT_SEQ], order_id,
-                       purchase_id if kind == M.PURCHASE else None, m[M.SHARES],
-                       m[M.CLIENT].decode("ascii", "replace").rstrip(), m[M.STOCK].decode("ascii", "replace").rstrip(),
-                       None)
+        from tape.journal import columns, format as fmt
+
+        filesystem, _ = journal_fs(self.uri)
+        name = partition.path
+        lo, hi = self.from_seq, self.to_seq if self.to_seq is not None else 2**64
+        arrow_schema = _arrow_schema()
+        with filesystem.open_input_stream(partition.path) as f:
+            header = f.read(fmt.SEGMENT_HEADER_SIZE)
+            try:
+                _, first = fmt.decode_segment_header(header)
+            except fmt.FormatError as e:
+                raise ValueError(f"{name}: not a Tape segment ({e})") from None
+            if first != partition.first_seq:
+                raise ValueError(f"{name}: header says first seq {first}, the file name {partition.first_seq}")
+            expect, base, buf = first, fmt.SEGMENT_HEADER_SIZE, b""
+            while expect <= hi:
+                chunk = f.read(READ_CHUNK)
+                at_eof = not chunk
+                buf = buf + chunk if buf else chunk
+                try:
+                    res = columns.decode_chunk(buf, base, expect, self.skip, final=at_eof and partition.sealed)
+                except columns.CorruptRecord as e:
+                    raise ValueError(f"corrupt journal record in {name} at offset {e.offset} (seq {e.expected_seq} "
+                                     f"expected): {e.problem}; option corrupt = skip reads past it") from None
+                rows = res.rows
+                if rows and (rows[0][2] < lo or rows[-1][2] > hi):
+                    rows = [r for r in rows if lo <= r[2] <= hi]
+                if rows:
+                    yield _batch(pa, arrow_schema, columns.to_columns(rows), name)
+                if res.corrupt:
+                    yield _corrupt_batch(pa, arrow_schema, [c.describe(name) for c in res.corrupt],
+                                         [c.expected_seq for c in res.corrupt])
+                expect, base, buf = res.next_seq, base + res.consumed, buf[res.consumed:]
+                if at_eof:
+                    return
+
+
+def _arrow_schema():
+    import pyarrow as pa
+
+    long, text = pa.int64(), pa.string()
+    return pa.schema([("seq", long), ("term", long), ("type", text), ("stamp", pa.timestamp("us", tz="UTC")),
+                      ("stamp_ns", long), ("origin", text), ("client_seq", long), ("order_id", long),
+                      ("purchase_id", long), ("shares", long), ("client", text), ("stock", text), ("leader", text),
+                      ("corrupt", text)])
+
+
+def _batch(pa, schema, cols: dict, segment: str):
+    n = len(cols["seq"])
+    cols["stamp"] = [ns // 1000 for ns in cols["stamp_ns"]]
+    cols["corrupt"] = [None] * n
+    try:
+        arrays = [pa.array(cols[f.name], type=f.type) for f in schema]
+    except (OverflowError, pa.ArrowInvalid) as e:
+        raise ValueError(f"{segment}: a value does not fit Spark's LONG (ids and stamps above 2^63-1); "
+                         f"use tape journal dump ({e})") from None
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _corrupt_batch(pa, schema, descriptions: list[str], seqs: list[int]):
+    n = len(descriptions)
+    arrays = [pa.array(seqs, pa.int64()) if f.name == "seq" else
+              pa.array(["corrupt"] * n) if f.name == "type" else
+              pa.array(descriptions) if f.name == "corrupt" else
+              pa.nulls(n, f.type) for f in schema]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def session(master: str = "local[*]", app: str = "tape"):
