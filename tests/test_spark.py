@@ -146,3 +146,45 @@ def test_skip_mode_counts_each_corrupt_record_and_keeps_the_rest(spark, corrupte
     good = {r[0] for r in df.where("type != 'corrupt'").select("seq").collect()}
     everything = {r[0] for r in spark.read.format("tape").load(str(multi_segment)).select("seq").collect()}
     assert everything - good == {bad[0]["seq"], bad[1]["seq"]}
+
+
+def test_analytics_agree_with_a_plain_count_of_the_journal(spark, run_dir, tmp_path):
+    from collections import Counter
+
+    from tape.ops.analytics import compute
+    from tape.ops.reference import expected_alerts
+    from tape.protocol import messages as M
+
+    journal = str(run_dir / "journal" / "seq-a")
+    report = compute(spark, journal, 3600 * 10**9, 10 * 10**9)
+    decoded = [(seq, M.SEQUENCED.unpack(raw)) for seq, _, raw in Journal(journal, readonly=True).read()]
+    trades = [m for _, m in decoded if m[M.TYPE] in (M.REQUEST, M.PURCHASE)]
+    assert report["messages"] == len(decoded) and report["last_seq"] == decoded[-1][0]
+    purchased = Counter()
+    for m in trades:
+        if m[M.TYPE] == M.PURCHASE:
+            purchased[m[M.STOCK].decode().strip()] += m[M.SHARES]
+    assert {r["stock"]: r["purchased_shares"] for r in report["per_stock"]} == purchased
+    alerts, rejects = expected_alerts(decoded, 3600 * 10**9, 10 * 10**9)
+    assert report["orders"]["alerts"] == len(alerts) == report["orders"]["overfilled"] > 0
+    assert report["rejects"] == {k: v for k, v in rejects.items() if v}
+    assert sum(b["orders"] for b in report["orders"]["fill_ratio_buckets"]) == report["orders"]["books"]
+    assert sum(c for _, c in report["rate_per_second"]["series"]) == len(decoded)
+    # The Parquet export gives the same analytics.
+    parquet = tmp_path / "parquet"
+    spark.read.format("tape").load(journal).write.parquet(str(parquet))
+    again = compute(spark, str(parquet), 3600 * 10**9, 10 * 10**9)
+    assert {k: v for k, v in again.items() if k != "journal"} == {k: v for k, v in report.items() if k != "journal"}
+
+
+def test_analytics_command_writes_tables_plots_and_a_page(run_dir, tmp_path):
+    out = subprocess.run(TAPE + ["analytics", "--journal", str(run_dir / "journal" / "seq-a"), "--out", str(tmp_path),
+                                 "--master", "local[2]", "--conf", "spark.sql.shuffle.partitions=4"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "volumes per stock" in out.stdout and "fill ratio per order book" in out.stdout
+    page = (tmp_path / "index.html").read_text()
+    for png in ("rate_per_second.png", "volume_by_stock.png", "fill_ratio.png", "overfill.png", "stamp_gaps.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png in page
+    assert json.loads((tmp_path / "analytics.json").read_text())["messages"] > 1000
+    assert "Traceback" not in out.stderr and "WARN" not in out.stdout

@@ -13,21 +13,25 @@ from rich.table import Table
 from tape.ops.config import Config
 
 
-def audit(journal: str, alerts: str, cfg: Config, master: str, report_path: str | None) -> int:
-    from tape.ops.spark import reconcile, session
+def audit(journal: str, alerts: str, cfg: Config, master: str, report_path: str | None, conf: dict | None = None,
+          skip_corrupt: bool = False) -> int:
+    from tape.ops.spark import SparkProgress, reconcile, session
 
     console = Console(stderr=False)
+    err = Console(stderr=True)
     for p in (journal, alerts):
-        if not Path(p).exists():
+        if "://" not in p and not Path(p).exists():
             print(f"tape audit: {p} does not exist", file=sys.stderr)
             return 2
     t0 = time.monotonic()
-    with console.status("starting Spark and recomputing the alerts from the journal…"):
-        spark = session(master, "tape-audit")
-        try:
-            report = reconcile(spark, journal, alerts, cfg.session, int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9))
-        finally:
-            spark.stop()
+    with err.status("starting Spark…"):
+        spark = session(master, "tape-audit", conf)
+    try:
+        with SparkProgress(spark, err, "recomputing the alerts from the journal"):
+            report = reconcile(spark, journal, alerts, cfg.session, int(cfg.book_ttl_s * 1e9),
+                               int(cfg.orphan_ttl_s * 1e9), skip_corrupt=skip_corrupt)
+    finally:
+        spark.stop()
     report["seconds"] = round(time.monotonic() - t0, 1)
     table = Table(title=f"tape audit: {journal} against {alerts}")
     table.add_column("finding")
@@ -38,6 +42,9 @@ def audit(journal: str, alerts: str, cfg: Config, master: str, report_path: str 
         table.add_row(kind, f"{r['count']:,}", ", ".join(r["first"]))
     table.caption = (f"{report['expected']:,} alerts recomputed, {report['delivered']:,} delivered; "
                      f"{report['findings']} findings in {report['seconds']} s")
+    if report.get("corrupt_records", {}).get("count"):
+        table.add_row("[red]corrupt journal records skipped[/red]", f"{report['corrupt_records']['count']:,}",
+                      "; ".join(report["corrupt_records"]["first"]))
     console.print(table)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=1))

@@ -21,9 +21,9 @@ def _journal_verify(args) -> int:
 
 
 def _journal_export(args) -> int:
-    from tape.ops.spark import session
+    from tape.ops.spark import parse_conf, session
 
-    spark = session(args.master, "tape-export")
+    spark = session(args.master, "tape-export", parse_conf(args.conf))
     try:
         df = spark.read.format("tape").load(args.path)
         df.write.mode("overwrite").parquet(args.out)
@@ -109,7 +109,19 @@ def _up(args) -> int:
 def _audit(args) -> int:
     from tape.ops.audit_cmd import audit
 
-    return audit(args.journal, args.alerts, _config(args), args.master, args.report)
+    from tape.ops.spark import parse_conf
+
+    return audit(args.journal, args.alerts, _config(args), args.master, args.report, parse_conf(args.conf),
+                 args.skip_corrupt)
+
+
+def _analytics(args) -> int:
+    from tape.ops.analytics import run
+    from tape.ops.spark import parse_conf
+
+    cfg = _config(args)
+    return run(args.journal, args.out, int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9), args.master,
+               parse_conf(args.conf), args.skip_corrupt)
 
 
 def _replay(args) -> int:
@@ -151,6 +163,15 @@ def _cluster_options(p: argparse.ArgumentParser, drop: bool = True) -> None:
         p.add_argument("--seed", type=int, default=0, help="seed of the loss injection (default 0)")
 
 
+def _spark_options(p, skip_corrupt: bool = True) -> None:
+    p.add_argument("--master", default="local[*]", help="Spark master (default local[*]; e.g. spark://host:7077)")
+    p.add_argument("--conf", action="append", metavar="KEY=VALUE",
+                   help="a Spark setting, repeatable (e.g. --conf spark.executor.memory=4g)")
+    if skip_corrupt:
+        p.add_argument("--skip-corrupt", action="store_true",
+                       help="skip corrupt journal records and count them, instead of failing")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tape",
@@ -189,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("path", help="journal directory")
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--format", choices=("parquet",), default="parquet", help="output format (parquet)")
-    export.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    _spark_options(export, skip_corrupt=False)
     export.set_defaults(func=_journal_export)
 
     p = sub.add_parser("sequencer", help="run a sequencer node", description="Run a sequencer: stamp inbound "
@@ -238,9 +259,20 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_options(p, drop=False)
     p.add_argument("--journal", required=True, help="journal directory (e.g. runs/demo/journal/seq-a)")
     p.add_argument("--alerts", required=True, help="delivered alerts, JSON lines (e.g. runs/demo/alerts.jsonl)")
-    p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
     p.add_argument("--report", default=None, help="write the findings as JSON to this file")
+    _spark_options(p)
     p.set_defaults(func=_audit)
+
+    p = sub.add_parser("analytics", help="journal analytics in Spark: tables, PNG plots, an HTML page",
+                       description="Volumes per stock and client, fill ratios and overfill per order book, rejects "
+                                   "and orphans by reason, message rate per second and stamp-to-stamp gaps, from a "
+                                   "journal or its Parquet export; tables in the terminal, and analytics.json, PNG "
+                                   "plots and index.html in --out.")
+    _cluster_options(p, drop=False)
+    p.add_argument("--journal", required=True, help="journal directory or URI, or a `tape journal export` directory")
+    p.add_argument("--out", required=True, help="directory for analytics.json, the plots and index.html")
+    _spark_options(p)
+    p.set_defaults(func=_analytics)
 
     p = sub.add_parser("replay", help="rebuild a replica's LMDB state from a journal",
                        description="Apply a journal to the audit state machine and write its LMDB snapshot, so that "

@@ -9,8 +9,14 @@ from __future__ import annotations
 from tape.protocol import messages as M
 
 
-def expected_alerts(stream, book_ttl_ns: int, orphan_ttl_ns: int) -> tuple[list[dict], dict[str, int]]:
-    """stream: iterable of (seq, decoded message). Returns (alerts, rejects)."""
+def expected_alerts(stream, book_ttl_ns: int, orphan_ttl_ns: int, end_ns: int | None = None,
+                    books_out: list | None = None) -> tuple[list[dict], dict[str, int]]:
+    """stream: iterable of (seq, decoded message). Returns (alerts, rejects).
+    `end_ns`: the time at the end of the stream (default: its last stamp;
+    a caller running one order's messages passes the whole stream's), which
+    decides which orphans still held at the end have expired. Every book
+    opened is appended to `books_out` if given (a dict: order_id,
+    requested, total, client, stock)."""
     books: dict[int, dict] = {}
     orphans: dict[int, list] = {}
     alerts: list[dict] = []
@@ -47,9 +53,11 @@ def expected_alerts(stream, book_ttl_ns: int, orphan_ttl_ns: int) -> tuple[list[
             if m[M.SHARES] <= 0:
                 rejects["bad_shares"] += 1
                 continue
-            book = {"requested": m[M.SHARES], "total": 0, "client": m[M.CLIENT], "stock": m[M.STOCK],
-                    "opened": m[M.STAMP], "alerted": False}
+            book = {"order_id": m[M.ORDER_ID], "requested": m[M.SHARES], "total": 0, "client": m[M.CLIENT],
+                    "stock": m[M.STOCK], "opened": m[M.STAMP], "alerted": False}
             books[m[M.ORDER_ID]] = book
+            if books_out is not None:
+                books_out.append(book)
             for pseq, pstamp, pm in orphans.pop(m[M.ORDER_ID], []):
                 if now >= pstamp + orphan_ttl_ns:
                     rejects["orphan_expired"] += 1
@@ -63,6 +71,7 @@ def expected_alerts(stream, book_ttl_ns: int, orphan_ttl_ns: int) -> tuple[list[
                 rejects["bad_shares"] += 1
             else:
                 orphans.setdefault(m[M.ORDER_ID], []).append((seq, m[M.STAMP], m))
+    now = max(now, end_ns or 0)
     for held in orphans.values():  # what has expired by the end of the stream
         rejects["orphan_expired"] += sum(1 for _, pstamp, _ in held if now >= pstamp + orphan_ttl_ns)
     return alerts, rejects

@@ -164,7 +164,7 @@ def _corrupt_batch(pa, schema, descriptions: list[str], seqs: list[int]):
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def session(master: str = "local[*]", app: str = "tape"):
+def session(master: str = "local[*]", app: str = "tape", conf: dict | None = None):
     """A quiet Spark session with the `tape` source registered. The JVM's
     own stderr (start-up chatter, Spark's errors) goes to a log file whose
     path is in SPARK_LOG, so that a command's output stays clean."""
@@ -184,7 +184,7 @@ def session(master: str = "local[*]", app: str = "tape"):
     log_fd = os.open(SPARK_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 2)  # the JVM started now inherits this as its stderr
     try:
-        spark = _build(SparkSession, master, app)
+        spark = _build(SparkSession, master, app, conf or {})
     finally:
         os.dup2(saved, 2)
         os.close(saved)
@@ -197,14 +197,95 @@ def session(master: str = "local[*]", app: str = "tape"):
 SPARK_LOG = ""
 
 
-def _build(SparkSession, master: str, app: str):
-    return (SparkSession.builder.master(master).appName(app)
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.session.timeZone", "UTC")
-             .config("spark.driver.extraJavaOptions", f"-Dlog4j.configurationFile=file:{LOG4J}")
-             .config("spark.executor.extraJavaOptions", f"-Dlog4j.configurationFile=file:{LOG4J}")
-             .getOrCreate())
+def _build(SparkSession, master: str, app: str, conf: dict):
+    builder = (SparkSession.builder.master(master).appName(app)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.session.timeZone", "UTC")
+               .config("spark.driver.extraJavaOptions", f"-Dlog4j.configurationFile=file:{LOG4J}")
+               .config("spark.executor.extraJavaOptions", f"-Dlog4j.configurationFile=file:{LOG4J}"))
+    for key, value in conf.items():  # --conf KEY=VALUE: the usual Spark settings, last word
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+def parse_conf(pairs: list[str] | None) -> dict:
+    """`--conf KEY=VALUE` arguments as a dict; a pair without '=' is an error."""
+    out = {}
+    for pair in pairs or []:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--conf {pair!r}: expected KEY=VALUE (e.g. spark.executor.memory=4g)")
+        out[key] = value
+    return out
+
+
+def journal_df(spark, path: str, skip_corrupt: bool = False):
+    """The journal at `path` as a DataFrame: a journal directory through the
+    `tape` source, or a directory written by `tape journal export` (Parquet)."""
+    if _is_parquet(path):
+        return spark.read.parquet(path)
+    reader = spark.read.format("tape")
+    if skip_corrupt:
+        reader = reader.option("corrupt", "skip")
+    return reader.load(path)
+
+
+def _is_parquet(path: str) -> bool:
+    from pyarrow import fs as pafs
+
+    filesystem, root = journal_fs(path)
+    try:
+        infos = filesystem.get_file_info(pafs.FileSelector(root))
+    except (FileNotFoundError, OSError):
+        return False
+    return any(i.base_name.endswith(".parquet") for i in infos)
+
+
+class SparkProgress:
+    """Progress bars on stderr for Spark's active stages while a command's
+    jobs run (the console progress of Spark itself is off: it would mix
+    with the command's output)."""
+
+    def __init__(self, spark, console, what: str):
+        self.spark, self.console, self.what = spark, console, what
+        self._stop = threading.Event()
+
+    def phase(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("tasks"), TimeElapsedColumn(), console=self.console, transient=True)
+        self.progress.start()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.progress.stop()
+
+    def _poll(self) -> None:
+        tracker = self.spark.sparkContext.statusTracker()
+        tasks: dict[int, int] = {}
+        while not self._stop.wait(0.25):
+            try:
+                active = tracker.getActiveStageIds()
+                for sid in active:
+                    info = tracker.getStageInfo(sid)
+                    if info is None:
+                        continue
+                    if sid not in tasks:
+                        tasks[sid] = self.progress.add_task(f"{self.what} (stage {sid})", total=info.numTasks)
+                    self.progress.update(tasks[sid], completed=info.numCompletedTasks)
+                for sid in [s for s in tasks if s not in active]:
+                    self.progress.remove_task(tasks.pop(sid))
+            except Exception:  # the session is stopping: nothing more to show
+                return
 
 
 # --- the audit ----------------------------------------------------------------------------
@@ -226,10 +307,11 @@ def _order_alerts(rows, book_ttl_ns: int, orphan_ttl_ns: int):
             for a in alerts]
 
 
-def expected_alerts_df(spark, journal: str, session_name: str, book_ttl_ns: int, orphan_ttl_ns: int):
+def expected_alerts_df(spark, journal: str, session_name: str, book_ttl_ns: int, orphan_ttl_ns: int,
+                       skip_corrupt: bool = False):
     from pyspark.sql import functions as F
 
-    trades = (spark.read.format("tape").load(journal)
+    trades = (journal_df(spark, journal, skip_corrupt)
               .where(F.col("type").isin("purchase_request", "purchase"))
               .select("seq", "type", "order_id", "shares", "client", "stock", "purchase_id", "stamp_ns"))
     alerts = (trades.rdd.map(lambda r: (r[2], tuple(r)))
@@ -241,11 +323,11 @@ def expected_alerts_df(spark, journal: str, session_name: str, book_ttl_ns: int,
 
 
 def reconcile(spark, journal: str, alerts_file: str, session_name: str, book_ttl_ns: int, orphan_ttl_ns: int,
-              show: int = 5) -> dict:
+              show: int = 5, skip_corrupt: bool = False) -> dict:
     """Missing, duplicate, unexpected and mismatched alerts: delivered vs recomputed."""
     from pyspark.sql import functions as F
 
-    expected = expected_alerts_df(spark, journal, session_name, book_ttl_ns, orphan_ttl_ns).cache()
+    expected = expected_alerts_df(spark, journal, session_name, book_ttl_ns, orphan_ttl_ns, skip_corrupt).cache()
     delivered = spark.read.schema("alert_id STRING, emit_seq LONG, purchase_seq LONG, purchase_id LONG, "
                                   "order_id LONG, requested LONG, cumulative LONG").json(alerts_file).cache()
     dup = delivered.groupBy("alert_id").count().where("count > 1")
@@ -271,4 +353,7 @@ def reconcile(spark, journal: str, alerts_file: str, session_name: str, book_ttl
         "mismatched": {"count": mismatched.count(), "first": ids(mismatched)},
     }
     report["findings"] = sum(report[k]["count"] for k in ("missing", "duplicate", "unexpected", "mismatched"))
+    if skip_corrupt:
+        corrupt = journal_df(spark, journal, True).where("type = 'corrupt'").select("corrupt").collect()
+        report["corrupt_records"] = {"count": len(corrupt), "first": [r[0] for r in corrupt[:show]]}
     return report
