@@ -233,3 +233,88 @@ def _bench_snapshot(open_orders: int) -> dict:
         shutil.rmtree(snap_dir)
     return {"open_orders": open_orders, "save_s": save_s, "mib": mib, "load_s": load_s,
             "incremental_s": incremental_s}
+
+
+def build_journal(path: Path, n: int, seed: int = 7, per_ms: int = 100) -> int:
+    """A journal of `n` generated trades (plus the term start), stamped
+    `per_ms` messages per millisecond; returns the record count."""
+    from tape.protocol import messages as M
+
+    session, origin = moldudp64.session_bytes("TAPE"), moldudp64.session_bytes("load0")
+    journal = Journal(path, session, fsync="never")
+    stamp = 1_700_000_000_000_000_000
+    journal.append([(1, 1, M.term_start(stamp, moldudp64.session_bytes("seq-a"), 1, "seq-a"))])
+    gen = TradeGenerator(seed)
+    seq = 2
+    for start in range(0, n, 100_000):
+        inbound = gen.take(min(100_000, n - start))
+        records = []
+        for i, msg in enumerate(inbound):
+            k = start + i
+            records.append((seq, 1, M.stamp(msg, stamp + (k // per_ms) * 1_000_000, origin, k + 1)))
+            seq += 1
+        journal.append(records)
+    journal.close()
+    return seq - 1
+
+
+def bench_spark(n: int, master: str, keep: str | None = None) -> dict:
+    """Audit and analytics over an n-message journal, read by the Python
+    source and from its Parquet export; rows/s for each."""
+    import json
+
+    from tape.ops import analytics
+    from tape.ops.reference import expected_alerts
+    from tape.ops.spark import reconcile, session
+
+    console = Console()
+    root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="tape-bench-spark-"))
+    root.mkdir(parents=True, exist_ok=True)
+    journal, parquet, alerts = root / "journal", root / "parquet", root / "alerts.jsonl"
+    times: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        if not journal.exists():
+            with console.status(f"writing a {n:,}-message journal…"):
+                build_journal(journal, n)
+        if not alerts.exists():
+            with console.status("computing the delivered alerts with the reference checker…"):
+                stream = ((seq, messages.SEQUENCED.unpack(raw)) for seq, _, raw in Journal(journal, readonly=True).read())
+                found, _ = expected_alerts(stream, 3600 * 10**9, 10 * 10**9)
+                with open(alerts, "w") as f:
+                    for a in found:
+                        f.write(json.dumps({"alert_id": f"TAPE:{a['purchase_seq']}", **a}) + "\n")
+        times["prepare"] = time.perf_counter() - t0
+        records = sum(1 for _ in open(alerts))
+        spark = session(master, "tape-bench-spark")
+        try:
+            def timed(name, fn):
+                with console.status(f"{name}…"):
+                    t = time.perf_counter()
+                    result = fn()
+                    times[name] = time.perf_counter() - t
+                console.print(f"{name}: {times[name]:.1f} s")
+                return result
+
+            timed("count, Python reader", lambda: spark.read.format("tape").load(str(journal)).count())
+            timed("export to Parquet", lambda: spark.read.format("tape").load(str(journal))
+                  .write.mode("overwrite").parquet(str(parquet)))
+            timed("count, Parquet", lambda: spark.read.parquet(str(parquet)).count())
+            for source, path in (("Python reader", journal), ("Parquet", parquet)):
+                found = timed(f"audit, {source}", lambda: reconcile(spark, str(path), str(alerts), "TAPE",
+                                                                     3600 * 10**9, 10 * 10**9))
+                assert found["findings"] == 0, found
+                timed(f"analytics, {source}", lambda: analytics.compute(spark, str(path), 3600 * 10**9, 10 * 10**9))
+        finally:
+            spark.stop()
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    table = Table(title=f"tape bench spark: {n:,} messages, {master}, {records:,} alerts")
+    table.add_column("step")
+    table.add_column("seconds", justify="right")
+    table.add_column("rows/s", justify="right")
+    for name, secs in times.items():
+        table.add_row(name, f"{secs:,.1f}", "" if name == "prepare" else f"{n / secs:,.0f}")
+    console.print(table)
+    return times
