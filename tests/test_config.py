@@ -6,7 +6,7 @@ import tomllib
 
 def test_default_config_is_a_loopback_cluster():
     cfg = default("/tmp/x")
-    assert [n.role for n in cfg.nodes] == ["sequencer", "rewinder", "rewinder"]
+    assert [n.role for n in cfg.nodes] == ["sequencer", "sequencer", "rewinder", "rewinder"]  # leader + standby
     assert cfg.interface == "127.0.0.1" and cfg.group == "239.77.0.1"
     assert default("/tmp/x").port == cfg.port  # fixed: separate processes agree
 

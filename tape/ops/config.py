@@ -3,7 +3,9 @@
     session = "TAPE"
     [stream]    group, port, interface, max_packet, heartbeat_ms, tick_ms
     [journal]   fsync ("batch" | "never" | ms), segment_mb
-    [timeouts]  client_resend_ms, gap_request_ms
+    [timeouts]  client_resend_ms, gap_request_ms, election_ms (minimum election
+                timeout; each wait is drawn from [election_ms, 2 x election_ms]),
+                leader_heartbeat_ms
     [audit]     book_ttl_s, orphan_ttl_s, snapshot_every, snapshot_ms
     [[node]]    name, role ("sequencer" | "rewinder" | "replica" | "emitter"),
                 host, data, metrics_port (0 = none); sequencer: inbound_port,
@@ -74,6 +76,8 @@ class Config:
     segment_mb: int = 64
     client_resend_ms: int = 50
     gap_request_ms: int = 20
+    election_ms: int = 300
+    leader_heartbeat_ms: int = 50
     book_ttl_s: float = 3600.0
     orphan_ttl_s: float = 10.0
     snapshot_every: int = 100_000
@@ -168,6 +172,10 @@ def parse(doc: dict, base: Path | None = None) -> Config:
     timeouts = _get(doc, "timeouts", dict, "", {})
     cfg.client_resend_ms = _get(timeouts, "client_resend_ms", int, "timeouts.", 50)
     cfg.gap_request_ms = _get(timeouts, "gap_request_ms", int, "timeouts.", 20)
+    cfg.election_ms = _get(timeouts, "election_ms", int, "timeouts.", 300)
+    cfg.leader_heartbeat_ms = _get(timeouts, "leader_heartbeat_ms", int, "timeouts.", 50)
+    if not 0 < cfg.leader_heartbeat_ms * 3 <= cfg.election_ms:
+        raise ConfigError("timeouts.leader_heartbeat_ms: must be positive and at most a third of timeouts.election_ms")
     audit = _get(doc, "audit", dict, "", {})
     cfg.book_ttl_s = _get(audit, "book_ttl_s", float, "audit.", 3600.0)
     cfg.orphan_ttl_s = _get(audit, "orphan_ttl_s", float, "audit.", 10.0)
@@ -243,9 +251,9 @@ DEFAULT_BASE_PORT = 31400
 
 
 def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 2, free: bool = False,
-                 seed: int | None = None, replicas: int = 0) -> str:
-    """The embedded default: one sequencer and `rewinders` rewinders on
-    loopback. Fixed ports and group, so that separate processes agree; with
+                 seed: int | None = None, replicas: int = 0, sequencers: int = 1) -> str:
+    """The embedded default: `sequencers` sequencers (seq-a, and seq-b as the
+    standby) and `rewinders` rewinders on loopback. Fixed ports and group, so that separate processes agree; with
     `free`, free ports and a random group (tests, parallel runs)."""
     if free:
         rng = random.Random(seed)
@@ -260,9 +268,10 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         'session = "TAPE"',
         f'[stream]\ngroup = "{group}"\nport = {port()}\ninterface = "127.0.0.1"\nheartbeat_ms = 200\ntick_ms = 1000',
         '[journal]\nfsync = "batch"',
-        f'[[node]]\nname = "seq-a"\nrole = "sequencer"\ndata = "{data / "seq-a"}"\n'
-        f'inbound_port = {port()}\nreplication_port = {port()}\nmetrics_port = {port()}',
     ]
+    for name in ("seq-a", "seq-b", "seq-c")[:sequencers]:
+        lines.append(f'[[node]]\nname = "{name}"\nrole = "sequencer"\ndata = "{data / name}"\n'
+                     f'inbound_port = {port()}\nreplication_port = {port()}\nmetrics_port = {port()}')
     for i in range(1, rewinders + 1):
         lines.append(
             f'[[node]]\nname = "rw-{i}"\nrole = "rewinder"\ndata = "{data / f"rw-{i}"}"\n'
@@ -280,4 +289,4 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
 
 
 def default(data_dir: str | Path = ".") -> Config:
-    return parse(tomllib.loads(default_toml(data_dir)))
+    return parse(tomllib.loads(default_toml(data_dir, sequencers=2)))

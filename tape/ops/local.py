@@ -20,10 +20,11 @@ TAPE = [sys.executable, "-m", "tape.ops.cli"]
 
 
 class LocalCluster:
-    def __init__(self, root: Path, rewinders: int = 2, clients: int = 2, extra: str = "", replicas: int = 0):
+    def __init__(self, root: Path, rewinders: int = 2, clients: int = 2, extra: str = "", replicas: int = 0,
+                 sequencers: int = 1):
         self.root = root
         self.config_path = root / "cluster.toml"
-        text = default_toml(root / "data", rewinders, clients, free=True, replicas=replicas)
+        text = default_toml(root / "data", rewinders, clients, free=True, replicas=replicas, sequencers=sequencers)
         text = text.replace("[journal]", extra + "\n[journal]") if extra else text
         self.config_path.write_text(text)
         self.cfg = load(self.config_path)

@@ -12,6 +12,11 @@ Every frame: length u32 (of what follows), type u8, payload.
                    at prev_seq, so the leader must send from earlier)
     'H' hello      term u64, node 10, last_seq u64, last_term u64
                    (first frame of a follower on a new connection)
+    'V' vote req.  term u64, candidate 10, last_seq u64, last_term u64, pre u8
+                   (Raft's RequestVote: a candidate asks every voter; pre = 1
+                   is a pre-vote, which changes no one's term)
+    'G' vote       term u64, voter 10, granted u8, pre u8
+                   (the answer, on the same connection)
 
 All entries of one append share a term, so a catch-up that crosses terms is
 sent as several appends. Sans-I/O.
@@ -30,7 +35,9 @@ FRAME = framing.FRAME
 APPEND = struct.Struct(">Q10sQQQQI")
 ACK = struct.Struct(">Q10sBQ")
 HELLO = struct.Struct(">Q10sQQ")
-T_APPEND, T_ACK, T_HELLO = ord("A"), ord("K"), ord("H")
+VOTE_REQUEST = struct.Struct(">Q10sQQB")
+VOTE = struct.Struct(">Q10sBB")
+T_APPEND, T_ACK, T_HELLO, T_VOTE_REQUEST, T_VOTE = ord("A"), ord("K"), ord("H"), ord("V"), ord("G")
 MAX_FRAME = 16 << 20
 
 
@@ -61,6 +68,30 @@ class Hello(NamedTuple):
     node: bytes
     last_seq: int
     last_term: int
+
+
+class VoteRequest(NamedTuple):
+    term: int
+    candidate: bytes
+    last_seq: int
+    last_term: int
+    pre: bool = False
+
+
+class Vote(NamedTuple):
+    term: int
+    voter: bytes
+    granted: bool
+    pre: bool = False
+
+
+def encode_vote_request(term: int, candidate: bytes, last_seq: int, last_term: int, pre: bool = False) -> bytes:
+    return FRAME.pack(1 + VOTE_REQUEST.size, T_VOTE_REQUEST) + VOTE_REQUEST.pack(term, candidate, last_seq, last_term,
+                                                                                  1 if pre else 0)
+
+
+def encode_vote(term: int, voter: bytes, granted: bool, pre: bool = False) -> bytes:
+    return FRAME.pack(1 + VOTE.size, T_VOTE) + VOTE.pack(term, voter, 1 if granted else 0, 1 if pre else 0)
 
 
 def encode_append(term, leader, prev_seq, prev_term, commit_seq, entries_term, messages: list[bytes]) -> bytes:
@@ -95,6 +126,16 @@ def _decode(kind: int, payload: bytes, where: int):
         if len(payload) != HELLO.size:
             raise ProtocolError("bad_length", f"hello is {HELLO.size} bytes, got {len(payload)}", where)
         return Hello(*HELLO.unpack(payload))
+    if kind == T_VOTE_REQUEST:
+        if len(payload) != VOTE_REQUEST.size:
+            raise ProtocolError("bad_length", f"vote request is {VOTE_REQUEST.size} bytes, got {len(payload)}", where)
+        term, candidate, last_seq, last_term, pre = VOTE_REQUEST.unpack(payload)
+        return VoteRequest(term, candidate, last_seq, last_term, bool(pre))
+    if kind == T_VOTE:
+        if len(payload) != VOTE.size:
+            raise ProtocolError("bad_length", f"vote is {VOTE.size} bytes, got {len(payload)}", where)
+        term, voter, granted, pre = VOTE.unpack(payload)
+        return Vote(term, voter, bool(granted), bool(pre))
     raise ProtocolError("unknown_type", f"replication frame type 0x{kind:02x}", where)
 
 

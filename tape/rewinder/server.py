@@ -1,10 +1,12 @@
 """`tape rewinder`: a follower that keeps the whole log.
 
-- Replication (TCP): the leader connects; the rewinder says hello with its
-  log position, appends what the leader sends to its journal (durably, per
-  the fsync policy) and only then acknowledges. A restarted rewinder says
-  where its journal ends and is caught up by the leader from there before it
-  acknowledges anything new.
+- Replication (TCP, tape/voter.py): the leader connects; the rewinder says
+  hello with its log position, appends what the leader sends to its journal
+  (durably, per the fsync policy) and only then acknowledges. A restarted
+  rewinder says where its journal ends and is caught up by the leader from
+  there before it acknowledges anything new. It votes in elections (never
+  campaigns), and drops an uncommitted suffix that conflicts with a new
+  leader's log.
 - Gap fill (UDP): answers MoldUDP64 request packets with committed messages.
 - Replay (TCP, SoupBinTCP): streams committed messages from any seq, then
   follows the log live, with heartbeats when idle.
@@ -21,13 +23,12 @@ from tape.gctune import tune_gc
 from tape.ops import metrics
 from tape.ops.config import Config, Node
 from tape.ops.ratelog import RateLimitedLog
-from tape.protocol import replication as rep
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import ProtocolError
 from tape.protocol.packets import PacketBuilder, messages_per_packet
-from tape.rewinder.follower import FollowerCore
 from tape.rewinder.gapfill import GapFillCore
 from tape.transport import LossInjector, udp_socket
+from tape.voter import Voter
 
 log = logging.getLogger("tape.rewinder")
 REPLAY_CHUNK = 1000
@@ -40,41 +41,45 @@ class Rewinder:
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
         self.journal = cfg.open_journal(node)
-        self.core = FollowerCore(node.wire_name, self.journal.last_seq, self.journal.last_term, self._term_at)
+        self.voter = Voter(cfg, node, self.journal, can_lead=False, on_fatal=self._fail)  # votes, never leads
+        self.failed: str | None = None
         self.gapfill = GapFillCore(cfg.session_bytes, messages_per_packet(cfg.max_packet))
-        self.committed = asyncio.Event()
-        self.appended = 0
         self.replay_sessions = 0
         self.replayed = 0
         self.gap_messages_sent = 0
         self.bad_frames = 0
         self._stop = asyncio.Event()
 
-    def _term_at(self, seq: int) -> int:
-        for _, term, _ in self.journal.read(seq, seq):
-            return term
-        raise RuntimeError(f"journal has no seq {seq}")
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        log.critical("%s: %s; stopping", self.node.name, why)
+        self._stop.set()
+
+    @property
+    def commit_seq(self) -> int:
+        return self.voter.commit_seq
 
     def report(self):
         yield "last_seq", "gauge", "highest seq in the journal", self.journal.last_seq
-        yield "commit_seq", "gauge", "highest seq known committed", self.core.commit_seq
-        yield "messages_appended", "counter", "messages appended from the leader", self.appended
+        yield "commit_seq", "gauge", "highest seq known committed", self.commit_seq
+        yield "messages_appended", "counter", "messages appended from the leader", self.voter.appended
         yield "gapfill_requests_served", "counter", "gap-fill requests answered", self.gapfill.served
         yield "gapfill_messages_sent", "counter", "messages sent in gap-fill answers", self.gap_messages_sent
         yield "dropped_datagrams", "counter", "gap-fill requests dropped, by reason", {**self.gapfill.dropped, "injected_loss": self.loss.dropped}
         yield "replay_sessions", "counter", "TCP replay sessions accepted", self.replay_sessions
         yield "replay_messages", "counter", "messages sent over TCP replay", self.replayed
-        yield "bad_frames", "counter", "malformed TCP frames (connection closed)", self.bad_frames
+        yield "bad_frames", "counter", "malformed TCP frames (connection closed)", self.bad_frames + self.voter.bad_frames
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
-        yield "term", "gauge", "current term", self.core.term
+        yield "term", "gauge", "current term", self.voter.election.term
+        yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         metrics.serve(self.node.metrics_port, "tape_rewinder", self.node.name, self.report, self.node.host)
-        repl = await asyncio.start_server(self._on_leader, self.node.host, self.node.replication_port)
+        repl = await asyncio.start_server(self.voter.serve, self.node.host, self.node.replication_port)
         replay = await asyncio.start_server(self._on_replay, self.node.host, self.node.replay_port)
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop.add_reader(self.gap_sock, self._on_gap_request)
@@ -87,45 +92,6 @@ class Rewinder:
         self.journal.close()
         log.info("%s stopped at seq %d", self.node.name, self.journal.last_seq)
 
-    # --- replication -----------------------------------------------------------------
-
-    async def _on_leader(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        # Connections are independent: a stray one cannot displace the leader's,
-        # and appends are judged by their term.
-        writer.write(rep.encode_hello(self.core.term, self.node.wire_name, self.journal.last_seq, self.journal.last_term))
-        frames = rep.FrameReader()
-        try:
-            while True:
-                data = await reader.read(1 << 20)
-                if not data:
-                    break
-                for fr in frames.feed(data):
-                    if isinstance(fr, rep.Append):
-                        writer.write(self._append(fr))
-        except ProtocolError as e:
-            self.bad_frames += 1
-            log.warning("bad replication frame, closing: %s", e)
-        except (ConnectionError, asyncio.CancelledError):
-            pass  # the leader went away, or we are shutting down
-        finally:
-            writer.close()
-
-    def _append(self, a: rep.Append) -> bytes:
-        before = self.core.commit_seq
-        res = self.core.on_append(a)
-        if res.truncate_after is not None:
-            if res.truncate_after < self.core.commit_seq:
-                raise RuntimeError(f"asked to drop committed seq {res.truncate_after + 1}: refusing")
-            log.warning("dropping uncommitted suffix after seq %d (conflicts with leader's log)", res.truncate_after)
-            self.journal.truncate_after(res.truncate_after)
-        if res.records:
-            self.journal.append(res.records)  # durable before the ack, per the fsync policy
-            self.appended += len(res.records)
-        if self.core.commit_seq != before:
-            self.committed.set()
-            self.committed.clear()
-        return rep.encode_ack(self.core.term, self.node.wire_name, res.success, res.last_seq)
-
     # --- gap fill ----------------------------------------------------------------------
 
     def _on_gap_request(self) -> None:
@@ -137,7 +103,7 @@ class Rewinder:
                 return
             if self.loss.drop():
                 continue
-            action = self.gapfill.on_request(data, addr, now, self.core.commit_seq)
+            action = self.gapfill.on_request(data, addr, now, self.commit_seq)
             if isinstance(action, str):
                 if action != "rate_limited":
                     self.badlog.warn(action, "dropped gap request from %s: %s", addr, action)
@@ -169,13 +135,13 @@ class Rewinder:
                 writer.write(soup.login_rejected(soup.REJECT_SESSION_UNAVAILABLE))
                 await writer.drain()
                 return
-            seq = seq or self.core.commit_seq + 1
+            seq = seq or self.commit_seq + 1
             writer.write(soup.login_accepted(self.cfg.session_bytes, seq))
             self.replay_sessions += 1
             client = asyncio.create_task(self._replay_client_frames(reader, frames))
             while not client.done():
-                if seq <= self.core.commit_seq:
-                    records = self.journal.read_batch(seq, min(REPLAY_CHUNK, self.core.commit_seq - seq + 1))
+                if seq <= self.commit_seq:
+                    records = self.journal.read_batch(seq, min(REPLAY_CHUNK, self.commit_seq - seq + 1))
                     writer.write(b"".join(soup.sequenced(m) for _, _, m in records))
                     seq += len(records)
                     self.replayed += len(records)
@@ -196,7 +162,7 @@ class Rewinder:
             writer.close()
 
     async def _wait_commit(self) -> None:
-        await self.committed.wait()
+        await self.voter.committed.wait()
 
     async def _replay_client_frames(self, reader, frames) -> None:
         """Read the client's side until it logs out or goes away."""
@@ -214,5 +180,6 @@ def run(cfg: Config, node_name: str, drop: float = 0.0, seed: int = 0) -> int:
     if node.role != "rewinder":
         raise SystemExit(f"node {node_name} is a {node.role}, not a rewinder")
     tune_gc()
-    asyncio.run(Rewinder(cfg, node, drop, seed).run())
-    return 0
+    rewinder = Rewinder(cfg, node, drop, seed)
+    asyncio.run(rewinder.run())
+    return 4 if rewinder.failed else 0

@@ -265,6 +265,15 @@ class LeaderCore:
             self._last_published_ns = now_ns
         return batch, heartbeat
 
+    def sequenced_client_last(self) -> dict[bytes, int]:
+        """Highest client seq per client that is in the log (accepted but not
+        yet stamped messages excluded): what a follower continues from."""
+        out = dict(self.client_last)
+        for origin, first_cseq, _ in self._pending:
+            if origin is not None and out.get(origin, 0) >= first_cseq:
+                out[origin] = first_cseq - 1
+        return out
+
     def end_of_session(self) -> bytes:
         return moldudp64.encode_end_of_session(self.session, self.published_seq + 1)
 

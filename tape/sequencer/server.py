@@ -1,10 +1,16 @@
-"""`tape sequencer`: the asyncio shell around LeaderCore.
+"""`tape sequencer`: a voter that can lead; the asyncio shell around
+ElectionCore (through Voter), FollowerCore and LeaderCore.
 
-Inbound batches arrive on a UDP socket and are drained in one go per wake-up
-(natural batching under load); each drain is stamped into one batch, written
-to the journal with one append, sent to every live follower in one frame,
-and published once a majority holds it. A follower that is behind (new,
+Every sequencer starts as a follower: it serves its replication port (appends
+from the leader, vote requests) like a rewinder, and drops inbound batches.
+When its election timer fires it campaigns (pre-vote, then vote); elected,
+it leads: inbound batches are drained in one go per wake-up (natural
+batching under load), each drain is stamped into one batch, written to the
+journal with one append, sent to every live follower in one frame, and
+published once a majority holds it. A follower that is behind (new,
 restarted, slow) is caught up from this journal before it gets live batches.
+A leader that sees a higher term, or has not heard a majority for the
+election timeout, steps down at once and follows again.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from tape.ops.config import Config, Node
 from tape.ops.ratelog import RateLimitedLog
 from tape.protocol import replication as rep
 from tape.protocol.errors import ProtocolError
-from tape.sequencer.core import Batch, LeaderCore, rebuild_client_state
+from tape.sequencer.core import Batch, LeaderCore
+from tape.sequencer.election import InvariantViolation
 from tape.transport import LossInjector, multicast_sender, udp_socket
+from tape.voter import Voter
 
 log = logging.getLogger("tape.sequencer")
 CATCHUP_CHUNK = 2000
@@ -46,40 +54,55 @@ class Sequencer:
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
         self.journal = cfg.open_journal(node)
-        client_last, last_seq, last_term = rebuild_client_state(self.journal.read())
-        followers = [n for n in cfg.voters if n is not node]
-        self.core = LeaderCore(
-            cfg.session_bytes, node.wire_name, last_term + 1, [f.wire_name for f in followers],
-            {c.name.encode().ljust(10): c.key for c in cfg.clients},
-            last_seq=last_seq, last_term=last_term, client_last=client_last, max_packet=cfg.max_packet,
-            tick_ns=cfg.tick_ms * 1_000_000, heartbeat_ns=cfg.heartbeat_ms * 1_000_000)
-        self.followers = followers
+        self.voter = Voter(cfg, node, self.journal, can_lead=True, on_action=self._on_election, on_fatal=self._fail)
+        self.followers = [n for n in cfg.voters if n is not node]
+        self.core: LeaderCore | None = None  # while leading
         self.links: dict[bytes, Link] = {}
+        self._leader_tasks: list[asyncio.Task] = []
         self.inbound_datagrams = 0
         self.inbound_bytes = 0
+        self.not_leader_drops = 0
         self.send_errors = 0
-        self.stepped_down = False
+        self.step_downs: dict[str, int] = {}
+        self.terms_led = 0
+        self.failed: str | None = None
         self._commit_sent = -1
+        self._last = {"commit_seq": 0, "published": 0, "accepted": 0, "packets": 0, "dropped": {}}
         self._stop = asyncio.Event()
 
     # --- metrics -----------------------------------------------------------------
 
     def report(self):
         c = self.core
+        e = self.voter.election
         yield "inbound_datagrams", "counter", "inbound datagrams received", self.inbound_datagrams
         yield "inbound_bytes", "counter", "inbound bytes received", self.inbound_bytes
-        yield "messages_accepted", "counter", "client messages accepted for sequencing", c.accepted
-        yield "dropped_datagrams", "counter", "inbound datagrams dropped, by reason", {**c.dropped, "injected_loss": self.loss.dropped}
-        yield "sequenced_seq", "gauge", "highest seq stamped", c.last_seq
-        yield "commit_seq", "gauge", "highest seq held by a majority", c.commit_seq
-        yield "commit_lag", "gauge", "messages stamped but not yet committed", c.last_seq - c.commit_seq
-        yield "packets_published", "counter", "packets published on the public stream", c.published_packets
-        yield "messages_published", "counter", "messages published on the public stream", c.published_messages
+        yield "messages_accepted", "counter", "client messages accepted for sequencing", \
+            self._last["accepted"] + (c.accepted if c else 0)
+        dropped = dict(self._last["dropped"])
+        for k, v in (c.dropped.items() if c else ()):
+            dropped[k] = dropped.get(k, 0) + v
+        yield "dropped_datagrams", "counter", "inbound datagrams dropped, by reason", \
+            {**dropped, "injected_loss": self.loss.dropped, "not_leader": self.not_leader_drops}
+        yield "sequenced_seq", "gauge", "highest seq in this node's log", self.journal.last_seq
+        yield "commit_seq", "gauge", "highest seq known held by a majority", c.commit_seq if c else self.voter.commit_seq
+        yield "commit_lag", "gauge", "messages stamped but not yet committed", c.last_seq - c.commit_seq if c else 0
+        yield "packets_published", "counter", "packets published on the public stream", \
+            self._last["packets"] + (c.published_packets if c else 0)
+        yield "messages_published", "counter", "messages published on the public stream", \
+            self._last["published"] + (c.published_messages if c else 0)
         yield "publish_errors", "counter", "packets the socket refused", self.send_errors
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
-        yield "term", "gauge", "current term", c.term
-        yield "follower_match_seq", "gauge", "highest seq each follower holds", {k.decode().strip(): v for k, v in c.match.items()}, "follower"
+        yield "term", "gauge", "current term", e.term
+        yield "leader", "gauge", "1 while this node leads", 1 if c else 0
+        yield "elections", "counter", "elections this node started (after a won pre-vote)", e.elections
+        yield "leader_changes", "counter", "times the leader this node knows changed", e.leader_changes
+        yield "terms_led", "counter", "terms this node led", self.terms_led
+        yield "step_downs", "counter", "times this node stopped leading, by reason", self.step_downs
+        if c:
+            yield "follower_match_seq", "gauge", "highest seq each follower holds", \
+                {k.decode().strip(): v for k, v in c.match.items()}, "follower"
 
     # --- running -------------------------------------------------------------------
 
@@ -92,33 +115,109 @@ class Sequencer:
         self.publisher = multicast_sender(self.cfg.interface)
         self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         self.dest = (self.cfg.group, self.cfg.port)
-        log.info("%s leading term %d from seq %d; inbound %s:%d (rcvbuf %d), publishing %s:%d, %d followers",
-                 self.node.name, self.core.term, self.core.last_seq + 1, self.node.host, self.node.inbound_port,
-                 granted, *self.dest, len(self.followers))
-        tasks = [asyncio.create_task(self._follower_link(f)) for f in self.followers]
-        tasks.append(asyncio.create_task(self._timer()))
-        self._process(self.core.start_term(time.time_ns()))
+        server = await asyncio.start_server(self.voter.serve, self.node.host, self.node.replication_port)
+        log.info("%s at seq %d, term %d; replication :%d, inbound %s:%d (rcvbuf %d), publishing %s:%d; %d voters",
+                 self.node.name, self.journal.last_seq, self.voter.election.term, self.node.replication_port,
+                 self.node.host, self.node.inbound_port, granted, *self.dest, len(self.cfg.voters))
+        ticker = asyncio.create_task(self._election_ticker())
         loop.add_reader(self.inbound, self._on_inbound)
         await self._stop.wait()
         loop.remove_reader(self.inbound)
-        await self._shutdown(tasks)
+        ticker.cancel()
+        server.close()
+        await self._shutdown()
 
-    async def _shutdown(self, tasks) -> None:
-        batch = self.core.flush(time.time_ns())
-        if batch:
-            self._process(batch)
-        deadline = time.monotonic() + 1.0
-        while self.core.commit_seq < self.core.last_seq and time.monotonic() < deadline and not self.stepped_down:
+    async def _election_ticker(self) -> None:
+        while True:
             await asyncio.sleep(0.01)
-        if not self.stepped_down:
-            self._publish([self.core.end_of_session()])
-        for t in tasks:
+            try:
+                self.voter.tick()
+            except InvariantViolation as e:
+                self._fail(str(e))
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        log.critical("%s: %s; stopping", self.node.name, why)
+        self._stop.set()
+
+    def _on_election(self, action: tuple) -> None:
+        kind = action[0]
+        if kind == "request_votes":
+            _, pre, term, last_seq, last_term = action
+            log.info("%s: %s for term %d at seq %d (term %d)", self.node.name, "pre-vote" if pre else "campaigning",
+                     term, last_seq, last_term)
+            self._leader_tasks.append(asyncio.ensure_future(self.voter.request_votes(pre, term, last_seq, last_term)))
+        elif kind == "lead":
+            self._lead(action[1])
+        elif kind == "step_down":
+            self._follow(action[1])
+
+    def _lead(self, term: int) -> None:
+        j = self.journal
+        self.core = LeaderCore(
+            self.cfg.session_bytes, self.node.wire_name, term, [f.wire_name for f in self.followers],
+            {c.name.encode().ljust(10): c.key for c in self.cfg.clients},
+            last_seq=j.last_seq, last_term=j.last_term, client_last=dict(self.voter.clients.last),
+            max_packet=self.cfg.max_packet, tick_ns=self.cfg.tick_ms * 1_000_000,
+            heartbeat_ns=self.cfg.heartbeat_ms * 1_000_000)
+        self.terms_led += 1
+        self._commit_sent = -1
+        log.warning("%s leading term %d from seq %d", self.node.name, term, j.last_seq + 1)
+        self._leader_tasks = [t for t in self._leader_tasks if not t.done()]
+        self._leader_tasks += [asyncio.ensure_future(self._follower_link(f)) for f in self.followers]
+        self._leader_tasks.append(asyncio.ensure_future(self._timer()))
+        self._process(self.core.start_term(time.time_ns()))
+
+    def _follow(self, reason: str) -> None:
+        c = self.core
+        if c is None:
+            return  # a candidate giving up: nothing to undo
+        log.error("%s stepping down from term %d: %s", self.node.name, c.term, reason)
+        key = reason.split(":")[0].split(" (")[0] if "check-quorum" not in reason else "lost_majority"
+        key = "higher_term" if "term" in key else key
+        self.step_downs[key] = self.step_downs.get(key, 0) + 1
+        self.core = None
+        for t in self._leader_tasks:
+            t.cancel()
+        self._leader_tasks = []
+        for link in self.links.values():
+            link.writer.close()
+        self.links = {}
+        self._last["accepted"] += c.accepted
+        self._last["published"] += c.published_messages
+        self._last["packets"] += c.published_packets
+        for k, v in c.dropped.items():
+            self._last["dropped"][k] = self._last["dropped"].get(k, 0) + v
+        self.voter.clients.last = c.sequenced_client_last()
+        self.voter.resync(c.commit_seq)
+
+    async def _shutdown(self) -> None:
+        c = self.core
+        if c is not None:
+            batch = c.flush(time.time_ns())
+            if batch:
+                self._process(batch)
+            deadline = time.monotonic() + 1.0
+            while self.core is c and c.commit_seq < c.last_seq and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if self.core is c:
+                self._publish([c.end_of_session()])
+        for t in self._leader_tasks:
             t.cancel()
         self.journal.close()
-        log.info("%s stopped at seq %d, committed %d", self.node.name, self.core.last_seq, self.core.commit_seq)
+        log.info("%s stopped at seq %d, term %d", self.node.name, self.journal.last_seq, self.voter.election.term)
 
     def _on_inbound(self) -> None:
         core, sock, loss = self.core, self.inbound, self.loss
+        if core is None:  # following: clients send to every sequencer; the leader sequences
+            for _ in range(512):
+                try:
+                    sock.recv(65536)
+                except BlockingIOError:
+                    return
+                self.inbound_datagrams += 1
+                self.not_leader_drops += 1
+            return
         now = time.time_ns()
         for _ in range(512):
             try:
@@ -154,7 +253,9 @@ class Sequencer:
             elif link.live:
                 link.live = False
                 link.wake.set()
-        self.journal.append(batch.records())
+        records = batch.records()
+        self.journal.append(records)
+        self.voter.clients.note(records)
         self._publish(self.core.on_journaled(batch.last_seq))
 
     def _publish(self, packets: list[bytes]) -> None:
@@ -173,21 +274,25 @@ class Sequencer:
     async def _timer(self) -> None:
         period = 0.005
         last_commit_beat = 0.0
-        while True:
+        beat = self.cfg.leader_heartbeat_ms / 1000
+        while self.core is not None:
             await asyncio.sleep(period)
+            if self.core is None:
+                return
             batch, heartbeat = self.core.on_timer(time.time_ns())
             if batch is not None:
                 self._process(batch)
             if heartbeat is not None:
                 self._publish([heartbeat])
             now = time.monotonic()
-            if self.core.commit_seq != self._commit_sent or now - last_commit_beat > 0.1:
+            if self.core.commit_seq != self._commit_sent or now - last_commit_beat > beat:
                 self._send_commit()
                 last_commit_beat = now
             self.journal.maybe_sync()  # the "every N ms" policy while idle
 
     def _send_commit(self) -> None:
-        """Empty appends: the followers learn the commit point (to serve gap fills)."""
+        """Empty appends: the followers learn the commit point (to serve gap
+        fills) and that this leader lives (their election timers restart)."""
         self._commit_sent = self.core.commit_seq
         for link in self.links.values():
             if link.live:
@@ -215,8 +320,8 @@ class Sequencer:
                     for fr in frames.feed(data):
                         if isinstance(fr, rep.Hello):
                             hello = fr
-                if hello.term > self.core.term:
-                    self._step_down(f"{f.name} is in term {hello.term}")
+                self.voter.act(self.voter.election.on_higher_term(hello.term, hello.node, time.monotonic_ns()))
+                if self.core is None:
                     return
                 link = Link(f, writer, min(hello.last_seq, self.core.last_seq) + 1)
                 self.links[f.wire_name] = link
@@ -240,20 +345,17 @@ class Sequencer:
             await asyncio.sleep(0.1)
 
     def _on_ack(self, link: Link, ack: rep.Ack) -> None:
+        self.voter.act(self.voter.election.on_ack(link.node.wire_name, ack.term, time.monotonic_ns()))
+        if self.core is None:
+            return  # it was in a higher term: stepped down
         packets = self.core.on_ack(link.node.wire_name, ack.term, ack.success, ack.last_seq)
         if packets is None:
-            self._step_down(f"{link.node.name} acked in term {ack.term}")
             return
         if not ack.success:
             link.next_seq = min(link.next_seq, ack.last_seq + 1)
             link.live = False
             link.wake.set()
         self._publish(packets)
-
-    def _step_down(self, why: str) -> None:
-        log.error("stepping down: %s (this is term %d)", why, self.core.term)
-        self.stepped_down = True
-        self._stop.set()
 
     async def _feed(self, link: Link) -> None:
         """Catch a follower up from the journal, then let it go live."""
@@ -283,11 +385,7 @@ class Sequencer:
             await link.wake.wait()
 
     def _term_at(self, seq: int) -> int:
-        if seq == 0:
-            return 0
-        for s, term, _ in self.journal.read(seq, seq):
-            return term
-        raise RuntimeError(f"journal has no seq {seq}")
+        return self.voter.term_at(seq)
 
 
 def run(cfg: Config, node_name: str, drop: float = 0.0, seed: int = 0) -> int:
@@ -297,4 +395,4 @@ def run(cfg: Config, node_name: str, drop: float = 0.0, seed: int = 0) -> int:
     tune_gc()
     seq = Sequencer(cfg, node, drop, seed)
     asyncio.run(seq.run())
-    return 3 if seq.stepped_down else 0
+    return 4 if seq.failed else 0

@@ -1,0 +1,231 @@
+"""The replication endpoint every voter runs (sequencers and rewinders): the
+asyncio shell around ElectionCore and FollowerCore.
+
+A leader (or a candidate) connects to a voter's replication port. The voter
+greets with a hello (term, log position), then answers each append with an
+ack (after the records are in its journal, per the fsync policy) and each
+vote request with a vote (after its term and vote are on disk). The term
+and the vote live in `DATA/election.json`, written atomically and fsynced,
+so that a restarted voter never votes twice in a term.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import struct
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+from tape.ops.config import Config, Node
+from tape.protocol import messages
+from tape.protocol import replication as rep
+from tape.protocol.errors import ProtocolError
+from tape.rewinder.follower import FollowerCore
+from tape.sequencer.election import ElectionCore, InvariantViolation
+
+log = logging.getLogger("tape.voter")
+_TYPE_ORIGIN_CSEQ = struct.Struct(">B56x10sQ")  # type, origin and client seq of a sequenced message
+
+
+class VoteStore:
+    """(term, voted_for) on disk."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def load(self) -> tuple[int, bytes | None]:
+        try:
+            doc = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return 0, None
+        except ValueError as e:
+            raise SystemExit(f"{self.path}: unreadable election state ({e}); refusing to guess a term") from None
+        voted = doc.get("voted_for")
+        return int(doc["term"]), voted.encode("ascii") if voted is not None else None
+
+    def save(self, term: int, voted_for: bytes | None) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"term": term, "voted_for": voted_for.decode("ascii") if voted_for else None}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+class ClientState:
+    """Highest client seq sequenced per client, kept as records reach the
+    journal, so that a node that becomes leader dedupes at once."""
+
+    def __init__(self):
+        self.last: dict[bytes, int] = {}
+
+    def note(self, records) -> None:
+        last = self.last
+        unpack = _TYPE_ORIGIN_CSEQ.unpack_from
+        for _, _, raw in records:
+            kind, origin, cseq = unpack(raw)
+            if (kind == messages.REQUEST or kind == messages.PURCHASE) and cseq > last.get(origin, 0):
+                last[origin] = cseq
+
+    def rebuild(self, journal) -> None:
+        self.last = {}
+        self.note(journal.read())
+
+
+class Voter:
+    def __init__(self, cfg: Config, node: Node, journal, can_lead: bool, on_action: Callable[[tuple], None] = None,
+                 on_fatal: Callable[[str], None] = None):
+        self.cfg = cfg
+        self.node = node
+        self.journal = journal
+        self.on_action = on_action or (lambda action: None)
+        self.on_fatal = on_fatal or (lambda why: None)  # the node's state is impossible: it must stop
+        self.store = VoteStore(Path(node.data) / "election.json")
+        term, voted_for = self.store.load()
+        term = max(term, journal.last_term)
+        self.clients = ClientState()
+        self.clients.rebuild(journal)
+        self.follower = FollowerCore(node.wire_name, journal.last_seq, journal.last_term, self.term_at, term=term)
+        lo = cfg.election_ms * 1_000_000
+        # Seeded by the node's name: each voter has its own jitter, the same on every run.
+        rng = random.Random(zlib.crc32(node.name.encode()))
+        self.election = ElectionCore(node.wire_name, [v.wire_name for v in cfg.voters], can_lead,
+                                     lambda: (journal.last_seq, journal.last_term), rng, (lo, 2 * lo), term, voted_for,
+                                     time.monotonic_ns())
+        # The first election comes sooner: pre-votes keep a restarted node from disrupting a live leader.
+        self.election.deadline = time.monotonic_ns() + rng.randint(lo // 4, lo // 2)
+        self.committed = asyncio.Event()  # set and cleared whenever the commit point moves
+        self.appended = 0
+        self.bad_frames = 0
+        self.truncations = 0
+
+    def term_at(self, seq: int) -> int:
+        if seq == 0:
+            return 0
+        for _, term, _ in self.journal.read(seq, seq):
+            return term
+        raise RuntimeError(f"journal has no seq {seq}")
+
+    @property
+    def commit_seq(self) -> int:
+        return self.follower.commit_seq
+
+    def act(self, actions: list) -> None:
+        for action in actions:
+            if action[0] == "persist":
+                self.store.save(action[1], action[2])
+            else:
+                self.on_action(action)
+
+    def tick(self) -> None:
+        self.act(self.election.on_tick(time.monotonic_ns()))
+
+    def resync(self, commit_seq: int) -> None:
+        """After leading: follow again from what the journal holds."""
+        self.follower = FollowerCore(self.node.wire_name, self.journal.last_seq, self.journal.last_term, self.term_at,
+                                     term=self.election.term)
+        self.follower.commit_seq = commit_seq
+
+    # --- the replication port -------------------------------------------------------
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Connections are independent: a stray one cannot displace the leader's,
+        # and every append and vote request is judged by its term.
+        writer.write(rep.encode_hello(self.election.term, self.node.wire_name, self.journal.last_seq,
+                                      self.journal.last_term))
+        frames = rep.FrameReader()
+        try:
+            while True:
+                data = await reader.read(1 << 20)
+                if not data:
+                    break
+                for fr in frames.feed(data):
+                    if isinstance(fr, rep.Append):
+                        writer.write(self.on_append(fr))
+                    elif isinstance(fr, rep.VoteRequest):
+                        writer.write(self.on_vote_request(fr))
+                    else:
+                        raise ProtocolError("unexpected", f"{type(fr).__name__} frame on a voter's port", 0)
+        except ProtocolError as e:
+            self.bad_frames += 1
+            log.warning("bad replication frame, closing: %s", e)
+        except (InvariantViolation, RuntimeError) as e:
+            self.on_fatal(str(e))
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # the leader went away, or we are shutting down
+        finally:
+            writer.close()
+
+    def on_append(self, a: rep.Append) -> bytes:
+        ok, actions = self.election.on_append(a.term, a.leader, time.monotonic_ns())
+        self.act(actions)  # a leader seeing a higher term steps down here, before following
+        if not ok:
+            return rep.encode_ack(self.election.term, self.node.wire_name, False, self.journal.last_seq)
+        before = self.follower.commit_seq
+        self.follower.term = self.election.term
+        res = self.follower.on_append(a)
+        if res.truncate_after is not None:
+            if res.truncate_after < before:
+                raise RuntimeError(f"asked to drop committed seq {res.truncate_after + 1}: refusing")
+            log.warning("dropping uncommitted suffix after seq %d (conflicts with the leader's log)", res.truncate_after)
+            self.journal.truncate_after(res.truncate_after)
+            self.clients.rebuild(self.journal)
+            self.truncations += 1
+        if res.records:
+            self.journal.append(res.records)  # durable before the ack, per the fsync policy
+            self.clients.note(res.records)
+            self.appended += len(res.records)
+        if self.follower.commit_seq != before:
+            self.committed.set()
+            self.committed.clear()
+        return rep.encode_ack(self.election.term, self.node.wire_name, res.success, res.last_seq)
+
+    def on_vote_request(self, v: rep.VoteRequest) -> bytes:
+        granted, actions = self.election.on_vote_request(v.term, v.candidate, v.last_seq, v.last_term, v.pre,
+                                                         time.monotonic_ns())
+        self.act(actions)  # the vote is on disk before it is sent
+        if granted and not v.pre:
+            log.info("voted for %s in term %d", v.candidate.decode(errors="replace").strip(), v.term)
+        return rep.encode_vote(self.election.reply_term(v.term, granted, v.pre), self.node.wire_name, granted, v.pre)
+
+    # --- campaigning -------------------------------------------------------------------
+
+    async def request_votes(self, pre: bool, term: int, last_seq: int, last_term: int) -> None:
+        """Ask every other voter, each over a connection of its own; votes feed the election as they come."""
+        others = [n for n in self.cfg.voters if n.name != self.node.name]
+        await asyncio.gather(*(self._ask(n, pre, term, last_seq, last_term) for n in others))
+
+    async def _ask(self, voter: Node, pre: bool, term: int, last_seq: int, last_term: int) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(voter.host, voter.replication_port), 0.2)
+        except (OSError, asyncio.TimeoutError):
+            return
+        try:
+            writer.write(rep.encode_vote_request(term, self.node.wire_name, last_seq, last_term, pre))
+            frames = rep.FrameReader()
+            deadline = time.monotonic() + self.cfg.election_ms / 1000
+            while time.monotonic() < deadline:
+                data = await asyncio.wait_for(reader.read(4096), deadline - time.monotonic())
+                if not data:
+                    return
+                for fr in frames.feed(data):
+                    if isinstance(fr, rep.Vote):
+                        self.act(self.election.on_vote(fr.term, fr.voter, fr.granted, fr.pre, time.monotonic_ns()))
+                        return
+                    if isinstance(fr, rep.Hello):
+                        self.act(self.election.on_higher_term(fr.term, fr.node, time.monotonic_ns()))
+        except (OSError, asyncio.TimeoutError, ProtocolError):
+            pass
+        finally:
+            writer.close()
