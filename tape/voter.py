@@ -106,6 +106,11 @@ class Voter:
         # The first election comes sooner: pre-votes keep a restarted node from disrupting a live leader.
         self.election.deadline = time.monotonic_ns() + rng.randint(lo // 4, lo // 2)
         self.committed = asyncio.Event()  # set and cleared whenever the commit point moves
+        # Fault injection for drills: while DATA/partitioned exists, this node
+        # neither accepts nor makes replication connections (both directions cut).
+        self.partition_flag = Path(node.data) / "partitioned"
+        self.partitioned = False
+        self._conns: set[asyncio.StreamWriter] = set()
         self.appended = 0
         self.bad_frames = 0
         self.truncations = 0
@@ -129,6 +134,15 @@ class Voter:
                 self.on_action(action)
 
     def tick(self) -> None:
+        cut = self.partition_flag.exists()
+        if cut != self.partitioned:
+            self.partitioned = cut
+            log.warning("FAULT INJECTION: %s is %s", self.node.name,
+                        "cut off from every voter" if cut else "reconnected to the voters")
+            if cut:
+                for w in list(self._conns):
+                    w.close()
+            self.on_action(("partition", cut))
         self.act(self.election.on_tick(time.monotonic_ns()))
 
     def resync(self, commit_seq: int) -> None:
@@ -142,6 +156,10 @@ class Voter:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Connections are independent: a stray one cannot displace the leader's,
         # and every append and vote request is judged by its term.
+        if self.partitioned:
+            writer.close()
+            return
+        self._conns.add(writer)
         writer.write(rep.encode_hello(self.election.term, self.node.wire_name, self.journal.last_seq,
                                       self.journal.last_term))
         frames = rep.FrameReader()
@@ -165,6 +183,7 @@ class Voter:
         except (ConnectionError, asyncio.CancelledError):
             pass  # the leader went away, or we are shutting down
         finally:
+            self._conns.discard(writer)
             writer.close()
 
     def on_append(self, a: rep.Append) -> bytes:
@@ -203,6 +222,8 @@ class Voter:
 
     async def request_votes(self, pre: bool, term: int, last_seq: int, last_term: int) -> None:
         """Ask every other voter, each over a connection of its own; votes feed the election as they come."""
+        if self.partitioned:
+            return
         others = [n for n in self.cfg.voters if n.name != self.node.name]
         await asyncio.gather(*(self._ask(n, pre, term, last_seq, last_term) for n in others))
 

@@ -108,9 +108,15 @@ def _emitter(args) -> int:
 
 
 def _up(args) -> int:
-    from tape.ops.up import run_up
+    from tape.ops.up import main
 
-    return run_up(args.rate, args.duration, args.drop, args.out, args.seed)
+    return main(args.rate, args.duration, args.drop, args.out, args.seed)
+
+
+def _drill(args) -> int:
+    from tape.ops.drill import run
+
+    return run(args.name, args.rate, args.duration, args.loss, args.out, args.seed)
 
 
 def _audit(args) -> int:
@@ -258,6 +264,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory to keep journals, LMDB files, alerts.jsonl, report.json")
     p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
     p.set_defaults(func=_up)
+
+    from tape.ops.drill import DRILLS
+
+    p = sub.add_parser("drill", help="a failover or fault drill under load, with a verdict",
+                       description="Run the whole cluster under load, inject a fault at 30%% of the run and heal it "
+                                   "at 60%%, then check DESIGN.md section 9 and the drill's own checks (a new leader, "
+                                   "the old one silent, failover_ms). Drills: " + ", ".join(DRILLS) + "; all runs "
+                                   "each in turn. Exits 1 if any verdict fails.")
+    p.add_argument("name", choices=(*DRILLS, "all"), help="which drill")
+    p.add_argument("--rate", type=float, default=50_000, help="trades per second (default 50000)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10)")
+    p.add_argument("--loss", type=float, default=0.05, help="loss at every receiver for the loss drill (default 0.05)")
+    p.add_argument("--out", default=None, help="keep journals, alerts and report.json here (all: one folder a drill)")
+    p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
+    p.set_defaults(func=_drill)
 
     p = sub.add_parser("audit", help="reconcile delivered alerts with the journal (Spark)",
                        description="Recompute the expected alerts from the journal in Spark (per order, in seq order, "

@@ -30,10 +30,12 @@ class LocalCluster:
         self.cfg = load(self.config_path)
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
+        self.started: dict[str, tuple] = {}  # name -> (args, wait_metrics, env): what restart() repeats
 
     def start(self, name: str, *args: str, wait_metrics: int | None = None, env: dict | None = None) -> subprocess.Popen:
         log = self.root / f"{name}.log"
         self.logs[name] = log
+        self.started[name] = (args, wait_metrics, env)
         proc = subprocess.Popen(TAPE + list(args) + ["--config", str(self.config_path)],
                                 stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "a"),
                                 env={**os.environ, **(env or {})})
@@ -79,6 +81,26 @@ class LocalCluster:
 
     def journal_dir(self, node: str) -> Path:
         return Path(self.cfg.node(node).data) / "journal"
+
+    def restart(self, name: str, env: dict | None = None) -> subprocess.Popen:
+        """Start `name` again as it was first started (its log goes on in the same file)."""
+        args, wait_metrics, first_env = self.started[name]
+        return self.start(name, *args, wait_metrics=wait_metrics, env=env if env is not None else first_env)
+
+    def alive(self, name: str) -> bool:
+        return name in self.procs and self.procs[name].poll() is None
+
+    def leader(self) -> str | None:
+        """The sequencer that says it leads (None during an election)."""
+        for n in self.cfg.by_role("sequencer"):
+            if not self.alive(n.name):
+                continue
+            try:
+                if self.metrics(n.name).get(f'tape_sequencer_leader{{node="{n.name}"}}') == 1:
+                    return n.name
+            except OSError:
+                continue
+        return None
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]

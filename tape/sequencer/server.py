@@ -65,6 +65,7 @@ class Sequencer:
         self.send_errors = 0
         self.step_downs: dict[str, int] = {}
         self.terms_led = 0
+        self.published_seq = 0  # highest seq this process ever published, in any term
         self.failed: str | None = None
         self._commit_sent = -1
         self._last = {"commit_seq": 0, "published": 0, "accepted": 0, "packets": 0, "dropped": {}}
@@ -92,6 +93,7 @@ class Sequencer:
         yield "messages_published", "counter", "messages published on the public stream", \
             self._last["published"] + (c.published_messages if c else 0)
         yield "publish_errors", "counter", "packets the socket refused", self.send_errors
+        yield "published_seq", "gauge", "highest seq this process published, in any term", self.published_seq
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
         yield "term", "gauge", "current term", e.term
@@ -151,6 +153,9 @@ class Sequencer:
             self._lead(action[1])
         elif kind == "step_down":
             self._follow(action[1])
+        elif kind == "partition" and action[1]:
+            for link in self.links.values():
+                link.writer.close()
 
     def _lead(self, term: int) -> None:
         j = self.journal
@@ -270,6 +275,7 @@ class Sequencer:
             count = int.from_bytes(pkt[18:20], "big")
             msgs += count if count != 0xFFFF else 0
         self.core.note_published(len(packets), msgs, time.time_ns())
+        self.published_seq = max(self.published_seq, self.core.published_seq)
 
     async def _timer(self) -> None:
         period = 0.005
@@ -303,6 +309,9 @@ class Sequencer:
 
     async def _follower_link(self, f: Node) -> None:
         while True:
+            if self.voter.partitioned:
+                await asyncio.sleep(0.05)
+                continue
             try:
                 reader, writer = await asyncio.open_connection(f.host, f.replication_port)
             except OSError:

@@ -1,0 +1,185 @@
+"""`tape drill NAME`: a fault under load against real processes, then the
+same verdict as `tape up` plus the drill's own checks and figures.
+
+Each drill runs the whole default topology (tape/ops/up.py) and, at 30% of
+the run, injects its fault; at 60% it heals it (restarts what was killed,
+resumes what was paused, reconnects what was cut off). `all` runs every
+drill in turn and prints one summary table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tape.ops.local import LocalCluster
+
+DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
+          "kill-emitter", "loss")
+
+
+def _metric(cluster: LocalCluster, node: str, name: str) -> float | None:
+    try:
+        return cluster.metrics(node).get(f'{name}{{node="{node}"}}')
+    except OSError:
+        return None
+
+
+class Drill:
+    """One fault: `inject` at 30% of the run, `heal` at 60%."""
+
+    def __init__(self, name: str, duration: float):
+        self.name = name
+        self.duration = duration
+        self.target: str | None = None  # the node the fault hit
+        self.injected = self.healed = False
+        self.notes: list[str] = []
+
+    def step(self, cluster: LocalCluster, elapsed: float) -> str | None:
+        if not self.injected and elapsed >= 0.3 * self.duration:
+            self.injected = True
+            return self.inject(cluster)
+        if self.injected and not self.healed and elapsed >= 0.6 * self.duration:
+            self.healed = True
+            return self.heal(cluster)
+        return None
+
+    def finish(self, cluster: LocalCluster) -> None:
+        """Heal whatever is still broken when the load ends."""
+        if self.injected and not self.healed:
+            self.healed = True
+            self.heal(cluster)
+
+    def inject(self, cluster: LocalCluster) -> str | None:
+        return None
+
+    def heal(self, cluster: LocalCluster) -> str | None:
+        return None
+
+    def checks(self, cluster: LocalCluster, report: dict) -> dict:
+        return {}
+
+
+class KillNode(Drill):
+    def __init__(self, name: str, duration: float, pick):
+        super().__init__(name, duration)
+        self.pick = pick  # cluster -> node name
+
+    def inject(self, cluster):
+        self.target = self.pick(cluster)
+        if not self.target:
+            return "no target found (no leader?)"
+        cluster.kill(self.target)
+        return f"kill -9 {self.target}"
+
+    def heal(self, cluster):
+        if self.target:
+            cluster.restart(self.target)
+            return f"restarted {self.target}"
+        return None
+
+    def checks(self, cluster, report):
+        return {f"{self.target or 'target'} killed and restarted": (self.target is not None and self.healed,
+                                                                     f"{self.target}")}
+
+
+class LeaderFault(Drill):
+    """kill-leader, pause-leader, partition-leader: a new leader must take
+    over; the old one must publish nothing in the new term."""
+
+    def inject(self, cluster):
+        self.target = cluster.leader()
+        if not self.target:
+            return "no leader found"
+        self.term_before = _metric(cluster, self.target, "tape_sequencer_term") or 0
+        if self.name == "kill-leader":
+            cluster.kill(self.target)
+            return f"kill -9 {self.target} (leader, term {self.term_before:.0f})"
+        if self.name == "pause-leader":
+            os.kill(cluster.procs[self.target].pid, signal.SIGSTOP)
+            return f"SIGSTOP {self.target} (leader, term {self.term_before:.0f})"
+        (Path(cluster.cfg.node(self.target).data) / "partitioned").touch()
+        return f"cut {self.target} (leader, term {self.term_before:.0f}) off from every voter"
+
+    def heal(self, cluster):
+        if not self.target:
+            return None
+        if self.name == "kill-leader":
+            cluster.restart(self.target)
+            return f"restarted {self.target}: it rejoins as a follower"
+        if self.name == "pause-leader":
+            os.kill(cluster.procs[self.target].pid, signal.SIGCONT)
+            return f"SIGCONT {self.target}"
+        (Path(cluster.cfg.node(self.target).data) / "partitioned").unlink(missing_ok=True)
+        return f"healed the partition around {self.target}"
+
+    def checks(self, cluster, report):
+        out = {}
+        terms = report["terms"]
+        after = [t for t in terms if t["term"] > self.term_before]
+        new = after[0] if after else None
+        changed = new is not None and new["leader"] != self.target
+        report["failover_ms"] = new["ms_since_previous_stamp"] if changed else None
+        report["old_leader"] = self.target
+        report["new_leader"] = new["leader"] if new else None
+        out["a new leader took over"] = (changed, f"{self.target} -> {new['leader']} in term {new['term']}" if new
+                                         else "no new term")
+        if self.name != "kill-leader" and self.target and changed:
+            published = _metric(cluster, self.target, "tape_sequencer_published_seq")
+            leads = _metric(cluster, self.target, "tape_sequencer_leader")
+            report["old_leader_published_seq"] = published
+            out["old leader published nothing in the new term"] = (
+                published is not None and published < new["seq"],
+                f"published up to seq {published:,.0f}; term {new['term']} starts at {new['seq']:,}"
+                if published is not None else "no metrics")
+            out["old leader stepped down and follows"] = (leads == 0, f"leader gauge {leads}")
+        return out
+
+
+def make(name: str, duration: float) -> Drill:
+    if name in ("kill-leader", "pause-leader", "partition-leader"):
+        return LeaderFault(name, duration)
+    picks = {
+        "kill-standby": lambda c: next((s.name for s in c.cfg.by_role("sequencer") if s.name != c.leader()), None),
+        "kill-rewinder": lambda c: "rw-1",
+        "kill-replica": lambda c: "replica-B",
+        "kill-emitter": lambda c: "emitter",
+    }
+    if name in picks:
+        return KillNode(name, duration, picks[name])
+    if name == "loss":
+        return Drill(name, duration)
+    raise SystemExit(f"unknown drill {name!r}: {', '.join(DRILLS)} or all")
+
+
+def run(name: str, rate: float, duration: float, loss: float, out: str | None, seed: int) -> int:
+    from tape.ops.up import run_up
+
+    console = Console()
+    names = DRILLS if name == "all" else (name,)
+    results = {}
+    for n in names:
+        drill = make(n, duration)
+        drop = loss if n == "loss" else 0.0
+        where = str(Path(out) / n) if out and name == "all" else out
+        results[n] = run_up(rate, duration, drop, where, seed, drill=drill, console=console)
+    if name == "all":
+        table = Table(title="tape drill all")
+        for col in ("drill", "verdict", "failover ms", "rate msg/s", "p99 inbound to applied ms"):
+            table.add_column(col, justify="left" if col == "drill" else "right")
+        for n, r in results.items():
+            fo = r.get("failover_ms")
+            table.add_row(n, "[green]pass[/green]" if r["verdict"] == "pass" else "[red]FAIL[/red]",
+                          f"{fo:.0f}" if fo is not None else "", f"{r['rate_msgs_per_s']:,.0f}",
+                          f"{r['latency_ms']['p99']:.1f}")
+        console.print(table)
+        if out:
+            summary = {n: {k: r.get(k) for k in ("verdict", "failover_ms", "rate_msgs_per_s", "latency_ms")}
+                       for n, r in results.items()}
+            (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    return 0 if all(r["verdict"] == "pass" for r in results.values()) else 1
