@@ -12,6 +12,7 @@ so that a restarted voter never votes twice in a term.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
 import os
@@ -63,24 +64,35 @@ class VoteStore:
             os.close(dir_fd)
 
 
-class ClientState:
-    """Highest client seq sequenced per client, kept as records reach the
-    journal, so that a node that becomes leader dedupes at once."""
+class LogState:
+    """What a voter needs of its log without reading the journal: the term of
+    any seq (the seqs where each term starts; terms change rarely) and the
+    highest client seq sequenced per client (so that a node that becomes
+    leader dedupes at once). Kept as records reach the journal."""
 
     def __init__(self):
-        self.last: dict[bytes, int] = {}
+        self.client_last: dict[bytes, int] = {}
+        self.term_starts: list[tuple[int, int]] = []  # (first seq, term), ascending
 
     def note(self, records) -> None:
-        last = self.last
+        last = self.client_last
         unpack = _TYPE_ORIGIN_CSEQ.unpack_from
-        for _, _, raw in records:
+        starts = self.term_starts
+        for seq, term, raw in records:
+            if not starts or term != starts[-1][1]:
+                starts.append((seq, term))
             kind, origin, cseq = unpack(raw)
             if (kind == messages.REQUEST or kind == messages.PURCHASE) and cseq > last.get(origin, 0):
                 last[origin] = cseq
 
     def rebuild(self, journal) -> None:
-        self.last = {}
+        self.client_last = {}
+        self.term_starts = []
         self.note(journal.read())
+
+    def term_at(self, seq: int) -> int:
+        i = bisect.bisect_right(self.term_starts, (seq, 1 << 64)) - 1
+        return self.term_starts[i][1] if seq > 0 and i >= 0 else 0
 
 
 class Voter:
@@ -94,8 +106,8 @@ class Voter:
         self.store = VoteStore(Path(node.data) / "election.json")
         term, voted_for = self.store.load()
         term = max(term, journal.last_term)
-        self.clients = ClientState()
-        self.clients.rebuild(journal)
+        self.log = LogState()
+        self.log.rebuild(journal)
         self.follower = FollowerCore(node.wire_name, journal.last_seq, journal.last_term, self.term_at, term=term)
         lo = cfg.election_ms * 1_000_000
         # Seeded by the node's name: each voter has its own jitter, the same on every run.
@@ -116,11 +128,9 @@ class Voter:
         self.truncations = 0
 
     def term_at(self, seq: int) -> int:
-        if seq == 0:
-            return 0
-        for _, term, _ in self.journal.read(seq, seq):
-            return term
-        raise RuntimeError(f"journal has no seq {seq}")
+        if seq > self.journal.last_seq:
+            raise RuntimeError(f"journal has no seq {seq}")
+        return self.log.term_at(seq)
 
     @property
     def commit_seq(self) -> int:
@@ -199,11 +209,11 @@ class Voter:
                 raise RuntimeError(f"asked to drop committed seq {res.truncate_after + 1}: refusing")
             log.warning("dropping uncommitted suffix after seq %d (conflicts with the leader's log)", res.truncate_after)
             self.journal.truncate_after(res.truncate_after)
-            self.clients.rebuild(self.journal)
+            self.log.rebuild(self.journal)
             self.truncations += 1
         if res.records:
             self.journal.append(res.records)  # durable before the ack, per the fsync policy
-            self.clients.note(res.records)
+            self.log.note(res.records)
             self.appended += len(res.records)
         if self.follower.commit_seq != before:
             self.committed.set()

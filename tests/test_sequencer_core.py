@@ -156,7 +156,16 @@ def test_follower_refuses_gaps_old_terms_and_mismatched_prev():
     assert not f.on_append(append(2, 7, 2, 0, 2, entries(1))).success  # gap: we end at 3
     assert not f.on_append(append(1, 3, 2, 0, 1, entries(1))).success  # stale leader
     res = f.on_append(append(2, 3, 1, 0, 2, entries(1)))  # our seq 3 is term 2, not 1
-    assert not res.success and res.last_seq == 2
+    assert not res.success and res.last_seq == 0  # back past all of term 2 in one step
+
+
+def test_a_conflict_hint_skips_the_whole_conflicting_term():
+    log = Log()
+    f = FollowerCore(F1, 0, 0, lambda s: log.terms[s])
+    log.apply(f, f.on_append(append(1, 0, 0, 0, 1, entries(3))))
+    log.apply(f, f.on_append(append(3, 3, 1, 0, 3, entries(4, first=10))))  # seqs 4-7 in term 3
+    res = f.on_append(append(4, 7, 2, 0, 4, entries(1)))  # the leader has term 2 at seq 7
+    assert not res.success and res.last_seq == 3  # resend from seq 4, the first of our term 3
 
 
 def test_follower_drops_a_conflicting_uncommitted_suffix():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -50,10 +51,14 @@ class Drill:
         return None
 
     def finish(self, cluster: LocalCluster) -> None:
-        """Heal whatever is still broken when the load ends."""
+        """Heal whatever is still broken when the load ends, then look at the cluster while it runs."""
         if self.injected and not self.healed:
             self.healed = True
             self.heal(cluster)
+        self.observe(cluster)
+
+    def observe(self, cluster: LocalCluster) -> None:
+        pass
 
     def inject(self, cluster: LocalCluster) -> str | None:
         return None
@@ -118,6 +123,12 @@ class LeaderFault(Drill):
         (Path(cluster.cfg.node(self.target).data) / "partitioned").unlink(missing_ok=True)
         return f"healed the partition around {self.target}"
 
+    def observe(self, cluster):
+        if self.target:
+            time.sleep(0.5)  # a resumed or reconnected old leader has had time to do what it would do
+            self.old_published = _metric(cluster, self.target, "tape_sequencer_published_seq")
+            self.old_leads = _metric(cluster, self.target, "tape_sequencer_leader")
+
     def checks(self, cluster, report):
         out = {}
         terms = report["terms"]
@@ -130,8 +141,7 @@ class LeaderFault(Drill):
         out["a new leader took over"] = (changed, f"{self.target} -> {new['leader']} in term {new['term']}" if new
                                          else "no new term")
         if self.name != "kill-leader" and self.target and changed:
-            published = _metric(cluster, self.target, "tape_sequencer_published_seq")
-            leads = _metric(cluster, self.target, "tape_sequencer_leader")
+            published, leads = self.old_published, self.old_leads
             report["old_leader_published_seq"] = published
             out["old leader published nothing in the new term"] = (
                 published is not None and published < new["seq"],

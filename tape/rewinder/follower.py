@@ -45,9 +45,18 @@ class FollowerCore:
         self.leader = a.leader
         if a.prev_seq > self.last_seq:
             return AppendResult(success=False, last_seq=self.last_seq)
-        if self.term_at(a.prev_seq) != a.prev_term:
-            # Our entry at prev_seq is from another term: the leader backs up.
-            return AppendResult(success=False, last_seq=a.prev_seq - 1)
+        conflict = self.term_at(a.prev_seq)
+        if conflict != a.prev_term:
+            # Our entry at prev_seq is from another term: the leader backs up
+            # past all of that term at once (not one seq per round trip).
+            lo, hi = 1, a.prev_seq
+            while lo < hi:  # the first seq of the conflicting term (terms only grow along the log)
+                mid = (lo + hi) // 2
+                if self.term_at(mid) < conflict:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            return AppendResult(success=False, last_seq=lo - 1)
         msgs = a.messages()
         result = AppendResult()
         first_new = 0

@@ -45,6 +45,7 @@ class Link:
     next_seq: int
     live: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    rewind: int | None = None  # a follower refused an append: resend from here
 
 
 class Sequencer:
@@ -162,7 +163,7 @@ class Sequencer:
         self.core = LeaderCore(
             self.cfg.session_bytes, self.node.wire_name, term, [f.wire_name for f in self.followers],
             {c.name.encode().ljust(10): c.key for c in self.cfg.clients},
-            last_seq=j.last_seq, last_term=j.last_term, client_last=dict(self.voter.clients.last),
+            last_seq=j.last_seq, last_term=j.last_term, client_last=dict(self.voter.log.client_last),
             max_packet=self.cfg.max_packet, tick_ns=self.cfg.tick_ms * 1_000_000,
             heartbeat_ns=self.cfg.heartbeat_ms * 1_000_000)
         self.terms_led += 1
@@ -193,7 +194,7 @@ class Sequencer:
         self._last["packets"] += c.published_packets
         for k, v in c.dropped.items():
             self._last["dropped"][k] = self._last["dropped"].get(k, 0) + v
-        self.voter.clients.last = c.sequenced_client_last()
+        self.voter.log.client_last = c.sequenced_client_last()
         self.voter.resync(c.commit_seq)
 
     async def _shutdown(self) -> None:
@@ -260,7 +261,7 @@ class Sequencer:
                 link.wake.set()
         records = batch.records()
         self.journal.append(records)
-        self.voter.clients.note(records)
+        self.voter.log.note(records)
         self._publish(self.core.on_journaled(batch.last_seq))
 
     def _publish(self, packets: list[bytes]) -> None:
@@ -361,7 +362,10 @@ class Sequencer:
         if packets is None:
             return
         if not ack.success:
-            link.next_seq = min(link.next_seq, ack.last_seq + 1)
+            # The follower's log ends, or disagrees, before what was sent: the
+            # feeder resends from its hint (it may be mid-send: it checks).
+            hint = ack.last_seq + 1
+            link.rewind = hint if link.rewind is None else min(link.rewind, hint)
             link.live = False
             link.wake.set()
         self._publish(packets)
@@ -369,7 +373,12 @@ class Sequencer:
     async def _feed(self, link: Link) -> None:
         """Catch a follower up from the journal, then let it go live."""
         while True:
-            while link.next_seq <= self.core.last_seq:
+            link.wake.clear()
+            while True:
+                if link.rewind is not None:
+                    link.next_seq, link.rewind = min(link.next_seq, link.rewind), None
+                if link.next_seq > self.core.last_seq:
+                    break
                 records = self.journal.read_batch(link.next_seq, CATCHUP_CHUNK)
                 if not records:
                     break
@@ -389,8 +398,9 @@ class Sequencer:
                     start = end
                 link.next_seq = prev + 1
                 await link.writer.drain()
+            if link.rewind is not None:
+                continue
             link.live = True
-            link.wake.clear()
             await link.wake.wait()
 
     def _term_at(self, seq: int) -> int:
