@@ -1,0 +1,106 @@
+"""ElectionCore (pure): pre-vote, one vote per term, the election
+restriction, stepping down on a higher term and on a lost majority."""
+
+import random
+
+import pytest
+
+from tape.sequencer.election import CANDIDATE, FOLLOWER, LEADER, PRE_CANDIDATE, ElectionCore, InvariantViolation
+
+A, B, R1, R2 = b"seq-a     ", b"seq-b     ", b"rw-1      ", b"rw-2      "
+VOTERS = [A, B, R1, R2]
+MS = 1_000_000
+
+
+def core(name=A, can_lead=True, log=(0, 0), term=0, now=0):
+    return ElectionCore(name, VOTERS, can_lead, lambda: log, random.Random(1), (300 * MS, 600 * MS), term, None, now)
+
+
+def kinds(actions):
+    return [a[0] for a in actions]
+
+
+def elect(c, now):
+    """Drive `c` through pre-vote and vote with every other voter granting."""
+    acts = c.on_tick(now)
+    assert acts[-1][:2] == ("request_votes", True)
+    for v in VOTERS[1:3]:
+        acts = c.on_vote(c.term + 1, v, True, True, now)
+    assert ("request_votes", False) == acts[-1][:2] and acts[0] == ("persist", c.term, c.name)
+    for v in VOTERS[1:3]:
+        acts = c.on_vote(c.term, v, True, False, now)
+    return acts
+
+
+def test_a_sequencer_campaigns_after_its_timeout_and_wins_with_a_majority():
+    c = core()
+    assert c.on_tick(299 * MS) == []  # no election before the minimum timeout
+    acts = elect(c, 700 * MS)
+    assert acts == [("lead", 1)] and c.role == LEADER and c.term == 1 and c.leader == A
+
+
+def test_rewinders_never_campaign():
+    c = core(R1, can_lead=False)
+    assert c.on_tick(10_000 * MS) == [] and c.role == FOLLOWER
+
+
+def test_a_pre_vote_changes_no_term_and_is_refused_while_a_leader_is_heard():
+    c = core(R1, can_lead=False)
+    ok, _ = c.on_append(1, A, 100 * MS)
+    assert ok and c.term == 1
+    granted, acts = c.on_vote_request(2, B, 50, 1, True, 200 * MS)  # A was heard 100 ms ago
+    assert not granted and acts == [] and c.term == 1
+    granted, acts = c.on_vote_request(2, B, 50, 1, True, 500 * MS)  # silent for 400 ms
+    assert granted and acts == [] and c.term == 1
+
+
+def test_one_vote_per_term_and_only_for_an_up_to_date_log():
+    c = core(R1, can_lead=False, log=(100, 2), term=2)
+    granted, _ = c.on_vote_request(3, A, 99, 2, False, 0)  # shorter log, same last term
+    assert not granted and c.term == 3
+    granted, acts = c.on_vote_request(3, B, 100, 2, False, 0)
+    assert granted and ("persist", 3, B) in acts
+    granted, _ = c.on_vote_request(3, A, 200, 2, False, 0)  # already voted in term 3
+    assert not granted
+    granted, _ = c.on_vote_request(4, A, 50, 3, False, 0)  # a later last term wins over length
+    assert granted and c.voted_for == A
+
+
+def test_a_leader_steps_down_on_a_higher_term_and_without_a_majority():
+    c = core()
+    elect(c, 700 * MS)
+    for v in (B, R1, R2):
+        assert c.on_ack(v, 1, 800 * MS) == []
+    assert c.on_tick(1000 * MS) == []
+    acts = c.on_ack(R1, 5, 1001 * MS)
+    assert kinds(acts) == ["persist", "step_down"] and c.role == FOLLOWER and c.term == 5
+    d = core()
+    elect(d, 700 * MS)
+    d.on_ack(R1, 1, 800 * MS)  # only one follower answers: leader + 1 < 3
+    acts = d.on_tick(1100 * MS)
+    assert kinds(acts) == ["step_down"] and "check-quorum" in acts[0][1] and d.role == FOLLOWER
+
+
+def test_a_rejected_pre_vote_teaches_the_candidate_the_higher_term():
+    c = core()
+    c.on_tick(700 * MS)
+    assert c.role == PRE_CANDIDATE
+    acts = c.on_vote(6, R1, False, True, 701 * MS)
+    assert c.term == 6 and c.role == FOLLOWER and acts[0] == ("persist", 6, None)
+
+
+def test_a_candidate_yields_to_the_winner_of_its_term():
+    c = core()
+    c.on_tick(700 * MS)
+    c.on_vote(1, R1, True, True, 700 * MS)
+    c.on_vote(1, R2, True, True, 700 * MS)
+    assert c.role == CANDIDATE and c.term == 1
+    ok, acts = c.on_append(1, B, 710 * MS)
+    assert ok and kinds(acts) == ["step_down"] and c.role == FOLLOWER and c.leader == B
+
+
+def test_two_leaders_in_one_term_is_impossible_and_said_so():
+    c = core()
+    elect(c, 700 * MS)
+    with pytest.raises(InvariantViolation):
+        c.on_append(1, B, 800 * MS)
