@@ -118,7 +118,7 @@ def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never
     return n / secs
 
 
-def bench_stream(rates: list[float], seconds: float, sequencer_only: bool = False) -> None:
+def bench_stream(rates: list[float], seconds: float, sequencer_only: bool = False, standby: bool = False) -> None:
     import json as _json
 
     from tape.ops.local import LocalCluster
@@ -132,12 +132,13 @@ def bench_stream(rates: list[float], seconds: float, sequencer_only: bool = Fals
     console.print(table)
     if sequencer_only:
         return
-    table = Table(title=f"tape bench stream: sequencer + 2 rewinders + load client, loopback, {seconds:.0f} s per rate")
+    who = "leader + standby" if standby else "sequencer"
+    table = Table(title=f"tape bench stream: {who} + 2 rewinders + load client, loopback, {seconds:.0f} s per rate")
     for col in ("target msg/s", "acked msg/s", "p50 ms", "p99 ms", "max ms", "resends", "all acked"):
         table.add_column(col, justify="right")
     for rate in rates:
         root = Path(tempfile.mkdtemp(prefix="tape-bench-stream-"))
-        cluster = LocalCluster(root, clients=2)
+        cluster = LocalCluster(root, clients=2, sequencers=2 if standby else 1)
         try:
             cluster.start_all()
             load = cluster.start("load", "load", "--rate", str(rate), "--messages", str(int(rate * seconds)))
@@ -318,3 +319,32 @@ def bench_spark(n: int, master: str, keep: str | None = None) -> dict:
         table.add_row(name, f"{secs:,.1f}", "" if name == "prepare" else f"{n / secs:,.0f}")
     console.print(table)
     return times
+
+
+def bench_failover(runs: int, rate: float, duration: float) -> dict:
+    """`runs` kill-leader drills: failover time (the old leader's last stamp
+    to the new leader's term start), p50 and max, and every verdict."""
+    from tape.ops.drill import make
+    from tape.ops.up import run_up
+
+    console = Console()
+    quiet = Console(file=open(os.devnull, "w"))
+    times, verdicts = [], []
+    for i in range(runs):
+        with console.status(f"kill-leader drill {i + 1}/{runs}…"):
+            report = run_up(rate, duration, 0.0, None, seed=i + 1, drill=make("kill-leader", duration), console=quiet)
+        verdicts.append(report["verdict"])
+        if report.get("failover_ms") is not None:
+            times.append(report["failover_ms"])
+        console.print(f"run {i + 1}: {report['verdict']}, failover {report.get('failover_ms')} ms")
+    times.sort()
+    p50 = times[len(times) // 2] if times else None
+    table = Table(title=f"tape bench failover: {runs} kill-leader drills at {rate:,.0f} msg/s")
+    table.add_column("measurement")
+    table.add_column("value", justify="right")
+    table.add_row("verdicts pass", f"{verdicts.count('pass')} / {runs}")
+    table.add_row("failover p50", f"{p50:.0f} ms" if p50 is not None else "-")
+    table.add_row("failover max", f"{times[-1]:.0f} ms" if times else "-")
+    table.add_row("failover min", f"{times[0]:.0f} ms" if times else "-")
+    console.print(table)
+    return {"failover_ms": times, "p50": p50, "verdicts": verdicts}

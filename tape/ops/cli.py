@@ -45,8 +45,15 @@ def _bench_protocol(args) -> int:
 def _bench_stream(args) -> int:
     from tape.ops.bench import bench_stream
 
-    bench_stream([float(r) for r in args.rates.split(",")], args.seconds, args.sequencer_only)
+    bench_stream([float(r) for r in args.rates.split(",")], args.seconds, args.sequencer_only, args.standby)
     return 0
+
+
+def _bench_failover(args) -> int:
+    from tape.ops.bench import bench_failover
+
+    result = bench_failover(args.runs, args.rate, args.duration)
+    return 0 if all(v == "pass" for v in result["verdicts"]) else 1
 
 
 def _bench_spark(args) -> int:
@@ -377,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--rates", default="25000,50000,100000,150000", help="comma-separated target rates")
     bs.add_argument("--seconds", type=float, default=5.0, help="seconds per rate (default 5)")
     bs.add_argument("--sequencer-only", action="store_true", help="only the single-core sequencer measurement")
+    bs.add_argument("--standby", action="store_true", help="run a standby sequencer too (4 voters, majority 3)")
     bs.set_defaults(func=_bench_stream)
     br = bsub.add_parser("replica", help="decode + apply rate of one replica on one core",
                          description="Decode a pre-built committed stream from memory and apply it to the audit "
@@ -385,6 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--messages", type=int, default=1_000_000, help="messages (default 1000000)")
     br.add_argument("--open-orders", type=int, default=1_000_000, help="open books to snapshot (default 1000000)")
     br.set_defaults(func=_bench_replica)
+    bf = bsub.add_parser("failover", help="failover time over repeated kill-leader drills",
+                         description="Run --runs kill-leader drills and report the failover time (the old leader's "
+                                     "last stamp to the new leader's term start): p50, min and max.")
+    bf.add_argument("--runs", type=int, default=20, help="drills (default 20)")
+    bf.add_argument("--rate", type=float, default=20_000, help="trades per second during each drill (default 20000)")
+    bf.add_argument("--duration", type=float, default=4.0, help="seconds of load per drill (default 4)")
+    bf.set_defaults(func=_bench_failover)
     bk = bsub.add_parser("spark", help="audit and analytics time over a generated journal",
                          description="Write a journal of --messages generated trades and its delivered alerts, then "
                                      "time in Spark: a count, the Parquet export, the audit (zero findings asserted) "

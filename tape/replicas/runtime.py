@@ -28,7 +28,7 @@ from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import ProtocolError
 from tape.protocol.packets import PacketBuilder
-from tape.replicas.audit import Alert, AuditMachine, InvariantViolation
+from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine, InvariantViolation
 from tape.replicas.snapshot import SnapshotStore
 
 log = logging.getLogger("tape.replica")
@@ -75,6 +75,11 @@ class Replica:
         yield "replayed_messages", "counter", "messages caught up over TCP replay", self.replayed
         yield "snapshots", "counter", "LMDB snapshots written", self.store.saves
         yield "resumed_from_seq", "gauge", "seq of the snapshot this process started from", self.resumed_from
+        # The digest chain at the last fold point (a multiple of 4096 seqs), as a 48-bit number
+        # labelled with that seq: replicas at the same fold_seq must show the same value.
+        fold = m.last_seq - m.last_seq % DIGEST_BLOCK
+        yield "digest", "gauge", "digest chain at fold_seq (48 bits)", {str(fold): int.from_bytes(m.chain[:6], "big")}, \
+            "fold_seq"
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
