@@ -54,17 +54,21 @@ def udp_socket(host: str = "127.0.0.1", port: int = 0, rcvbuf: int = DEFAULT_RCV
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free for both TCP and UDP on `host` right now."""
+    """A port free for both TCP and UDP on `host` right now. Drawn below the
+    kernel's ephemeral range (32768+ here), so that the sockets other
+    processes open meanwhile cannot take it before it is bound, and outside
+    the embedded default's fixed ports (31400-31499)."""
+    pick = random.SystemRandom()
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
-            t.bind((host, 0))
-            port = t.getsockname()[1]
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-                try:
-                    u.bind((host, port))
-                except OSError:
-                    continue
-                return port
+        port = pick.randrange(20000, 31400)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t, \
+                    socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                t.bind((host, port))
+                u.bind((host, port))
+        except OSError:
+            continue
+        return port
 
 
 class LossInjector:

@@ -31,6 +31,7 @@ from tape.rewinder.follower import FollowerCore
 from tape.sequencer.election import ElectionCore, InvariantViolation
 
 log = logging.getLogger("tape.voter")
+FETCH_MAX = 100_000  # entries one fetch answer carries at most
 _TYPE_ORIGIN_CSEQ = struct.Struct(">B56x10sQ")  # type, origin and client seq of a sequenced message
 
 
@@ -183,6 +184,8 @@ class Voter:
                         writer.write(self.on_append(fr))
                     elif isinstance(fr, rep.VoteRequest):
                         writer.write(self.on_vote_request(fr))
+                    elif isinstance(fr, rep.Fetch):
+                        writer.write(self.on_fetch(fr))
                     else:
                         raise ProtocolError("unexpected", f"{type(fr).__name__} frame on a voter's port", 0)
         except ProtocolError as e:
@@ -228,6 +231,67 @@ class Voter:
             log.info("voted for %s in term %d", v.candidate.decode(errors="replace").strip(), v.term)
         return rep.encode_vote(self.election.reply_term(v.term, granted, v.pre), self.node.wire_name, granted, v.pre)
 
+    def on_fetch(self, f: rep.Fetch) -> bytes:
+        """Our own log from f.from_seq, if it continues the asker's (its entry
+        before from_seq has our term there); ends with an empty append."""
+        out = []
+        prev = f.from_seq - 1
+        if 0 <= prev <= self.journal.last_seq and self.term_at(prev) == f.prev_term:
+            records = self.journal.read_batch(f.from_seq, FETCH_MAX)
+            start = 0
+            while start < len(records):
+                term = records[start][1]
+                end = start
+                while end < len(records) and records[end][1] == term:
+                    end += 1
+                out.append(rep.encode_append(self.election.term, self.node.wire_name, prev, self.term_at(prev),
+                                             self.commit_seq, term, [m for _, _, m in records[start:end]]))
+                prev = records[end - 1][0]
+                start = end
+        out.append(rep.encode_append(self.election.term, self.node.wire_name, prev, self.term_at(prev),
+                                     self.commit_seq, self.election.term, []))
+        return b"".join(out)
+
+    async def fetch_from(self, voter: Node) -> int:
+        """Extend our log with what `voter` holds beyond it (entries its
+        leaders wrote: taking them is what their appends would have done).
+        A sequencer behind a voter that cannot lead needs this to become
+        electable when the leader died after replicating its last batch
+        only to the rewinders. Returns how many entries were taken."""
+        taken = 0
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(voter.host, voter.replication_port), 0.2)
+        except (OSError, asyncio.TimeoutError):
+            return 0
+        try:
+            writer.write(rep.encode_fetch(self.journal.last_seq + 1, self.journal.last_term))
+            frames = rep.FrameReader()
+            while True:
+                data = await asyncio.wait_for(reader.read(1 << 20), 2.0)
+                if not data:
+                    return taken
+                for fr in frames.feed(data):
+                    if not isinstance(fr, rep.Append):
+                        continue
+                    if fr.count == 0:
+                        return taken
+                    if self.election.leader is not None or fr.prev_seq != self.journal.last_seq \
+                            or self.term_at(fr.prev_seq) != fr.prev_term or fr.entries_term > self.election.term:
+                        return taken  # a leader appeared, or the logs do not line up: stop
+                    records = [(fr.prev_seq + 1 + i, fr.entries_term, m) for i, m in enumerate(fr.messages())]
+                    self.journal.append(records)
+                    self.log.note(records)
+                    self.follower = FollowerCore(self.node.wire_name, self.journal.last_seq, self.journal.last_term,
+                                                 self.term_at, term=self.election.term)
+                    taken += len(records)
+        except (OSError, asyncio.TimeoutError, ProtocolError):
+            return taken
+        finally:
+            writer.close()
+            if taken:
+                log.warning("took %d entries from %s to catch up (log now ends at seq %d, term %d)", taken,
+                            voter.name, self.journal.last_seq, self.journal.last_term)
+
     # --- campaigning -------------------------------------------------------------------
 
     async def request_votes(self, pre: bool, term: int, last_seq: int, last_term: int) -> None:
@@ -245,6 +309,7 @@ class Voter:
         try:
             writer.write(rep.encode_vote_request(term, self.node.wire_name, last_seq, last_term, pre))
             frames = rep.FrameReader()
+            hello = None
             deadline = time.monotonic() + self.cfg.election_ms / 1000
             while time.monotonic() < deadline:
                 data = await asyncio.wait_for(reader.read(4096), deadline - time.monotonic())
@@ -253,8 +318,12 @@ class Voter:
                 for fr in frames.feed(data):
                     if isinstance(fr, rep.Vote):
                         self.act(self.election.on_vote(fr.term, fr.voter, fr.granted, fr.pre, time.monotonic_ns()))
+                        if not fr.granted and hello is not None and self.election.leader is None and \
+                                (hello.last_term, hello.last_seq) > (self.journal.last_term, self.journal.last_seq):
+                            await self.fetch_from(voter)  # refused for being behind: catch up for the next round
                         return
                     if isinstance(fr, rep.Hello):
+                        hello = fr
                         self.act(self.election.on_higher_term(fr.term, fr.node, time.monotonic_ns()))
         except (OSError, asyncio.TimeoutError, ProtocolError):
             pass

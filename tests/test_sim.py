@@ -1,8 +1,6 @@
 """The deterministic simulator (issue 5): thousands of seeds of faults, each
 checked against DESIGN.md section 9; and proof that it catches broken rules."""
 
-import pytest
-
 from tape import sim
 
 

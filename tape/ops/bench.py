@@ -336,7 +336,9 @@ def bench_failover(runs: int, rate: float, duration: float) -> dict:
         verdicts.append(report["verdict"])
         if report.get("failover_ms") is not None:
             times.append(report["failover_ms"])
-        console.print(f"run {i + 1}: {report['verdict']}, failover {report.get('failover_ms')} ms")
+        failed = [name for name, ok in report["checks"].items() if not ok]
+        console.print(f"run {i + 1}: {report['verdict']}, failover {report.get('failover_ms')} ms"
+                      + (f"; failed: {', '.join(failed)}" if failed else ""))
     times.sort()
     p50 = times[len(times) // 2] if times else None
     table = Table(title=f"tape bench failover: {runs} kill-leader drills at {rate:,.0f} msg/s")

@@ -17,6 +17,10 @@ Every frame: length u32 (of what follows), type u8, payload.
                    is a pre-vote, which changes no one's term)
     'G' vote       term u64, voter 10, granted u8, pre u8
                    (the answer, on the same connection)
+    'F' fetch      from_seq u64, prev_term u64
+                   (a sequencer whose log is behind a voter's asks for the
+                   entries from from_seq; the answer is append frames of the
+                   voter's own log, then an empty append)
 
 All entries of one append share a term, so a catch-up that crosses terms is
 sent as several appends. Sans-I/O.
@@ -37,7 +41,9 @@ ACK = struct.Struct(">Q10sBQ")
 HELLO = struct.Struct(">Q10sQQ")
 VOTE_REQUEST = struct.Struct(">Q10sQQB")
 VOTE = struct.Struct(">Q10sBB")
-T_APPEND, T_ACK, T_HELLO, T_VOTE_REQUEST, T_VOTE = ord("A"), ord("K"), ord("H"), ord("V"), ord("G")
+FETCH = struct.Struct(">QQ")
+T_APPEND, T_ACK, T_HELLO, T_VOTE_REQUEST, T_VOTE, T_FETCH = (ord("A"), ord("K"), ord("H"), ord("V"), ord("G"),
+                                                            ord("F"))
 MAX_FRAME = 16 << 20
 
 
@@ -83,6 +89,15 @@ class Vote(NamedTuple):
     voter: bytes
     granted: bool
     pre: bool = False
+
+
+class Fetch(NamedTuple):
+    from_seq: int
+    prev_term: int
+
+
+def encode_fetch(from_seq: int, prev_term: int) -> bytes:
+    return FRAME.pack(1 + FETCH.size, T_FETCH) + FETCH.pack(from_seq, prev_term)
 
 
 def encode_vote_request(term: int, candidate: bytes, last_seq: int, last_term: int, pre: bool = False) -> bytes:
@@ -136,6 +151,10 @@ def _decode(kind: int, payload: bytes, where: int):
             raise ProtocolError("bad_length", f"vote is {VOTE.size} bytes, got {len(payload)}", where)
         term, voter, granted, pre = VOTE.unpack(payload)
         return Vote(term, voter, bool(granted), bool(pre))
+    if kind == T_FETCH:
+        if len(payload) != FETCH.size:
+            raise ProtocolError("bad_length", f"fetch is {FETCH.size} bytes, got {len(payload)}", where)
+        return Fetch(*FETCH.unpack(payload))
     raise ProtocolError("unknown_type", f"replication frame type 0x{kind:02x}", where)
 
 

@@ -92,6 +92,7 @@ class ElectionCore:
             return []
         # Time to campaign: a pre-vote first (or a fresh one, if the last round stalled).
         self.role = PRE_CANDIDATE
+        self.leader = None  # not heard for a whole timeout
         self.votes = {self.name}
         self.deadline = now_ns + self._timeout()
         last_seq, last_term = self.log_position()
