@@ -258,7 +258,13 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
     if free:
         rng = random.Random(seed)
         group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
-        port = lambda: free_port()  # noqa: E731
+        taken: set[int] = set()
+
+        def port() -> int:  # free now, and not already given to another node of this config
+            while (p := free_port()) in taken:
+                pass
+            taken.add(p)
+            return p
     else:
         group = DEFAULT_GROUP
         counter = iter(range(DEFAULT_BASE_PORT, DEFAULT_BASE_PORT + 100))
