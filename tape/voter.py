@@ -238,16 +238,9 @@ class Voter:
         prev = f.from_seq - 1
         if 0 <= prev <= self.journal.last_seq and self.term_at(prev) == f.prev_term:
             records = self.journal.read_batch(f.from_seq, FETCH_MAX)
-            start = 0
-            while start < len(records):
-                term = records[start][1]
-                end = start
-                while end < len(records) and records[end][1] == term:
-                    end += 1
-                out.append(rep.encode_append(self.election.term, self.node.wire_name, prev, self.term_at(prev),
-                                             self.commit_seq, term, [m for _, _, m in records[start:end]]))
-                prev = records[end - 1][0]
-                start = end
+            out.append(rep.encode_runs(self.election.term, self.node.wire_name, prev, f.prev_term, self.commit_seq,
+                                       records))
+            prev = records[-1][0] if records else prev
         out.append(rep.encode_append(self.election.term, self.node.wire_name, prev, self.term_at(prev),
                                      self.commit_seq, self.election.term, []))
         return b"".join(out)

@@ -115,6 +115,23 @@ def encode_append(term, leader, prev_seq, prev_term, commit_seq, entries_term, m
     return FRAME.pack(1 + len(head) + len(body), T_APPEND) + head + body
 
 
+def encode_runs(term, leader, prev_seq, prev_term, commit_seq, records: list) -> bytes:
+    """Journal records [(seq, term, message)] following prev_seq as appends,
+    one per run of equal terms (every entry of an append shares its term)."""
+    out = []
+    start = 0
+    while start < len(records):
+        run_term = records[start][1]
+        end = start
+        while end < len(records) and records[end][1] == run_term:
+            end += 1
+        out.append(encode_append(term, leader, prev_seq, prev_term, commit_seq, run_term,
+                                 [m for _, _, m in records[start:end]]))
+        prev_seq, prev_term = records[end - 1][0], run_term
+        start = end
+    return b"".join(out)
+
+
 def encode_ack(term: int, follower: bytes, success: bool, last_seq: int) -> bytes:
     return FRAME.pack(1 + ACK.size, T_ACK) + ACK.pack(term, follower, 1 if success else 0, last_seq)
 

@@ -383,19 +383,9 @@ class Sequencer:
                 if not records:
                     break
                 prev = link.next_seq - 1
-                prev_term = self._term_at(prev)
-                # One append per run of equal terms.
-                start = 0
-                while start < len(records):
-                    term = records[start][1]
-                    end = start
-                    while end < len(records) and records[end][1] == term:
-                        end += 1
-                    chunk = [m for _, _, m in records[start:end]]
-                    link.writer.write(rep.encode_append(self.core.term, self.node.wire_name, prev, prev_term,
-                                                        self.core.commit_seq, term, chunk))
-                    prev, prev_term = records[end - 1][0], term
-                    start = end
+                link.writer.write(rep.encode_runs(self.core.term, self.node.wire_name, prev, self._term_at(prev),
+                                                  self.core.commit_seq, records))
+                prev = records[-1][0]
                 link.next_seq = prev + 1
                 await link.writer.drain()
             if link.rewind is not None:
