@@ -100,6 +100,7 @@ class Voter:
                 self.lead(a[1])
             elif a[0] == "step_down":
                 if self.leader is not None:
+                    self.sim.close_links(self.name, self.leader.term)
                     self.follower = FollowerCore(self.wire, *self.position(), self.term_at, term=self.election.term)
                     self.follower.commit_seq = self.leader.commit_seq
                     self.leader = None
@@ -191,6 +192,8 @@ class Voter:
                                                granted, msg.pre))
         elif isinstance(msg, Vote):
             self.act(self.election.on_vote(msg.term, msg.voter, msg.granted, msg.pre, now))
+        elif msg[0] == "closed":
+            self.act(self.election.on_leader_lost(wire(src), msg[1], now))
         elif msg[0] == "inbound":
             if self.leader is not None:
                 self.leader.on_inbound(msg[1], now)  # bad input comes back as a reason: counted, dropped
@@ -311,6 +314,13 @@ class Sim:
         for _ in range(2 if self.rng.random() < self.dup else 1):
             self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, src, dst, msg)
 
+    def close_links(self, src: str, term: int) -> None:
+        """A leader crashed or stepped down: its connections close. A FIN is
+        not lost (TCP resends it) but a partition stops it."""
+        for dst in VOTERS:
+            if dst != src and frozenset((src, dst)) not in self.cut:
+                self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, src, dst, ("closed", term))
+
     def deliver(self, src: str, dst: str, msg) -> None:
         node = self.nodes[dst]
         if not node.up:
@@ -349,6 +359,8 @@ class Sim:
         self.trace.append(f"{self.now / MS:.0f} ms: {kind} {node} for {(until - self.now) / MS:.0f} ms")
         if kind == "crash" and self.voters[node].up:
             self.voters[node].up = False
+            if self.voters[node].leader is not None:
+                self.close_links(node, self.voters[node].leader.term)
             self.at(until, self.recover, node)
         elif kind == "pause" and node not in self.paused:
             self.paused[node] = []

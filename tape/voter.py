@@ -124,6 +124,7 @@ class Voter:
         self.partition_flag = Path(node.data) / "partitioned"
         self.partitioned = False
         self._conns: set[asyncio.StreamWriter] = set()
+        self._leader_conns: dict[asyncio.StreamWriter, tuple[bytes, int]] = {}  # which carried the leader's appends
         self.appended = 0
         self.bad_frames = 0
         self.truncations = 0
@@ -174,14 +175,18 @@ class Voter:
         writer.write(rep.encode_hello(self.election.term, self.node.wire_name, self.journal.last_seq,
                                       self.journal.last_term))
         frames = rep.FrameReader()
+        closed_by_peer = False
         try:
             while True:
                 data = await reader.read(1 << 20)
                 if not data:
+                    closed_by_peer = True
                     break
                 for fr in frames.feed(data):
                     if isinstance(fr, rep.Append):
                         writer.write(self.on_append(fr))
+                        if self.election.leader == fr.leader and self.election.term == fr.term:
+                            self._leader_conns[writer] = (fr.leader, fr.term)
                     elif isinstance(fr, rep.VoteRequest):
                         writer.write(self.on_vote_request(fr))
                     elif isinstance(fr, rep.Fetch):
@@ -193,11 +198,19 @@ class Voter:
             log.warning("bad replication frame, closing: %s", e)
         except (InvariantViolation, RuntimeError) as e:
             self.on_fatal(str(e))
-        except (ConnectionError, asyncio.CancelledError):
-            pass  # the leader went away, or we are shutting down
+        except ConnectionError:
+            closed_by_peer = True
+        except asyncio.CancelledError:
+            pass  # shutting down
         finally:
             self._conns.discard(writer)
+            carried = self._leader_conns.pop(writer, None)
             writer.close()
+            if closed_by_peer and carried == (self.election.leader, self.election.term) and not self.partitioned \
+                    and carried not in self._leader_conns.values():
+                log.warning("leader %s closed its connection in term %d: taking it for gone",
+                            carried[0].decode(errors="replace").strip(), carried[1])
+                self.act(self.election.on_leader_lost(*carried, time.monotonic_ns()))
 
     def on_append(self, a: rep.Append) -> bytes:
         ok, actions = self.election.on_append(a.term, a.leader, time.monotonic_ns())

@@ -104,3 +104,41 @@ def test_two_leaders_in_one_term_is_impossible_and_said_so():
     elect(c, 700 * MS)
     with pytest.raises(InvariantViolation):
         c.on_append(1, B, 800 * MS)
+
+
+def test_a_closed_leader_connection_brings_the_campaign_forward_and_frees_pre_votes():
+    standby, rewinder = core(B), core(R1, can_lead=False)
+    for c in (standby, rewinder):
+        assert c.on_append(1, A, 100 * MS)[0]
+    # Stale news (another term, another node) changes nothing.
+    assert standby.on_leader_lost(A, 0, 101 * MS) == [] and standby.on_leader_lost(R2, 1, 101 * MS) == []
+    assert standby.deadline >= 400 * MS
+    granted, _ = rewinder.on_vote_request(2, B, 50, 1, True, 110 * MS)
+    assert not granted  # the leader was heard 10 ms ago
+    for c in (standby, rewinder):
+        c.on_leader_lost(A, 1, 110 * MS)
+    assert 140 * MS <= standby.deadline <= 170 * MS  # a tenth to a fifth of the 300 ms timeout
+    assert standby.on_tick(standby.deadline)[-1][:2] == ("request_votes", True)
+    granted, _ = rewinder.on_vote_request(2, B, 50, 1, True, 111 * MS)
+    assert granted and rewinder.term == 1  # a pre-vote still changes no term
+    assert rewinder.on_tick(10_000 * MS) == []  # a rewinder still never campaigns
+    # The leader speaks again (the connection was a blip): it counts as alive again.
+    rewinder.on_append(1, A, 120 * MS)
+    assert not rewinder.on_vote_request(2, B, 50, 1, True, 121 * MS)[0]
+
+
+def test_after_a_closed_leader_connection_only_pre_vote_rounds_are_short():
+    c = core(B)
+    c.on_append(1, A, 100 * MS)
+    c.on_leader_lost(A, 1, 110 * MS)
+    now = c.deadline
+    c.on_tick(now)  # a pre-vote nobody answers (the others have not seen the close yet)
+    assert c.role == PRE_CANDIDATE and c.deadline - now <= 60 * MS
+    now = c.deadline
+    c.on_tick(now)
+    c.on_vote(2, R1, True, True, now + MS)
+    acts = c.on_vote(2, R2, True, True, now + MS)
+    assert c.role == CANDIDATE and acts[-1][:2] == ("request_votes", False)
+    assert c.deadline - (now + MS) >= 300 * MS  # a real election waits out its votes' fsyncs
+    c.on_vote(2, R1, True, False, now + 2 * MS)
+    assert c.on_vote(2, R2, True, False, now + 2 * MS) == [("lead", 2)] and not c.leader_gone

@@ -59,6 +59,7 @@ class Sequencer:
         self.followers = [n for n in cfg.voters if n is not node]
         self.core: LeaderCore | None = None  # while leading
         self.links: dict[bytes, Link] = {}
+        self._held: list[asyncio.StreamWriter] = []  # links a partition keeps from closing
         self._leader_tasks: list[asyncio.Task] = []
         self.inbound_datagrams = 0
         self.inbound_bytes = 0
@@ -154,9 +155,23 @@ class Sequencer:
             self._lead(action[1])
         elif kind == "step_down":
             self._follow(action[1])
-        elif kind == "partition" and action[1]:
-            for link in self.links.values():
-                link.writer.close()
+        elif kind == "partition":
+            self._partition(action[1])
+
+    def _partition(self, cut: bool) -> None:
+        """Fault injection: black-hole the links to the followers (no reads,
+        no writes, no close: a cut network sends no FIN) until healed."""
+        for link in self.links.values():
+            link.live = False
+            if cut:
+                link.writer.transport.pause_reading()
+            else:
+                link.writer.transport.resume_reading()
+                link.wake.set()  # catch up what was not sent
+        if not cut:
+            for writer in self._held:
+                writer.close()
+            self._held = []
 
     def _lead(self, term: int) -> None:
         j = self.journal
@@ -187,7 +202,8 @@ class Sequencer:
             t.cancel()
         self._leader_tasks = []
         for link in self.links.values():
-            link.writer.close()
+            if not self.voter.partitioned:
+                link.writer.close()  # (a partition holds them open until it heals)
         self.links = {}
         self._last["accepted"] += c.accepted
         self._last["published"] += c.published_messages
@@ -351,7 +367,10 @@ class Sequencer:
                     sender.cancel()
                 if link and self.links.get(f.wire_name) is link:
                     del self.links[f.wire_name]
-                writer.close()
+                if self.voter.partitioned:
+                    self._held.append(writer)  # closed when the partition heals
+                else:
+                    writer.close()
             await asyncio.sleep(0.1)
 
     def _on_ack(self, link: Link, ack: rep.Ack) -> None:
@@ -379,6 +398,8 @@ class Sequencer:
                     link.next_seq, link.rewind = min(link.next_seq, link.rewind), None
                 if link.next_seq > self.core.last_seq:
                     break
+                while self.voter.partitioned:
+                    await asyncio.sleep(0.02)
                 records = self.journal.read_batch(link.next_seq, CATCHUP_CHUNK)
                 if not records:
                     break
