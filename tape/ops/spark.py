@@ -293,33 +293,80 @@ class SparkProgress:
 ALERT_FIELDS = ("emit_seq", "purchase_id", "order_id", "requested", "cumulative")
 
 
-def _order_alerts(rows, book_ttl_ns: int, orphan_ttl_ns: int):
-    """The alerts of one order, by the reference rules (every rule is per order)."""
-    from tape.ops.reference import expected_alerts
-    from tape.protocol import messages as M
-
-    stream = []
-    for r in sorted(rows, key=lambda r: r[0]):
-        kind = M.REQUEST if r[1] == "purchase_request" else M.PURCHASE
-        stream.append((r[0], (kind, r[2], r[3], r[4], r[5], r[6] or 0, r[7], None, 0)))
-    alerts, _ = expected_alerts(stream, book_ttl_ns, orphan_ttl_ns)
-    return [(a["emit_seq"], a["purchase_seq"], a["purchase_id"], a["order_id"], a["requested"], a["cumulative"])
-            for a in alerts]
-
-
 def expected_alerts_df(spark, journal: str, session_name: str, book_ttl_ns: int, orphan_ttl_ns: int,
                        skip_corrupt: bool = False):
+    """The alerts the journal implies, by the replicas' rules, in Spark SQL
+    (no Python per row). Every rule is per order, so each step is a window
+    partitioned by order id, in seq order:
+
+    1. `now` at each message: the running max of the order's stamps.
+    2. Books: a request with shares > 0 opens one unless the order's last
+       book is still open (a fold over the order's requests, `aggregate`).
+    3. A purchase fills the latest book before it if that book is still
+       open at the purchase; otherwise (shares > 0) it is an orphan, held
+       for the next book, which takes it if it opens within `orphan_ttl`.
+       An orphan fills at its book's seq, before later purchases.
+    4. A fill counts if its shares are positive and its client and stock
+       are the book's; the cumulative sum over the book's fills (ordered by
+       emit seq, then seq) first exceeding the request is the alert.
+    """
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     trades = (journal_df(spark, journal, skip_corrupt)
               .where(F.col("type").isin("purchase_request", "purchase"))
               .select("seq", "type", "order_id", "shares", "client", "stock", "purchase_id", "stamp_ns"))
-    alerts = (trades.rdd.map(lambda r: (r[2], tuple(r)))
-              .groupByKey()
-              .flatMap(lambda kv: _order_alerts(kv[1], book_ttl_ns, orphan_ttl_ns)))
-    df = spark.createDataFrame(alerts, "emit_seq LONG, purchase_seq LONG, purchase_id LONG, order_id LONG, "
-                                       "requested LONG, cumulative LONG")
-    return df.withColumn("alert_id", F.concat(F.lit(f"{session_name}:"), F.col("purchase_seq").cast("string")))
+    by_order = Window.partitionBy("order_id").orderBy("seq")
+    trades = trades.withColumn("now", F.max("stamp_ns").over(by_order.rowsBetween(Window.unboundedPreceding, 0)))
+
+    # 2. Books. Requests are a small share of the stream; the fold is a JVM higher-order function.
+    requests = trades.where("type = 'purchase_request' AND shares > 0")
+    opened = (requests.groupBy("order_id")
+              .agg(F.array_sort(F.collect_list(F.struct("seq", "stamp_ns", "now", "shares", "client", "stock")))
+                   .alias("reqs"))
+              .select("order_id", F.expr(
+                  f"aggregate(reqs, named_struct('opened', CAST(NULL AS BIGINT), 'books', slice(reqs, 1, 0)), "
+                  f"(acc, r) -> IF(acc.opened IS NULL OR r.now >= acc.opened + {int(book_ttl_ns)}, "
+                  f"named_struct('opened', r.stamp_ns, 'books', concat(acc.books, array(r))), acc)).books")
+                      .alias("books")))
+    books = opened.select("order_id", F.explode("books").alias("b")).select(
+        "order_id", F.col("b.seq").alias("book_seq"), F.col("b.stamp_ns").alias("book_opened"),
+        F.col("b.now").alias("book_now"), F.col("b.shares").alias("requested"),
+        F.col("b.client").alias("book_client"), F.col("b.stock").alias("book_stock"))
+
+    # 3. Which book each purchase fills: the one before it, or (as an orphan) the one after.
+    purchases = trades.where("type = 'purchase'").select("seq", "order_id", "shares", "client", "stock",
+                                                         "purchase_id", "stamp_ns", "now")
+    marks = books.select("order_id", F.col("book_seq").alias("seq"), F.col("book_seq").alias("mark"))
+    placed = (purchases.unionByName(marks, allowMissingColumns=True)
+              .withColumn("prev_book", F.last("mark", ignorenulls=True).over(
+                  by_order.rowsBetween(Window.unboundedPreceding, 0)))
+              .withColumn("next_book", F.first("mark", ignorenulls=True).over(
+                  by_order.rowsBetween(0, Window.unboundedFollowing)))
+              .where(F.col("mark").isNull()))
+    prev = books.select(*(F.col(c).alias("p_" + c) for c in books.columns))
+    placed = placed.join(prev, (F.col("order_id") == F.col("p_order_id")) & (F.col("prev_book") == F.col("p_book_seq")),
+                         "left")
+    in_book = F.col("p_book_seq").isNotNull() & (F.col("now") < F.col("p_book_opened") + F.lit(book_ttl_ns))
+    placed = placed.withColumn("book", F.when(in_book, F.col("prev_book"))
+                               .when(F.col("shares") > 0, F.col("next_book")))
+    fills = placed.where(F.col("book").isNotNull()).select(
+        "seq", "order_id", "shares", "client", "stock", "purchase_id", "stamp_ns", "book",
+        F.when(in_book, F.col("seq")).otherwise(F.col("book")).alias("emit_seq"))
+    fills = fills.join(books, (fills.order_id == books.order_id) & (fills.book == books.book_seq)).drop(books.order_id)
+    orphan_kept = (F.col("emit_seq") == F.col("seq")) | (F.col("book_now") < F.col("stamp_ns") + F.lit(orphan_ttl_ns))
+    valid = fills.where(orphan_kept & (F.col("shares") > 0) & (F.col("client") == F.col("book_client"))
+                        & (F.col("stock") == F.col("book_stock")))
+
+    # 4. Cumulative shares per book; the first fill over the request alerts.
+    by_book = Window.partitionBy("order_id", "book").orderBy("emit_seq", "seq")
+    over = (valid.withColumn("cumulative", F.sum("shares").over(by_book.rowsBetween(Window.unboundedPreceding, 0)))
+            .where(F.col("cumulative") > F.col("requested"))
+            .withColumn("nth", F.row_number().over(by_book))
+            .where("nth = 1"))
+    return over.select(
+        "emit_seq", F.col("seq").alias("purchase_seq"), "purchase_id", "order_id", "requested", "cumulative",
+        F.concat(F.lit(f"{session_name}:"), F.col("seq").cast("string")).alias("alert_id"))
 
 
 def reconcile(spark, journal: str, alerts_file: str, session_name: str, book_ttl_ns: int, orphan_ttl_ns: int,
