@@ -113,16 +113,32 @@ def random_journal(path: Path, seed: int, n: int = 4000) -> list:
 
 
 @pytest.mark.parametrize("book_ttl, orphan_ttl", [(300, 100), (2000, 30), (10**12, 10**12)])
-def test_the_spark_audit_equals_the_reference_on_random_journals(spark, tmp_path, book_ttl, orphan_ttl):
+def test_the_spark_rules_equal_the_reference_on_random_journals(spark, tmp_path, book_ttl, orphan_ttl):
+    from pyspark.sql import functions as F
+
     from tape.ops.reference import expected_alerts
-    from tape.ops.spark import expected_alerts_df
+    from tape.ops.spark import alerts_df, apply_rules, journal_df
+    from tape.protocol import messages as M
 
     stream = random_journal(tmp_path / "j", seed=book_ttl + orphan_ttl)
-    want, _ = expected_alerts(stream, book_ttl, orphan_ttl)
-    got = expected_alerts_df(spark, str(tmp_path / "j"), "TAPE", book_ttl, orphan_ttl).collect()
+    ref_books: list = []
+    want, want_rejects = expected_alerts(stream, book_ttl, orphan_ttl, books_out=ref_books)
+    trades = journal_df(spark, str(tmp_path / "j")).where("type IN ('purchase_request', 'purchase')")
+    end_ns = max(m[M.STAMP] for _, m in stream)
+    books, outcomes = apply_rules(trades, book_ttl, orphan_ttl, end_ns)
+    outcomes = outcomes.cache()
+    got = alerts_df(outcomes, "TAPE").collect()
     fields = ("emit_seq", "purchase_seq", "purchase_id", "order_id", "requested", "cumulative")
     assert sorted(tuple(r[f] for f in fields) for r in got) == sorted(tuple(a[f] for f in fields) for a in want)
     assert len(want) > 20
+    counts = {r["outcome"]: r["count"] for r in outcomes.groupBy("outcome").count().collect()}
+    assert {k: counts.get(k, 0) for k in want_rejects} == want_rejects
+    filled = outcomes.where("outcome = 'fill'").groupBy("order_id", F.col("book").alias("book_seq")).agg(
+        F.sum("shares").alias("total"))
+    got_books = books.join(filled, ["order_id", "book_seq"], "left").collect()
+    assert sorted((b["order_id"], b["requested"], b["total"] or 0) for b in got_books) == \
+        sorted((b["order_id"], b["requested"], b["total"]) for b in ref_books)
+    outcomes.unpersist()
 
 
 def test_audit_command_exit_codes(run_dir, tmp_path):

@@ -2,7 +2,7 @@
 
 Computed in Spark from the journal (or its Parquet export): volumes per stock
 and per client, fill ratios and the overfill distribution per order (by the
-replicas' rules, through the reference checker run per order), rejects and
+replicas' rules, as Spark SQL windows: `tape.ops.spark.apply_rules`), rejects and
 orphans by reason, the message rate per second and the gaps between
 successive sequencer stamps. Printed as tables; written to DIR as
 `analytics.json`, PNG plots and an `index.html` that shows them all.
@@ -26,29 +26,12 @@ FILL_BUCKETS = [0.0, 0.25, 0.5, 0.75, 1.0, 1.0000001, 1.25, 1.5, 2.0, float("inf
 FILL_LABELS = ["0-25%", "25-50%", "50-75%", "75-<100%", "100% (exact)", "100-125%", "125-150%", "150-200%", ">200%"]
 
 
-def _order_stats(rows, book_ttl_ns: int, orphan_ttl_ns: int, end_ns: int):
-    """One order's messages -> ("book", requested, filled, client, stock) per book and ("reject", reason, n)."""
-    from tape.ops.reference import expected_alerts
-    from tape.protocol import messages as M
-
-    stream = []
-    for r in sorted(rows, key=lambda r: r[0]):
-        kind = M.REQUEST if r[1] == "purchase_request" else M.PURCHASE
-        stream.append((r[0], (kind, r[2], r[3], r[4], r[5], r[6] or 0, r[7], None, 0)))
-    books: list = []
-    alerts, rejects = expected_alerts(stream, book_ttl_ns, orphan_ttl_ns, end_ns=end_ns, books_out=books)
-    out = [("book", str(b["requested"]), b["total"], b["client"], b["stock"]) for b in books]
-    out += [("reject", reason, n, "", "") for reason, n in rejects.items() if n]
-    out.append(("alerts", "", len(alerts), "", ""))
-    return out
-
-
 def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corrupt: bool = False,
             progress=None) -> dict:
     from pyspark.sql import functions as F
     from pyspark.sql.window import Window
 
-    from tape.ops.spark import journal_df
+    from tape.ops.spark import REJECT_REASONS, alerts_df, apply_rules, journal_df
 
     def phase(what):
         if progress is not None:
@@ -77,14 +60,13 @@ def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corr
     per_stock, per_client = volumes("stock"), volumes("client")
 
     phase("orders by the replicas' rules")
-    end_ns = span["last_ns"] or 0
-    stats = (trades.select("seq", "type", "order_id", "shares", "client", "stock", "purchase_id", "stamp_ns")
-             .rdd.map(lambda r: (r[2], tuple(r))).groupByKey()
-             .flatMap(lambda kv: _order_stats(kv[1], book_ttl_ns, orphan_ttl_ns, end_ns)))
-    stats_df = spark.createDataFrame(stats, "kind STRING, a STRING, n LONG, client STRING, stock STRING").cache()
-    books = (stats_df.where("kind = 'book'")
-             .select(F.col("a").cast("long").alias("requested"), F.col("n").alias("filled"))
-             .withColumn("ratio", F.col("filled") / F.col("requested")))
+    book_rows, outcomes = apply_rules(trades, book_ttl_ns, orphan_ttl_ns, end_ns=span["last_ns"] or 0)
+    outcomes = outcomes.cache()
+    filled = (outcomes.where("outcome = 'fill'").groupBy("order_id", F.col("book").alias("book_seq"))
+              .agg(F.sum("shares").alias("filled")))
+    books = (book_rows.join(filled, ["order_id", "book_seq"], "left")
+             .select("requested", F.coalesce("filled", F.lit(0)).alias("filled"))
+             .withColumn("ratio", F.col("filled") / F.col("requested")).cache())
     bucket = F.lit(len(FILL_LABELS) - 1)
     for i in reversed(range(len(FILL_LABELS))):
         bucket = F.when((F.col("ratio") >= FILL_BUCKETS[i]) & (F.col("ratio") < FILL_BUCKETS[i + 1]), i).otherwise(bucket)
@@ -98,8 +80,9 @@ def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corr
                       F.max(F.col("over") / F.col("requested")).alias("rmax")).first()
     over_hist = [(r["b"], r["count"]) for r in over.withColumn("b", F.floor(F.col("over") / F.col("requested") * 20) / 20)
                  .groupBy("b").count().orderBy("b").collect()]
-    rejects = {r["a"]: r["n"] for r in stats_df.where("kind = 'reject'").groupBy("a").agg(F.sum("n").alias("n")).collect()}
-    alerts = stats_df.where("kind = 'alerts'").agg(F.sum("n")).first()[0] or 0
+    rejects = {r["outcome"]: r["count"] for r in outcomes.where(F.col("outcome").isin(*REJECT_REASONS))
+               .groupBy("outcome").count().orderBy("outcome").collect()}
+    alerts = alerts_df(outcomes, "").count()
 
     phase("rate per second")
     rate = [(r["second"], r["count"]) for r in msgs.groupBy(F.floor(F.col("stamp_ns") / 1e9).alias("second")).count()
@@ -114,7 +97,8 @@ def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corr
     gap_hist = [(r["b"], r["count"]) for r in gaps.withColumn("b", F.floor(F.log10(F.greatest(F.col("gap_us"), F.lit(1.0)))))
                 .groupBy("b").count().orderBy("b").collect()]
     df.unpersist()
-    stats_df.unpersist()
+    outcomes.unpersist()
+    books.unpersist()
     gaps.unpersist()
 
     seconds = max(1, len(rate))

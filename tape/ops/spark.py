@@ -293,35 +293,36 @@ class SparkProgress:
 ALERT_FIELDS = ("emit_seq", "purchase_id", "order_id", "requested", "cumulative")
 
 
-def expected_alerts_df(spark, journal: str, session_name: str, book_ttl_ns: int, orphan_ttl_ns: int,
-                       skip_corrupt: bool = False):
-    """The alerts the journal implies, by the replicas' rules, in Spark SQL
-    (no Python per row). Every rule is per order, so each step is a window
-    partitioned by order id, in seq order:
+REJECT_REASONS = ("duplicate_order", "bad_shares", "client_mismatch", "stock_mismatch", "orphan_expired")
+
+
+def apply_rules(trades, book_ttl_ns: int, orphan_ttl_ns: int, end_ns: int | None = None):
+    """The replicas' rules (DESIGN.md sections 1 and 6) over a DataFrame of
+    trades, in Spark SQL: no Python per row. Every rule is per order, so
+    each step is a window partitioned by order id, in seq order:
 
     1. `now` at each message: the running max of the order's stamps.
     2. Books: a request with shares > 0 opens one unless the order's last
        book is still open (a fold over the order's requests, `aggregate`).
     3. A purchase fills the latest book before it if that book is still
-       open at the purchase; otherwise (shares > 0) it is an orphan, held
-       for the next book, which takes it if it opens within `orphan_ttl`.
+       open; otherwise (shares > 0) it is an orphan, held for the next book,
+       which takes it if it opens within `orphan_ttl` (else it expired; with
+       no next book it expired if `end_ns` is past its window, or is held).
        An orphan fills at its book's seq, before later purchases.
-    4. A fill counts if its shares are positive and its client and stock
-       are the book's; the cumulative sum over the book's fills (ordered by
-       emit seq, then seq) first exceeding the request is the alert.
-    """
+    4. A fill counts if its client and stock are the book's.
+
+    Returns (books, outcomes): books (order_id, book_seq, requested, client,
+    stock, ...) and one row per trade with its `outcome` (opened, fill,
+    held, or a reject reason) and, for fills, `book` and `emit_seq`."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    trades = (journal_df(spark, journal, skip_corrupt)
-              .where(F.col("type").isin("purchase_request", "purchase"))
-              .select("seq", "type", "order_id", "shares", "client", "stock", "purchase_id", "stamp_ns"))
+    trades = trades.select("seq", "type", "order_id", "shares", "client", "stock", "purchase_id", "stamp_ns")
     by_order = Window.partitionBy("order_id").orderBy("seq")
     trades = trades.withColumn("now", F.max("stamp_ns").over(by_order.rowsBetween(Window.unboundedPreceding, 0)))
 
     # 2. Books. Requests are a small share of the stream; the fold is a JVM higher-order function.
-    requests = trades.where("type = 'purchase_request' AND shares > 0")
-    opened = (requests.groupBy("order_id")
+    opened = (trades.where("type = 'purchase_request' AND shares > 0").groupBy("order_id")
               .agg(F.array_sort(F.collect_list(F.struct("seq", "stamp_ns", "now", "shares", "client", "stock")))
                    .alias("reqs"))
               .select("order_id", F.expr(
@@ -330,43 +331,62 @@ def expected_alerts_df(spark, journal: str, session_name: str, book_ttl_ns: int,
                   f"named_struct('opened', r.stamp_ns, 'books', concat(acc.books, array(r))), acc)).books")
                       .alias("books")))
     books = opened.select("order_id", F.explode("books").alias("b")).select(
-        "order_id", F.col("b.seq").alias("book_seq"), F.col("b.stamp_ns").alias("book_opened"),
-        F.col("b.now").alias("book_now"), F.col("b.shares").alias("requested"),
-        F.col("b.client").alias("book_client"), F.col("b.stock").alias("book_stock"))
+        "order_id", F.col("b.seq").alias("book_seq"), F.col("b.stamp_ns").alias("opened"),
+        F.col("b.now").alias("opened_now"), F.col("b.shares").alias("requested"),
+        F.col("b.client").alias("client"), F.col("b.stock").alias("stock"))
 
-    # 3. Which book each purchase fills: the one before it, or (as an orphan) the one after.
-    purchases = trades.where("type = 'purchase'").select("seq", "order_id", "shares", "client", "stock",
-                                                         "purchase_id", "stamp_ns", "now")
+    # 3. The books before and after each trade.
     marks = books.select("order_id", F.col("book_seq").alias("seq"), F.col("book_seq").alias("mark"))
-    placed = (purchases.unionByName(marks, allowMissingColumns=True)
-              .withColumn("prev_book", F.last("mark", ignorenulls=True).over(
-                  by_order.rowsBetween(Window.unboundedPreceding, 0)))
-              .withColumn("next_book", F.first("mark", ignorenulls=True).over(
-                  by_order.rowsBetween(0, Window.unboundedFollowing)))
-              .where(F.col("mark").isNull()))
-    prev = books.select(*(F.col(c).alias("p_" + c) for c in books.columns))
-    placed = placed.join(prev, (F.col("order_id") == F.col("p_order_id")) & (F.col("prev_book") == F.col("p_book_seq")),
-                         "left")
-    in_book = F.col("p_book_seq").isNotNull() & (F.col("now") < F.col("p_book_opened") + F.lit(book_ttl_ns))
-    placed = placed.withColumn("book", F.when(in_book, F.col("prev_book"))
-                               .when(F.col("shares") > 0, F.col("next_book")))
-    fills = placed.where(F.col("book").isNotNull()).select(
-        "seq", "order_id", "shares", "client", "stock", "purchase_id", "stamp_ns", "book",
-        F.when(in_book, F.col("seq")).otherwise(F.col("book")).alias("emit_seq"))
-    fills = fills.join(books, (fills.order_id == books.order_id) & (fills.book == books.book_seq)).drop(books.order_id)
-    orphan_kept = (F.col("emit_seq") == F.col("seq")) | (F.col("book_now") < F.col("stamp_ns") + F.lit(orphan_ttl_ns))
-    valid = fills.where(orphan_kept & (F.col("shares") > 0) & (F.col("client") == F.col("book_client"))
-                        & (F.col("stock") == F.col("book_stock")))
+    t = (trades.join(marks, ["order_id", "seq"], "left")
+         .withColumn("prev_book", F.last("mark", ignorenulls=True).over(by_order.rowsBetween(Window.unboundedPreceding, -1)))
+         .withColumn("next_book", F.first("mark", ignorenulls=True).over(by_order.rowsBetween(1, Window.unboundedFollowing))))
+    for side, key in (("p_", "prev_book"), ("n_", "next_book")):
+        other = books.select(*(F.col(c).alias(side + c) for c in books.columns))
+        t = t.join(other, (t.order_id == other[side + "order_id"]) & (t[key] == other[side + "book_seq"]), "left")
+    book_open = F.col("p_book_seq").isNotNull() & (F.col("now") < F.col("p_opened") + F.lit(book_ttl_ns))
+    is_request = F.col("type") == "purchase_request"
+    window_end = F.col("stamp_ns") + F.lit(orphan_ttl_ns)
+    expired = F.when(F.col("n_book_seq").isNotNull(), F.col("n_opened_now") >= window_end)
+    expired = expired.otherwise(F.lit(end_ns is not None) & (F.lit(end_ns or 0) >= window_end))
+    target = lambda c: F.when(book_open, F.col("p_" + c)).otherwise(F.col("n_" + c))  # noqa: E731
+    outcome = (F.when(is_request, F.when(F.col("mark").isNotNull(), "opened")
+                      .when(book_open, "duplicate_order").otherwise("bad_shares"))
+               .when(F.col("shares") <= 0, "bad_shares")
+               .when(~book_open & expired, "orphan_expired")
+               .when(~book_open & F.col("n_book_seq").isNull(), "held")
+               .when(F.col("client") != target("client"), "client_mismatch")
+               .when(F.col("stock") != target("stock"), "stock_mismatch")
+               .otherwise("fill"))
+    outcomes = t.select(
+        "seq", "type", "order_id", "shares", "purchase_id", outcome.alias("outcome"),
+        target("book_seq").alias("book"), target("requested").alias("requested"),
+        F.when(book_open, F.col("seq")).otherwise(F.col("n_book_seq")).alias("emit_seq"))
+    return books, outcomes
 
-    # 4. Cumulative shares per book; the first fill over the request alerts.
+
+def alerts_df(outcomes, session_name: str):
+    """4. Cumulative shares per book (fills ordered by emit seq, then seq);
+    the first fill that takes it over the request is the alert."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
     by_book = Window.partitionBy("order_id", "book").orderBy("emit_seq", "seq")
-    over = (valid.withColumn("cumulative", F.sum("shares").over(by_book.rowsBetween(Window.unboundedPreceding, 0)))
+    over = (outcomes.where("outcome = 'fill'")
+            .withColumn("cumulative", F.sum("shares").over(by_book.rowsBetween(Window.unboundedPreceding, 0)))
             .where(F.col("cumulative") > F.col("requested"))
             .withColumn("nth", F.row_number().over(by_book))
             .where("nth = 1"))
     return over.select(
         "emit_seq", F.col("seq").alias("purchase_seq"), "purchase_id", "order_id", "requested", "cumulative",
         F.concat(F.lit(f"{session_name}:"), F.col("seq").cast("string")).alias("alert_id"))
+
+
+def expected_alerts_df(spark, journal: str, session_name: str, book_ttl_ns: int, orphan_ttl_ns: int,
+                       skip_corrupt: bool = False):
+    """The alerts the journal implies, by the replicas' rules."""
+    trades = journal_df(spark, journal, skip_corrupt).where("type IN ('purchase_request', 'purchase')")
+    _, outcomes = apply_rules(trades, book_ttl_ns, orphan_ttl_ns)
+    return alerts_df(outcomes, session_name)
 
 
 def reconcile(spark, journal: str, alerts_file: str, session_name: str, book_ttl_ns: int, orphan_ttl_ns: int,
