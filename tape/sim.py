@@ -3,7 +3,8 @@
 The pure cores of every role (ElectionCore, LeaderCore, FollowerCore,
 GapFillCore, StreamReceiver, AuditMachine) run in one process on a seeded
 virtual network and clock: messages are delayed, dropped, duplicated and
-reordered; nodes crash (losing all but their log and vote), pause (their
+reordered; nodes crash (losing all but their log and vote; a leader may
+crash between replicating a batch and journaling it), pause (their
 input waits) and are cut off by partitions, all at random times chosen by
 the seed. Clients send every batch to both sequencers and resend what they
 have not seen sequenced; listeners fill gaps from the rewinders. After the
@@ -82,6 +83,8 @@ class Voter:
         self.next: dict[str, int] = {}
         self.gapfill = GapFillCore(SESSION, 17, rate_per_s=5000.0)
         self.last_beat = 0
+        self.crash_before_journal: int | None = None  # a fault: crash (until then) inside the next batch
+        self.hellos: dict[str, tuple[int, int]] = {}  # voter -> its log position, as its hello said
 
     @property
     def commit_seq(self) -> int:
@@ -122,15 +125,32 @@ class Voter:
         self.process(self.leader.start_term(self.sim.now))
 
     def process(self, batch) -> None:
-        """Journal a stamped batch, replicate it, publish what commits."""
+        """Replicate a stamped batch, journal it, publish what commits. The
+        followers get it first (as in the real leader, so that the disk
+        writes overlap): a crash between the two leaves entries that only
+        followers hold."""
         c = self.leader
-        self.log.extend((batch.term, m) for m in batch.messages)
         for v, nxt in self.next.items():
             if nxt == batch.first_seq:
                 self.sim.send(self.name, v, Append(c.term, self.wire, batch.prev_seq, batch.prev_term, c.commit_seq,
                                                    batch.term, len(batch.messages), b"".join(batch.messages)))
                 self.next[v] = batch.last_seq + 1
+        if self.crash_before_journal is not None:
+            self.sim.crash(self.name, self.crash_before_journal)
+            return
+        self.log.extend((batch.term, m) for m in batch.messages)
         self.sim.publish(self.name, c.on_journaled(batch.last_seq))
+
+    def take_fetched(self, prev: int, entries: list) -> None:
+        """Entries another voter holds beyond our log (as Voter.fetch_from):
+        taken only while no leader is known and if they continue our log."""
+        if self.leader is not None or self.election.leader is not None or prev != len(self.log):
+            return
+        for term, m in entries:
+            if term > self.election.term or (self.log and term < self.log[-1][0]):
+                return
+            self.log.append((term, m))
+        self.follower = FollowerCore(self.wire, *self.position(), self.term_at, term=self.election.term)
 
     def tick(self) -> None:
         self.act(self.election.on_tick(self.sim.now))
@@ -188,10 +208,25 @@ class Voter:
             granted, actions = self.election.on_vote_request(msg.term, msg.candidate, msg.last_seq, msg.last_term,
                                                              msg.pre, now)
             self.act(actions)
+            self.sim.send(self.name, src, ("hello", *self.position()))
             self.sim.send(self.name, src, Vote(self.election.reply_term(msg.term, granted, msg.pre), self.wire,
                                                granted, msg.pre))
         elif isinstance(msg, Vote):
             self.act(self.election.on_vote(msg.term, msg.voter, msg.granted, msg.pre, now))
+            theirs = self.hellos.pop(src, None)
+            if not msg.granted and theirs and self.election.leader is None and \
+                    (theirs[1], theirs[0]) > (self.position()[1], self.position()[0]):
+                last_seq, last_term = self.position()
+                self.sim.send(self.name, src, ("fetch", last_seq + 1, last_term))  # refused for being behind
+        elif msg[0] == "hello":
+            self.hellos[src] = (msg[1], msg[2])
+        elif msg[0] == "fetch":
+            _, from_seq, prev_term = msg
+            prev = from_seq - 1
+            if 0 <= prev <= len(self.log) and self.term_at(prev) == prev_term:
+                self.sim.send(self.name, src, ("fetched", prev, self.log[prev:prev + CATCHUP]))
+        elif msg[0] == "fetched":
+            self.take_fetched(msg[1], msg[2])
         elif msg[0] == "closed":
             self.act(self.election.on_leader_lost(wire(src), msg[1], now))
         elif msg[0] == "inbound":
@@ -358,10 +393,11 @@ class Sim:
             node = leader if leader and self.rng.random() < 0.5 else self.rng.choice(VOTERS)
         self.trace.append(f"{self.now / MS:.0f} ms: {kind} {node} for {(until - self.now) / MS:.0f} ms")
         if kind == "crash" and self.voters[node].up:
-            self.voters[node].up = False
-            if self.voters[node].leader is not None:
-                self.close_links(node, self.voters[node].leader.term)
-            self.at(until, self.recover, node)
+            if self.voters[node].leader is not None and self.rng.random() < 0.5:
+                self.voters[node].crash_before_journal = until  # in its next batch, after replicating it
+                self.trace.append("  (between replicating its next batch and journaling it)")
+            else:
+                self.crash(node, until)
         elif kind == "pause" and node not in self.paused:
             self.paused[node] = []
             self.at(until, self.resume, node)
@@ -377,6 +413,14 @@ class Sim:
                 for blob in (b"", b"\x00" * 7, bytes(self.rng.randrange(256) for _ in range(60)),
                              SESSION + b"\x00" * 8 + b"\x00\x05" + b"junk"):
                     self.send("mallory", dst, ("packet", blob) if dst in self.listeners else ("inbound", blob))
+
+    def crash(self, node: str, until: int) -> None:
+        v = self.voters[node]
+        v.up = False
+        v.crash_before_journal = None
+        if v.leader is not None:
+            self.close_links(node, v.leader.term)
+        self.at(max(until, self.now + MS), self.recover, node)
 
     def recover(self, node: str) -> None:
         v = self.voters[node]

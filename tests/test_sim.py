@@ -33,3 +33,12 @@ def test_a_failing_seed_prints_its_reproduction(monkeypatch, capsys):
     bad = next(s for s in range(1, 301) if sim.run_seed(s)[1])
     assert sim.main(bad, 1) == 1
     assert f"reproduce: tape sim --first {bad} --seeds 1 -v" in capsys.readouterr().out
+
+
+def test_without_the_fetch_a_leader_dying_mid_batch_can_stall_elections(monkeypatch):
+    # The leader replicates a batch before journaling it; if it dies between the two, only
+    # rewinders (which never lead) may hold the batch, and no sequencer can win their votes
+    # until it fetches those entries (docs/failover.md#a-standby-behind-the-rewinders).
+    monkeypatch.setattr(sim.Voter, "take_fetched", lambda self, prev, entries: None)
+    stalled = [s for s in range(1, 301) if "no progress" in (sim.run_seed(s)[1] or "")]
+    assert len(stalled) >= 2

@@ -16,6 +16,7 @@ at the next good record.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -167,7 +168,8 @@ def _corrupt_batch(pa, schema, descriptions: list[str], seqs: list[int]):
 def session(master: str = "local[*]", app: str = "tape", conf: dict | None = None):
     """A quiet Spark session with the `tape` source registered. The JVM's
     own stderr (start-up chatter, Spark's errors) goes to a log file whose
-    path is in SPARK_LOG, so that a command's output stays clean."""
+    path is in SPARK_LOG, so that a command's output stays clean (the file
+    is removed at exit unless it holds an error)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -191,7 +193,19 @@ def session(master: str = "local[*]", app: str = "tape", conf: dict | None = Non
         os.close(log_fd)
     spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(TapeDataSource)
+    atexit.register(_drop_quiet_log, SPARK_LOG)
     return spark
+
+
+def _drop_quiet_log(path: str) -> None:
+    """Keep the JVM's log only if it says more than its start-up lines."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return
+    if "ERROR" not in text and "Exception" not in text:
+        os.remove(path)
 
 
 SPARK_LOG = ""
@@ -321,46 +335,46 @@ def apply_rules(trades, book_ttl_ns: int, orphan_ttl_ns: int, end_ns: int | None
     by_order = Window.partitionBy("order_id").orderBy("seq")
     trades = trades.withColumn("now", F.max("stamp_ns").over(by_order.rowsBetween(Window.unboundedPreceding, 0)))
 
-    # 2. Books. Requests are a small share of the stream; the fold is a JVM higher-order function.
+    # 2. Books: a fold (a JVM higher-order function) over each order's requests.
+    book = F.struct(F.col("seq").alias("book_seq"), F.col("stamp_ns").alias("opened"),
+                    F.col("now").alias("opened_now"), F.col("shares").alias("requested"), "client", "stock")
     opened = (trades.where("type = 'purchase_request' AND shares > 0").groupBy("order_id")
-              .agg(F.array_sort(F.collect_list(F.struct("seq", "stamp_ns", "now", "shares", "client", "stock")))
-                   .alias("reqs"))
+              .agg(F.array_sort(F.collect_list(book)).alias("reqs"))
               .select("order_id", F.expr(
                   f"aggregate(reqs, named_struct('opened', CAST(NULL AS BIGINT), 'books', slice(reqs, 1, 0)), "
-                  f"(acc, r) -> IF(acc.opened IS NULL OR r.now >= acc.opened + {int(book_ttl_ns)}, "
-                  f"named_struct('opened', r.stamp_ns, 'books', concat(acc.books, array(r))), acc)).books")
+                  f"(acc, r) -> IF(acc.opened IS NULL OR r.opened_now >= acc.opened + {int(book_ttl_ns)}, "
+                  f"named_struct('opened', r.opened, 'books', concat(acc.books, array(r))), acc)).books")
                       .alias("books")))
-    books = opened.select("order_id", F.explode("books").alias("b")).select(
-        "order_id", F.col("b.seq").alias("book_seq"), F.col("b.stamp_ns").alias("opened"),
-        F.col("b.now").alias("opened_now"), F.col("b.shares").alias("requested"),
-        F.col("b.client").alias("client"), F.col("b.stock").alias("stock"))
+    books = opened.select("order_id", F.explode("books").alias("b")).select("order_id", "b.*")
 
-    # 3. The books before and after each trade.
-    marks = books.select("order_id", F.col("book_seq").alias("seq"), F.col("book_seq").alias("mark"))
-    t = (trades.join(marks, ["order_id", "seq"], "left")
-         .withColumn("prev_book", F.last("mark", ignorenulls=True).over(by_order.rowsBetween(Window.unboundedPreceding, -1)))
-         .withColumn("next_book", F.first("mark", ignorenulls=True).over(by_order.rowsBetween(1, Window.unboundedFollowing))))
-    for side, key in (("p_", "prev_book"), ("n_", "next_book")):
-        other = books.select(*(F.col(c).alias(side + c) for c in books.columns))
-        t = t.join(other, (t.order_id == other[side + "order_id"]) & (t[key] == other[side + "book_seq"]), "left")
-    book_open = F.col("p_book_seq").isNotNull() & (F.col("now") < F.col("p_opened") + F.lit(book_ttl_ns))
+    # 3. The books before (p) and after (n) each trade, from its order's few books. Both sides are
+    # already partitioned by order id (the window and the fold), so the join moves no data. Most
+    # orders have one book: plain element access then, the lambdas only for the rest (Spark
+    # inlines p and n into every use below).
+    t = (trades.join(opened, "order_id", "left")
+         .withColumn("mark", F.expr("IF(size(books) = 1, books[0].book_seq = seq, exists(books, b -> b.book_seq = seq))"))
+         .withColumn("p", F.expr("IF(size(books) = 1, IF(books[0].book_seq < seq, books[0], NULL), "
+                                 "try_element_at(filter(books, b -> b.book_seq < seq), -1))"))
+         .withColumn("n", F.expr("IF(size(books) = 1, IF(books[0].book_seq > seq, books[0], NULL), "
+                                 "try_element_at(filter(books, b -> b.book_seq > seq), 1))")))
+    book_open = F.col("p").isNotNull() & (F.col("now") < F.col("p.opened") + F.lit(book_ttl_ns))
     is_request = F.col("type") == "purchase_request"
     window_end = F.col("stamp_ns") + F.lit(orphan_ttl_ns)
-    expired = F.when(F.col("n_book_seq").isNotNull(), F.col("n_opened_now") >= window_end)
+    expired = F.when(F.col("n").isNotNull(), F.col("n.opened_now") >= window_end)
     expired = expired.otherwise(F.lit(end_ns is not None) & (F.lit(end_ns or 0) >= window_end))
-    target = lambda c: F.when(book_open, F.col("p_" + c)).otherwise(F.col("n_" + c))  # noqa: E731
-    outcome = (F.when(is_request, F.when(F.col("mark").isNotNull(), "opened")
+    target = lambda c: F.when(book_open, F.col("p." + c)).otherwise(F.col("n." + c))  # noqa: E731
+    outcome = (F.when(is_request, F.when(F.col("mark"), "opened")
                       .when(book_open, "duplicate_order").otherwise("bad_shares"))
                .when(F.col("shares") <= 0, "bad_shares")
                .when(~book_open & expired, "orphan_expired")
-               .when(~book_open & F.col("n_book_seq").isNull(), "held")
+               .when(~book_open & F.col("n").isNull(), "held")
                .when(F.col("client") != target("client"), "client_mismatch")
                .when(F.col("stock") != target("stock"), "stock_mismatch")
                .otherwise("fill"))
     outcomes = t.select(
         "seq", "type", "order_id", "shares", "purchase_id", outcome.alias("outcome"),
         target("book_seq").alias("book"), target("requested").alias("requested"),
-        F.when(book_open, F.col("seq")).otherwise(F.col("n_book_seq")).alias("emit_seq"))
+        F.when(book_open, F.col("seq")).otherwise(F.col("n.book_seq")).alias("emit_seq"))
     return books, outcomes
 
 
