@@ -35,6 +35,7 @@ from tape.voter import Voter
 
 log = logging.getLogger("tape.sequencer")
 CATCHUP_CHUNK = 2000
+EOS_REPEATS = 5  # end-of-session packets published at shutdown, 20 ms apart
 MAX_LIVE_BUFFER = 32 << 20  # a follower whose socket buffer exceeds this is caught up from the journal
 
 
@@ -223,7 +224,22 @@ class Sequencer:
             while self.core is c and c.commit_seq < c.last_seq and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             if self.core is c:
-                self._publish([c.end_of_session()])
+                # Followers learn the final commit point now (they serve gap fills only up to
+                # it): no later append would tell them, and a listener that lost the last
+                # packets could never fill them.
+                self._send_commit()
+                for link in list(self.links.values()):
+                    try:
+                        await asyncio.wait_for(link.writer.drain(), 0.5)
+                    except (OSError, asyncio.TimeoutError):
+                        pass
+                # Repeated, as MoldUDP64 servers do: a listener that loses the one packet
+                # would wait forever for a session that has ended.
+                for _ in range(EOS_REPEATS):
+                    if self.core is not c:
+                        break
+                    self._publish([c.end_of_session()])
+                    await asyncio.sleep(0.02)
         for t in self._leader_tasks:
             t.cancel()
         self.journal.close()
