@@ -75,13 +75,18 @@ class LogState:
         self.client_last: dict[bytes, int] = {}
         self.term_starts: list[tuple[int, int]] = []  # (first seq, term), ascending
 
+    def note_term(self, first_seq: int, term: int) -> None:
+        """Entries of `term` from `first_seq` on. All a leader notes of its own
+        batches: its LeaderCore keeps the client seqs, and hands them over
+        when it steps down."""
+        if not self.term_starts or term != self.term_starts[-1][1]:
+            self.term_starts.append((first_seq, term))
+
     def note(self, records) -> None:
         last = self.client_last
         unpack = _TYPE_ORIGIN_CSEQ.unpack_from
-        starts = self.term_starts
         for seq, term, raw in records:
-            if not starts or term != starts[-1][1]:
-                starts.append((seq, term))
+            self.note_term(seq, term)
             kind, origin, cseq = unpack(raw)
             if (kind == messages.REQUEST or kind == messages.PURCHASE) and cseq > last.get(origin, 0):
                 last[origin] = cseq

@@ -39,7 +39,6 @@ class Drill:
         self.duration = duration
         self.target: str | None = None  # the node the fault hit
         self.injected = self.healed = False
-        self.notes: list[str] = []
 
     def step(self, cluster: LocalCluster, elapsed: float) -> str | None:
         if not self.injected and elapsed >= 0.3 * self.duration:

@@ -162,7 +162,7 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
     decoded = [(seq, M.SEQUENCED.unpack(raw)) for seq, _, raw in records]
     trades = [(m[M.ORIGIN], m[M.CLIENT_SEQ]) for _, m in decoded if m[M.TYPE] in (M.REQUEST, M.PURCHASE)]
     dup_trades = sum(c - 1 for c in Counter(trades).values() if c > 1)
-    journals_identical = all([(s, t, r) for s, t, r in journal_records[n]] == records for n in VOTERS)
+    journals_identical = all(journal_records[n] == records for n in VOTERS)
     status = {r: _read_json(Path(cfg.node(r).data) / "status.json") for r in REPLICAS}
     applied = {r: status[r].get("last_seq", 0) for r in REPLICAS}
     digests = {r: status[r].get("digest", "") for r in REPLICAS}

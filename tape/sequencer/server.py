@@ -71,7 +71,7 @@ class Sequencer:
         self.published_seq = 0  # highest seq this process ever published, in any term
         self.failed: str | None = None
         self._commit_sent = -1
-        self._last = {"commit_seq": 0, "published": 0, "accepted": 0, "packets": 0, "dropped": {}}
+        self._last = {"published": 0, "accepted": 0, "packets": 0, "dropped": {}}
         self._stop = asyncio.Event()
 
     # --- metrics -----------------------------------------------------------------
@@ -291,9 +291,8 @@ class Sequencer:
             elif link.live:
                 link.live = False
                 link.wake.set()
-        records = batch.records()
-        self.journal.append(records)
-        self.voter.log.note(records)
+        self.journal.append(batch.records())
+        self.voter.log.note_term(batch.first_seq, batch.term)  # no per-message work on the leader's path
         self._publish(self.core.on_journaled(batch.last_seq))
 
     def _publish(self, packets: list[bytes]) -> None:
@@ -420,18 +419,14 @@ class Sequencer:
                 if not records:
                     break
                 prev = link.next_seq - 1
-                link.writer.write(rep.encode_runs(self.core.term, self.node.wire_name, prev, self._term_at(prev),
+                link.writer.write(rep.encode_runs(self.core.term, self.node.wire_name, prev, self.voter.term_at(prev),
                                                   self.core.commit_seq, records))
-                prev = records[-1][0]
-                link.next_seq = prev + 1
+                link.next_seq = records[-1][0] + 1
                 await link.writer.drain()
             if link.rewind is not None:
                 continue
             link.live = True
             await link.wake.wait()
-
-    def _term_at(self, seq: int) -> int:
-        return self.voter.term_at(seq)
 
 
 def run(cfg: Config, node_name: str, drop: float = 0.0, seed: int = 0) -> int:
