@@ -28,6 +28,7 @@ demo: $(STAMP) sysdeps
 	$(VENV)/bin/tape up --rate 10000 --duration 10 --drop 0.02 --out runs/demo
 
 test: $(STAMP) sysdeps
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
 bench: $(STAMP)

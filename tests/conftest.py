@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", max_examples=200, deadline=None)
@@ -9,7 +10,6 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 TAPE = [sys.executable, "-m", "tape.ops.cli"]  # the real CLI, in this venv
 
-import pytest
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """The byte examples shown in docs/, rebuilt from code. test_docs.py checks
 that every example in the docs equals these bytes."""
 
-from tape.journal import format as jfmt
+from tape.protocol import journal as jfmt
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol import soupbintcp as soup

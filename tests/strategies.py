@@ -4,7 +4,11 @@ from hypothesis import strategies as st
 
 from tape.protocol import messages
 
-ascii_text = lambda n: st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=n)
+
+def ascii_text(n):
+    return st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=n)
+
+
 u64 = st.integers(0, 2**64 - 1)
 i64 = st.integers(-(2**63), 2**63 - 1)
 session = ascii_text(10).map(lambda s: s.encode().ljust(10, b" "))

@@ -1,7 +1,8 @@
 """The audit state machine against the challenge, the rules, and an
 independent reference; determinism by digest."""
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tape.ops.reference import expected_alerts
 from tape.protocol import messages as M
@@ -138,6 +139,7 @@ def test_two_replicas_fed_the_same_stream_agree_at_every_seq(stream, cuts):
 
 def test_out_of_order_apply_is_refused():
     import pytest
+
     from tape.replicas.audit import InvariantViolation
 
     m = AuditMachine()

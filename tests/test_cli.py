@@ -1,8 +1,8 @@
 import subprocess
 
 import pytest
-
 from conftest import TAPE
+
 from tape.ops.cli import build_parser
 
 

@@ -8,13 +8,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import TAPE
 
-from tape.journal.store import Journal
+from tape.node.journal_store import Journal
 from tape.ops.local import LocalCluster
 from tape.ops.reference import expected_alerts
 from tape.protocol import messages as M
-
-from conftest import TAPE
 
 pytestmark = pytest.mark.process
 REPLICAS = ("replica-A", "replica-B", "replica-C")
@@ -49,7 +48,9 @@ def finish(cluster: LocalCluster, load) -> None:
 
 def expected_ids(cluster: LocalCluster) -> set:
     cfg = cluster.cfg
-    decoded = [(s, M.SEQUENCED.unpack(raw)) for s, _, raw in Journal(cluster.journal_dir("seq-a"), readonly=True).read()]
+    decoded = [
+        (s, M.SEQUENCED.unpack(raw)) for s, _, raw in Journal(cluster.journal_dir("seq-a"), readonly=True).read()
+    ]
     alerts, _ = expected_alerts(decoded, int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9))
     return {f"{cfg.session}:{a['purchase_seq']}" for a in alerts}
 

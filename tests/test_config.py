@@ -1,7 +1,8 @@
+import tomllib
+
 import pytest
 
 from tape.ops.config import ConfigError, default, default_toml, load, parse
-import tomllib
 
 
 def test_default_config_is_a_loopback_cluster():

@@ -4,7 +4,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from doc_examples import EXAMPLES
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

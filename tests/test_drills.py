@@ -5,7 +5,6 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import TAPE
 
 pytestmark = pytest.mark.process

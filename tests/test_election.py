@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from tape.sequencer.election import CANDIDATE, FOLLOWER, LEADER, PRE_CANDIDATE, ElectionCore, InvariantViolation
+from tape.protocol.election import CANDIDATE, FOLLOWER, LEADER, PRE_CANDIDATE, ElectionCore, InvariantViolation
 
 A, B, R1, R2 = b"seq-a     ", b"seq-b     ", b"rw-1      ", b"rw-2      "
 VOTERS = [A, B, R1, R2]

@@ -1,6 +1,8 @@
 """Random and mutated bytes never raise anything but ProtocolError."""
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import inbound, sequenced
 
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
@@ -8,8 +10,6 @@ from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import ProtocolError
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.receiver import StreamReceiver
-
-from strategies import inbound, sequenced
 
 VALID = st.one_of(
     st.lists(sequenced, min_size=1, max_size=17).map(lambda s: PacketBuilder(b"TAPE      ", 1).add_sequenced(s)[0]),

@@ -2,13 +2,13 @@ import json
 import subprocess
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
-from tape.journal import format as fmt
-from tape.journal.store import Journal, JournalCorruption
-from tape.protocol import messages as msg
-
 from conftest import TAPE
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tape.node.journal_store import Journal, JournalCorruption
+from tape.protocol import journal as fmt
+from tape.protocol import messages as msg
 
 S = b"TAPE      "
 
@@ -29,7 +29,13 @@ def seqs(j, *a):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 300), seg=st.integers(300, 5000), every=st.integers(1, 40), lo=st.integers(1, 300), span=st.integers(0, 300))
+@given(
+    n=st.integers(1, 300),
+    seg=st.integers(300, 5000),
+    every=st.integers(1, 40),
+    lo=st.integers(1, 300),
+    span=st.integers(0, 300),
+)
 def test_reads_from_any_seq_across_segments(tmp_path_factory, n, seg, every, lo, span):
     path = tmp_path_factory.mktemp("j")
     j = fill(path, n, segment_bytes=seg, index_every=every, fsync="never")
@@ -48,7 +54,10 @@ def test_records_keep_seq_term_and_message(tmp_path):
     assert list(j.read(49, 51)) == [(s, 1 + s // 50, message(s)) for s in (49, 50, 51)]
     assert j.last_term == 3
     j.close()
-    assert sorted(p.name for p in tmp_path.glob("*.seg"))[:2] == [fmt.segment_name(1), fmt.segment_name(21)]  # rolls between batches of 10
+    assert sorted(p.name for p in tmp_path.glob("*.seg"))[:2] == [
+        fmt.segment_name(1),
+        fmt.segment_name(21),
+    ]  # rolls between batches of 10
 
 
 def test_append_must_continue_the_log(tmp_path):
@@ -168,7 +177,9 @@ def test_session_of_a_segment_must_match(tmp_path):
 
 def test_dump_cli_prints_every_record(tmp_path):
     fill(tmp_path, 60, segment_bytes=2000).close()
-    out = subprocess.run(TAPE + ["journal", "dump", str(tmp_path), "--from", "10"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        TAPE + ["journal", "dump", str(tmp_path), "--from", "10"], capture_output=True, text=True, check=True
+    )
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["seq"] for r in rows] == list(range(10, 61))
     assert rows[0] == {"seq": 10, "term": 1, "type": "purchase", "purchase_id": 10, "order_id": 3, "shares": 10,

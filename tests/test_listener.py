@@ -1,7 +1,7 @@
 """The listener drops malformed multicast, but reports an undecodable
 message in the committed log (a rewinder's answer) instead of waiting."""
 
-from tape.listener import StreamListener
+from tape.node.listener import StreamListener
 from tape.ops.config import default
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
@@ -19,7 +19,9 @@ def good(n):
 def test_undecodable_committed_message_is_reported_at_its_seq():
     cfg = default("/tmp/none")
     delivered, failures = [], []
-    listener = StreamListener(cfg, lambda f, p, s: delivered.append(f), on_undecodable=lambda seq, e: failures.append((seq, e.reason)))
+    listener = StreamListener(
+        cfg, lambda f, p, s: delivered.append(f), on_undecodable=lambda seq, e: failures.append((seq, e.reason))
+    )
     listener.on_datagram(packet(1, good(3)))
     bad = good(2)
     bad[1] = b"Z" + bad[1][1:]  # a type this version does not know, at seq 5

@@ -1,12 +1,12 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import ascii_text, i64, inbound, sequenced, session, u64
 
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol.errors import ProtocolError
 from tape.protocol.packets import PacketBuilder, messages_per_packet
-
-from strategies import ascii_text, i64, inbound, sequenced, session, u64
 
 
 @given(u64, i64, ascii_text(16), ascii_text(8), u64, session, u64)

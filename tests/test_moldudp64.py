@@ -1,10 +1,10 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import session, u64
 
 from tape.protocol import moldudp64 as m
 from tape.protocol.errors import ProtocolError
-
-from strategies import session, u64
 
 blobs = st.lists(st.binary(min_size=0, max_size=200), min_size=1, max_size=40)
 

@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tape.protocol import moldudp64 as m
 from tape.protocol.errors import ProtocolError

@@ -6,7 +6,7 @@ import pytest
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol import replication as rep
-from tape.rewinder.follower import FollowerCore
+from tape.protocol.follower import FollowerCore
 from tape.sequencer.core import InvariantViolation, LeaderCore, rebuild_client_state
 
 S = b"TAPE      "

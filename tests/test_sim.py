@@ -1,7 +1,7 @@
 """The deterministic simulator (issue 5): thousands of seeds of faults, each
 checked against DESIGN.md section 9; and proof that it catches broken rules."""
 
-from tape import sim
+from tape.ops import sim
 
 
 def test_two_thousand_seeds_hold_every_invariant(capsys):
@@ -22,8 +22,11 @@ def test_the_simulator_catches_a_leader_that_commits_alone(monkeypatch):
 
 def test_the_simulator_catches_votes_without_the_election_restriction(monkeypatch):
     original = sim.ElectionCore.on_vote_request
-    monkeypatch.setattr(sim.ElectionCore, "on_vote_request",
-                        lambda self, term, cand, seq, lterm, pre, now: original(self, term, cand, 10**9, 10**9, pre, now))
+    monkeypatch.setattr(
+        sim.ElectionCore,
+        "on_vote_request",
+        lambda self, term, cand, seq, lterm, pre, now: original(self, term, cand, 10**9, 10**9, pre, now),
+    )
     failures = [s for s in range(1, 501) if sim.run_seed(s)[1]]
     assert len(failures) > 5
 

@@ -64,7 +64,12 @@ def test_restart_from_a_snapshot_ends_identical(tmp_path, restart_at):
     alerts += apply(b, msgs[restart_at:], restart_at + 1)
     assert b.digest() == whole.digest()
     assert alerts == alerts_whole
-    assert (b.books, b.orphans, b.rejects, b.alerts_raised) == (whole.books, whole.orphans, whole.rejects, whole.alerts_raised)
+    assert (b.books, b.orphans, b.rejects, b.alerts_raised) == (
+        whole.books,
+        whole.orphans,
+        whole.rejects,
+        whole.alerts_raised,
+    )
     assert whole.rejects["orphan_expired"] > 0 and len(alerts_whole) > 100
 
 

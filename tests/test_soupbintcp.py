@@ -1,10 +1,10 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import sequenced
 
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import ProtocolError
-
-from strategies import sequenced
 
 frames = st.one_of(
     st.builds(soup.sequenced, sequenced),

@@ -5,11 +5,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from tape.journal.store import Journal
-from tape.ops.spark import reconcile
-
 from conftest import TAPE
+
+from tape.node.journal_store import Journal
+from tape.ops.spark import reconcile
 
 pytestmark = [pytest.mark.spark, pytest.mark.process]
 
@@ -153,8 +152,12 @@ def test_audit_command_exit_codes(run_dir, tmp_path):
 
 
 def test_replay_to_lmdb_gives_the_live_replicas_digest(run_dir, tmp_path):
-    out = subprocess.run(TAPE + ["replay", "--journal", str(run_dir / "journal" / "seq-a"), "--to-lmdb", str(tmp_path / "l")],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        TAPE + ["replay", "--journal", str(run_dir / "journal" / "seq-a"), "--to-lmdb", str(tmp_path / "l")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     replayed = json.loads(out.stdout)
     report = json.loads((run_dir / "report.json").read_text())
     assert set(report["digests"].values()) == {replayed["digest"]}
@@ -171,7 +174,8 @@ def corrupted(multi_segment, tmp_path):
     """A copy of the journal with one record's CRC-covered byte flipped and another's length field smashed."""
     import shutil
 
-    from tape.journal import columns, format as fmt
+    from tape.protocol import journal as fmt
+    from tape.protocol import journal_columns as columns
 
     path = tmp_path / "journal"
     shutil.copytree(multi_segment, path)
@@ -185,7 +189,8 @@ def corrupted(multi_segment, tmp_path):
 
 
 def test_a_corrupt_record_fails_the_read_naming_segment_and_offset(spark, corrupted):
-    from tape.journal import columns, format as fmt
+    from tape.protocol import journal as fmt
+    from tape.protocol import journal_columns as columns
 
     path, segs = corrupted
     with pytest.raises(Exception) as e:

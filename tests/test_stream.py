@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tape.journal.store import Journal
+from tape.node.journal_store import Journal
 from tape.ops.journal_tool import digest as journal_digest
-from tape.protocol import moldudp64
-
 from tape.ops.local import LocalCluster as Cluster
+from tape.protocol import moldudp64
 
 pytestmark = pytest.mark.process
 
@@ -76,7 +75,10 @@ def test_kill_9_a_rewinder_mid_run_and_restart_it(cluster):
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = cluster.metrics("rw-2")
-        if m['tape_rewinder_last_seq{node="rw-2"}'] >= cluster.metrics("seq-a")['tape_sequencer_sequenced_seq{node="seq-a"}']:
+        if (
+            m['tape_rewinder_last_seq{node="rw-2"}']
+            >= cluster.metrics("seq-a")['tape_sequencer_sequenced_seq{node="seq-a"}']
+        ):
             break
         time.sleep(0.1)
     for name in ("seq-a", "rw-1", "rw-2"):

@@ -5,9 +5,9 @@ can be elected when the leader died after replicating only to rewinders."""
 import asyncio
 import tomllib
 
+from tape.node.voter import Voter
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
-from tape.voter import Voter
 
 
 def records(first: int, last: int, term: int = 1) -> list:

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from tape.node.transport import free_port, multicast_sender
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol.packets import PacketBuilder
-from tape.transport import free_port, multicast_sender
 
 pytestmark = [
     pytest.mark.process,

@@ -1,0 +1,94 @@
+"""Running a node process: the asyncio loop, signals, and fail-stop.
+
+Every role's runtime is a `NodeProcess`. A core that finds its own state
+impossible raises `InvariantViolation`; wherever that surfaces in the shell
+(a task, a reader callback, a connection handler, the main coroutine), the
+process logs one CRITICAL line and stops with exit 4, which systemd does
+not restart (`RestartPreventExitStatus=4`): an operator looks first. Any
+other exception that escapes a task or callback is a bug: CRITICAL with its
+traceback, exit 1 (systemd restarts it). A silently dead task would leave a
+process that looks alive and does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Coroutine
+
+from tape.protocol.errors import InvariantViolation
+
+EXIT_OK = 0
+EXIT_INTERNAL_ERROR = 1
+EXIT_INVARIANT = 4
+
+
+class NodeProcess:
+    """Base of the role runtimes: `main()` runs until `stop` is set."""
+
+    METRICS_PREFIX = "tape_node"  # each role names its own
+
+    def __init__(self, name: str, log: logging.Logger):
+        self.name = name
+        self.log = log
+        self.failed: str | None = None
+        self.exit_code = EXIT_OK
+        self.stop = asyncio.Event()
+
+    def report(self):
+        """Metric samples (tape.ops.metrics): (name, kind, help, value[, label])."""
+        return iter(())
+
+    async def main(self) -> None:
+        raise NotImplementedError
+
+    # --- fail-stop ---------------------------------------------------------------------
+
+    def fail(self, why: str, code: int = EXIT_INVARIANT, exc: BaseException | None = None) -> None:
+        """Stop the process: its state (or its code) cannot be trusted to go on."""
+        if self.failed is None:
+            self.failed = why
+            self.exit_code = code
+            self.log.critical("%s: %s; stopping (exit %d)", self.name, why, code, exc_info=exc)
+        self.stop.set()
+
+    def unhandled(self, exc: BaseException) -> None:
+        if isinstance(exc, InvariantViolation):
+            self.fail(f"impossible state: {exc}")
+        else:
+            self.fail(f"internal error: {exc!r}", EXIT_INTERNAL_ERROR, exc)
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        """A background task whose death by an exception stops the process."""
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.unhandled(task.exception())
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if exc is None or isinstance(exc, (asyncio.CancelledError, ConnectionError)):
+            loop.default_exception_handler(context)
+            return
+        self.unhandled(exc)
+
+    # --- running -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run until stopped (SIGTERM, SIGINT, or a failure); returns the exit code."""
+        asyncio.run(self._run())
+        return self.exit_code
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(self._loop_exception)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        try:
+            await self.main()
+        except InvariantViolation as e:
+            self.fail(f"impossible state: {e}")

@@ -1,0 +1,109 @@
+"""The cluster's settings: what every node process is configured with.
+
+A plain schema with every default written once, here. `tape.ops.config`
+fills it from a TOML file (or the embedded loopback default); the roles
+only read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from tape.protocol import moldudp64
+
+ROLES = ("sequencer", "rewinder", "replica", "emitter")
+VOTER_ROLES = ("sequencer", "rewinder")
+SINKS = ("jsonl", "webhook", "stdout")
+
+
+@dataclass
+class Node:
+    name: str
+    role: str
+    host: str = "127.0.0.1"
+    data: str = ""
+    inbound_port: int = 0
+    replication_port: int = 0
+    gapfill_port: int = 0
+    replay_port: int = 0
+    metrics_port: int = 0
+    alert_port: int = 0
+    sinks: list[str] = field(default_factory=lambda: ["jsonl"])
+    webhook_url: str = ""
+    webhook_timeout_ms: int = 5000
+
+    @property
+    def wire_name(self) -> bytes:
+        return moldudp64.session_bytes(self.name)
+
+
+@dataclass
+class Client:
+    name: str
+    key: bytes | None = None
+
+
+@dataclass
+class Config:
+    group: str
+    port: int
+    session: str = "TAPE"
+    # [stream]
+    interface: str = "127.0.0.1"
+    max_packet: int = moldudp64.DEFAULT_MAX_PACKET
+    heartbeat_ms: int = 1000
+    tick_ms: int = 1000
+    # [journal]
+    fsync: str | float = "batch"
+    segment_mb: int = 64
+    # [timeouts]
+    client_resend_ms: int = 50
+    gap_request_ms: int = 20
+    election_ms: int = 300
+    leader_heartbeat_ms: int = 50
+    # [audit]
+    book_ttl_s: float = 3600.0
+    orphan_ttl_s: float = 10.0
+    snapshot_every: int = 100_000
+    snapshot_ms: int = 1000
+    nodes: list[Node] = field(default_factory=list)
+    clients: list[Client] = field(default_factory=list)
+
+    @property
+    def session_bytes(self) -> bytes:
+        return moldudp64.session_bytes(self.session)
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node named {name!r} (have {', '.join(n.name for n in self.nodes)})")
+
+    def by_role(self, role: str) -> list[Node]:
+        return [n for n in self.nodes if n.role == role]
+
+    @property
+    def voters(self) -> list[Node]:
+        return [n for n in self.nodes if n.role in VOTER_ROLES]
+
+    def client(self, name: str) -> Client:
+        for c in self.clients:
+            if c.name == name:
+                return c
+        raise KeyError(f"no client named {name!r}")
+
+    def open_journal(self, node: Node):
+        """The node's journal, with this cluster's session and journal settings."""
+        from tape.node.journal_store import Journal
+
+        return Journal(Path(node.data) / "journal", self.session_bytes, fsync=self.fsync,
+                       segment_bytes=self.segment_mb << 20)
+
+
+def default_of(cls, name: str):
+    """The default written above for `cls`'s field `name`."""
+    for f in fields(cls):
+        if f.name == name:
+            return f.default_factory() if callable(f.default_factory) else f.default
+    raise KeyError(name)

@@ -1,0 +1,90 @@
+"""UDP sockets for the shells: multicast senders and receivers on any
+interface (loopback by default), receive buffers sized and reported, and
+seeded loss injection for tests, demos and drills."""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+DEFAULT_RCVBUF = 32 << 20
+
+
+def set_rcvbuf(sock: socket.socket, size: int = DEFAULT_RCVBUF) -> int:
+    """Ask for `size` bytes of receive buffer (forced where we are root);
+    return what the kernel granted (Linux reports double the request)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, size)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
+def multicast_receiver(
+    group: str, port: int, interface: str = "127.0.0.1", rcvbuf: int = DEFAULT_RCVBUF
+) -> tuple[socket.socket, int]:
+    """A non-blocking socket joined to `group:port` on `interface`; returns
+    (socket, granted receive buffer bytes)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    granted = set_rcvbuf(sock, rcvbuf)
+    sock.bind((group, port))
+    mreq = struct.pack("4s4s", socket.inet_aton(group), socket.inet_aton(interface))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+    sock.setblocking(False)
+    return sock, granted
+
+
+def multicast_sender(interface: str = "127.0.0.1", ttl: int = 1, loop: bool = True) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(interface))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, ttl)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1 if loop else 0)
+    sock.setblocking(False)
+    return sock
+
+
+def udp_socket(host: str = "127.0.0.1", port: int = 0, rcvbuf: int = DEFAULT_RCVBUF) -> tuple[socket.socket, int]:
+    """A non-blocking unicast UDP socket bound to host:port (0 = any free)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+    granted = set_rcvbuf(sock, rcvbuf)
+    sock.bind((host, port))
+    sock.setblocking(False)
+    return sock, granted
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free for both TCP and UDP on `host` right now. Drawn below the
+    kernel's ephemeral range (32768+ here), so that the sockets other
+    processes open meanwhile cannot take it before it is bound, and outside
+    the embedded default's fixed ports (31400-31499)."""
+    pick = random.SystemRandom()
+    while True:
+        port = pick.randrange(20000, 31400)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t, \
+                    socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                t.bind((host, port))
+                u.bind((host, port))
+        except OSError:
+            continue
+        return port
+
+
+class LossInjector:
+    """Drops a seeded fraction of received datagrams (0 = none)."""
+
+    def __init__(self, fraction: float = 0.0, seed: int = 0):
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"drop fraction {fraction} must be in [0, 1)")
+        self.fraction = fraction
+        self._rng = random.Random(seed)
+        self.dropped = 0
+
+    def drop(self) -> bool:
+        if self.fraction and self._rng.random() < self.fraction:
+            self.dropped += 1
+            return True
+        return False

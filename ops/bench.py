@@ -1,0 +1,356 @@
+"""`tape bench ...`: throughput figures on one core. Figures, never pass/fail."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tape.node.gctune import tune_gc
+from tape.node.journal_store import Journal
+from tape.ops.tradegen import TradeGenerator
+from tape.protocol import messages, moldudp64
+from tape.protocol.packets import PacketBuilder
+
+
+def _rate(n: int, seconds: float) -> str:
+    return f"{n / seconds:,.0f}"
+
+
+def bench_protocol(n: int = 1_000_000, batch: int = 1000) -> dict:
+    console = Console()
+    session = moldudp64.session_bytes("BENCH")
+    origin = moldudp64.session_bytes("load0")
+    inbound = TradeGenerator(seed=7).take(n)
+    tune_gc()
+    results = {}
+
+    # Encode: stamp inbound messages and pack them into full packets.
+    now = 1_700_000_000_000_000_000
+    t0 = time.perf_counter()
+    packets = PacketBuilder(session, 1).add_stamped(inbound, now, origin, 1)
+    results["encode (stamp + pack)"] = (n, time.perf_counter() - t0)
+
+    # Decode: validate headers and every block, decode every message into a tuple.
+    t0 = time.perf_counter()
+    decoded = 0
+    for pkt in packets:
+        _, _, count = moldudp64.decode_header(pkt)
+        decoded += len(messages.decode_packet_messages(pkt, count))
+    results["decode (validate + unpack)"] = (decoded, time.perf_counter() - t0)
+    if decoded != n:
+        raise RuntimeError(f"decoded {decoded} of {n} messages")
+
+    # Journal appends, group-committed per batch.
+    sequenced = [messages.stamp(m, now, origin, i) for i, m in enumerate(inbound, 1)]
+    for policy in ("batch", "never"):
+        d = tempfile.mkdtemp(prefix="tape-bench-")
+        try:
+            j = Journal(d, session, fsync=policy)
+            t0 = time.perf_counter()
+            for start in range(0, n, batch):
+                chunk = sequenced[start:start + batch]
+                j.append([(start + k + 1, 1, m) for k, m in enumerate(chunk)])
+            j.close()
+            results[f"journal append, fsync {policy}"] = (n, time.perf_counter() - t0)
+        finally:
+            shutil.rmtree(d)
+
+
+    table = Table(title=f"tape bench protocol: {n:,} messages, {len(packets):,} packets of <= 1400 bytes, "
+                        f"journal batches of {batch}, one core (pid {os.getpid()})")
+    table.add_column("measurement")
+    table.add_column("messages/s", justify="right")
+    table.add_column("seconds", justify="right")
+    for name, (count, secs) in results.items():
+        table.add_row(name, _rate(count, secs), f"{secs:.3f}")
+    console.print(table)
+    return {k: c / s for k, (c, s) in results.items()}
+
+
+def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never") -> float:
+    """The sequencer's work on one core: accept inbound batches, stamp, journal,
+    publish (real multicast sends), with no followers (a majority of one)."""
+    from tape.node.transport import multicast_sender
+    from tape.protocol import moldudp64
+    from tape.sequencer.core import LeaderCore
+
+    origin = moldudp64.session_bytes("load0")
+    gen = TradeGenerator(seed=11)
+    per_batch = (1400 - moldudp64.HEADER_SIZE) // messages.INBOUND_BLOCK_SIZE
+    datagrams = []
+    cseq = 1
+    while cseq <= n:
+        chunk = gen.take(min(per_batch, n - cseq + 1))
+        datagrams.append(moldudp64.encode_packet(origin, cseq, chunk))
+        cseq += len(chunk)
+    d = tempfile.mkdtemp(prefix="tape-bench-")
+    sock = multicast_sender()
+    dest = ("239.77.99.99", 9)  # nobody listens: measures the send path only
+    try:
+        journal = Journal(d, moldudp64.session_bytes("BENCH"), fsync=fsync)
+        core = LeaderCore(moldudp64.session_bytes("BENCH"), moldudp64.session_bytes("seq-a"), 1, [], {origin: None})
+        tune_gc()
+        t0 = time.perf_counter()
+        now = time.time_ns()
+        for i in range(0, len(datagrams), per_drain):
+            for data in datagrams[i:i + per_drain]:
+                core.on_inbound(data, now)
+            batch = core.flush(now)
+            journal.append(batch.records())
+            for pkt in core.on_journaled(batch.last_seq):
+                try:
+                    sock.sendto(pkt, dest)
+                except BlockingIOError:
+                    pass
+        secs = time.perf_counter() - t0
+        journal.close()
+    finally:
+        sock.close()
+        shutil.rmtree(d)
+    if core.last_seq != n:  # no term start here: n trades only
+        raise RuntimeError(f"sequenced {core.last_seq} of {n}")
+    return n / secs
+
+
+def bench_stream(rates: list[float], seconds: float, sequencer_only: bool = False, standby: bool = False) -> None:
+    import json as _json
+
+    from tape.ops.local import LocalCluster
+
+    console = Console()
+    table = Table(title="tape bench stream: sequencer alone, one core, 1,000,000 messages")
+    table.add_column("journal fsync")
+    table.add_column("msg/s stamped, journaled, published", justify="right")
+    for policy in ("never", "batch"):
+        table.add_row(policy, f"{bench_sequencer(fsync=policy):,.0f}")
+    console.print(table)
+    if sequencer_only:
+        return
+    who = "leader + standby" if standby else "sequencer"
+    table = Table(title=f"tape bench stream: {who} + 2 rewinders + load client, loopback, {seconds:.0f} s per rate")
+    for col in ("target msg/s", "acked msg/s", "p50 ms", "p99 ms", "max ms", "resends", "all acked"):
+        table.add_column(col, justify="right")
+    for rate in rates:
+        root = Path(tempfile.mkdtemp(prefix="tape-bench-stream-"))
+        cluster = LocalCluster(root, clients=2, sequencers=2 if standby else 1)
+        try:
+            cluster.start_all()
+            load = cluster.start("load", "load", "--rate", str(rate), "--messages", str(int(rate * seconds)))
+            load.wait(timeout=seconds * 10 + 60)
+            r = _json.loads(cluster.output("load") or "{}")
+        finally:
+            cluster.close()
+            shutil.rmtree(root, ignore_errors=True)
+        lat = r.get("latency_ms", {})
+        table.add_row(f"{rate:,.0f}", f"{r.get('rate_acked', 0):,.0f}", f"{lat.get('p50', 0):.2f}",
+                      f"{lat.get('p99', 0):.2f}", f"{lat.get('max', 0):.2f}", f"{r.get('resends', 0):,}",
+                      "yes" if r.get("all_acked") else "NO")
+    console.print(table)
+
+
+def bench_replica(n: int = 1_000_000, open_orders: int = 1_000_000) -> dict:
+    """One replica's hot path on one core: decode packets of a pre-built
+    committed stream and apply them to the audit state machine."""
+    from tape.protocol import moldudp64
+    from tape.protocol.packets import PacketBuilder
+    from tape.replicas.audit import AuditMachine
+
+    console = Console()
+    inbound = TradeGenerator(seed=5).take(n)
+    builder = PacketBuilder(moldudp64.session_bytes("BENCH"), 1)
+    packets = []
+    stamp = 1_700_000_000_000_000_000
+    for i in range(0, n, 1000):  # one stamp per 1,000-message batch, 1 ms apart
+        packets += builder.add_stamped(inbound[i:i + 1000], stamp + i * 1000, moldudp64.session_bytes("load0"), i + 1)
+    machine = AuditMachine()
+    tune_gc()
+    t0 = time.perf_counter()
+    seq = 1
+    decode = messages.decode_packet_messages
+    for pkt in packets:
+        count = moldudp64.HEADER.unpack_from(pkt)[2]
+        machine.apply_run(seq, decode(pkt, count))
+        seq += count
+    secs = time.perf_counter() - t0
+    digest = machine.digest()
+    snap = _bench_snapshot(open_orders)
+    table = Table(title=f"tape bench replica: {n:,} messages from memory, one core")
+    table.add_column("measurement")
+    table.add_column("value", justify="right")
+    table.add_row("decode + apply", f"{n / secs:,.0f} msg/s")
+    table.add_row("alerts raised", f"{machine.alerts_raised:,}")
+    table.add_row("open books at the end", f"{len(machine.books):,}")
+    table.add_row("digest", digest)
+    table.add_row(
+        f"full snapshot of {open_orders:,} open orders", f"{snap['save_s']:.2f} s, {snap['mib']:,.0f} MiB on disk"
+    )
+    table.add_row("load of that snapshot", f"{snap['load_s']:.2f} s")
+    table.add_row("incremental snapshot after 10,000 more", f"{snap['incremental_s'] * 1000:.0f} ms")
+    console.print(table)
+    return {"rate": n / secs, "alerts": machine.alerts_raised, "snapshot": snap}
+
+
+def _bench_snapshot(open_orders: int) -> dict:
+    """Snapshot time and size with `open_orders` open books, all dirty (the
+    worst case: the first snapshot), its load time, and an incremental one."""
+    from tape.protocol import moldudp64
+    from tape.protocol.packets import PacketBuilder
+    from tape.replicas.audit import AuditMachine
+    from tape.replicas.snapshot import SnapshotStore
+
+    session, origin = moldudp64.session_bytes("BENCH"), moldudp64.session_bytes("load0")
+    builder = PacketBuilder(session, 1)
+    machine = AuditMachine()
+    seq = 1
+    stamp = 1_700_000_000_000_000_000
+    for start in range(1, open_orders + 10_001, 10_000):
+        batch = [messages.purchase_request(oid, 100, "load0", "ACME") for oid in range(start, start + 10_000)]
+        for pkt in builder.add_stamped(batch, stamp + start, origin, start):
+            count = moldudp64.HEADER.unpack_from(pkt)[2]
+            machine.apply_run(seq, messages.decode_packet_messages(pkt, count))
+            seq += count
+        if start + 10_000 > open_orders and start <= open_orders:
+            snap_dir = tempfile.mkdtemp(prefix="tape-bench-lmdb-")
+            store = SnapshotStore(snap_dir)
+            t0 = time.perf_counter()
+            store.save(machine)
+            save_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    store.save(machine)  # the 10,000 books opened since
+    incremental_s = time.perf_counter() - t0
+    store.close()
+    try:
+        mib = sum(f.stat().st_size for f in Path(snap_dir).iterdir()) / 2**20
+        t0 = time.perf_counter()
+        store = SnapshotStore(snap_dir)
+        store.load(AuditMachine())
+        load_s = time.perf_counter() - t0
+        store.close()
+    finally:
+        shutil.rmtree(snap_dir)
+    return {"open_orders": open_orders, "save_s": save_s, "mib": mib, "load_s": load_s,
+            "incremental_s": incremental_s}
+
+
+def build_journal(path: Path, n: int, seed: int = 7, per_ms: int = 100) -> int:
+    """A journal of `n` generated trades (plus the term start), stamped
+    `per_ms` messages per millisecond; returns the record count."""
+    from tape.protocol import messages as M
+
+    session, origin = moldudp64.session_bytes("TAPE"), moldudp64.session_bytes("load0")
+    journal = Journal(path, session, fsync="never")
+    stamp = 1_700_000_000_000_000_000
+    journal.append([(1, 1, M.term_start(stamp, moldudp64.session_bytes("seq-a"), 1, "seq-a"))])
+    gen = TradeGenerator(seed)
+    seq = 2
+    for start in range(0, n, 100_000):
+        inbound = gen.take(min(100_000, n - start))
+        records = []
+        for i, msg in enumerate(inbound):
+            k = start + i
+            records.append((seq, 1, M.stamp(msg, stamp + (k // per_ms) * 1_000_000, origin, k + 1)))
+            seq += 1
+        journal.append(records)
+    journal.close()
+    return seq - 1
+
+
+def bench_spark(n: int, master: str, keep: str | None = None) -> dict:
+    """Audit and analytics over an n-message journal, read by the Python
+    source and from its Parquet export; rows/s for each."""
+    import json
+
+    from tape.ops import analytics
+    from tape.ops.reference import expected_alerts
+    from tape.ops.spark import reconcile, session
+
+    console = Console()
+    root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="tape-bench-spark-"))
+    root.mkdir(parents=True, exist_ok=True)
+    journal, parquet, alerts = root / "journal", root / "parquet", root / "alerts.jsonl"
+    times: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        if not journal.exists():
+            with console.status(f"writing a {n:,}-message journal…"):
+                build_journal(journal, n)
+        if not alerts.exists():
+            with console.status("computing the delivered alerts with the reference checker…"):
+                stream = (
+                    (seq, messages.SEQUENCED.unpack(raw)) for seq, _, raw in Journal(journal, readonly=True).read()
+                )
+                found, _ = expected_alerts(stream, 3600 * 10**9, 10 * 10**9)
+                with open(alerts, "w") as f:
+                    for a in found:
+                        f.write(json.dumps({"alert_id": f"TAPE:{a['purchase_seq']}", **a}) + "\n")
+        times["prepare"] = time.perf_counter() - t0
+        records = sum(1 for _ in open(alerts))
+        spark = session(master, "tape-bench-spark")
+        try:
+            def timed(name, fn):
+                with console.status(f"{name}…"):
+                    t = time.perf_counter()
+                    result = fn()
+                    times[name] = time.perf_counter() - t
+                console.print(f"{name}: {times[name]:.1f} s")
+                return result
+
+            timed("count, Python reader", lambda: spark.read.format("tape").load(str(journal)).count())
+            timed("export to Parquet", lambda: spark.read.format("tape").load(str(journal))
+                  .write.mode("overwrite").parquet(str(parquet)))
+            timed("count, Parquet", lambda: spark.read.parquet(str(parquet)).count())
+            for source, path in (("Python reader", journal), ("Parquet", parquet)):
+                found = timed(f"audit, {source}", lambda: reconcile(spark, str(path), str(alerts), "TAPE",
+                                                                     3600 * 10**9, 10 * 10**9))
+                assert found["findings"] == 0, found
+                timed(f"analytics, {source}", lambda: analytics.compute(spark, str(path), 3600 * 10**9, 10 * 10**9))
+        finally:
+            spark.stop()
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    table = Table(title=f"tape bench spark: {n:,} messages, {master}, {records:,} alerts")
+    table.add_column("step")
+    table.add_column("seconds", justify="right")
+    table.add_column("rows/s", justify="right")
+    for name, secs in times.items():
+        table.add_row(name, f"{secs:,.1f}", "" if name == "prepare" else f"{n / secs:,.0f}")
+    console.print(table)
+    return times
+
+
+def bench_failover(runs: int, rate: float, duration: float) -> dict:
+    """`runs` kill-leader drills: failover time (the old leader's last stamp
+    to the new leader's term start), p50 and max, and every verdict."""
+    from tape.ops.drill import make
+    from tape.ops.up import run_up
+
+    console = Console()
+    quiet = Console(file=open(os.devnull, "w"))
+    times, verdicts = [], []
+    for i in range(runs):
+        with console.status(f"kill-leader drill {i + 1}/{runs}…"):
+            report = run_up(rate, duration, 0.0, None, seed=i + 1, drill=make("kill-leader", duration), console=quiet)
+        verdicts.append(report["verdict"])
+        if report.get("failover_ms") is not None:
+            times.append(report["failover_ms"])
+        failed = [name for name, ok in report["checks"].items() if not ok]
+        console.print(f"run {i + 1}: {report['verdict']}, failover {report.get('failover_ms')} ms"
+                      + (f"; failed: {', '.join(failed)}" if failed else ""))
+    times.sort()
+    p50 = times[len(times) // 2] if times else None
+    table = Table(title=f"tape bench failover: {runs} kill-leader drills at {rate:,.0f} msg/s")
+    table.add_column("measurement")
+    table.add_column("value", justify="right")
+    table.add_row("verdicts pass", f"{verdicts.count('pass')} / {runs}")
+    table.add_row("failover p50", f"{p50:.0f} ms" if p50 is not None else "-")
+    table.add_row("failover max", f"{times[-1]:.0f} ms" if times else "-")
+    table.add_row("failover min", f"{times[0]:.0f} ms" if times else "-")
+    console.print(table)
+    return {"failover_ms": times, "p50": p50, "verdicts": verdicts}

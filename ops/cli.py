@@ -1,0 +1,516 @@
+"""The `tape` command line. Subcommands import their modules lazily so that
+`tape --help` and argument errors answer at once."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _journal_dump(args) -> int:
+    from tape.ops.journal_tool import dump
+
+    return dump(args.path, args.from_seq, args.to_seq, args.format, sys.stdout)
+
+
+def _journal_verify(args) -> int:
+    from tape.ops.journal_tool import verify
+
+    return verify(args.path, sys.stdout)
+
+
+def _journal_export(args) -> int:
+    from tape.ops.spark import parse_conf, session
+
+    spark = session(args.master, "tape-export", parse_conf(args.conf))
+    try:
+        df = spark.read.format("tape").load(args.path)
+        df.write.mode("overwrite").parquet(args.out)
+        count = spark.read.parquet(args.out).count()
+    finally:
+        spark.stop()
+    print(f"{count:,} records written to {args.out} (Parquet)")
+    return 0
+
+
+def _bench_protocol(args) -> int:
+    from tape.ops.bench import bench_protocol
+
+    bench_protocol(args.messages, args.batch)
+    return 0
+
+
+def _bench_stream(args) -> int:
+    from tape.ops.bench import bench_stream
+
+    bench_stream([float(r) for r in args.rates.split(",")], args.seconds, args.sequencer_only, args.standby)
+    return 0
+
+
+def _bench_failover(args) -> int:
+    from tape.ops.bench import bench_failover
+
+    result = bench_failover(args.runs, args.rate, args.duration)
+    return 0 if all(v == "pass" for v in result["verdicts"]) else 1
+
+
+def _bench_spark(args) -> int:
+    from tape.ops.bench import bench_spark
+
+    bench_spark(args.messages, args.master, args.keep)
+    return 0
+
+
+def _bench_replica(args) -> int:
+    from tape.ops.bench import bench_replica
+
+    bench_replica(args.messages, args.open_orders)
+    return 0
+
+
+def _demo(args) -> int:
+    from tape.ops.demo import run_demo
+
+    return run_demo(args.messages, args.rate, args.out, args.drop, args.seed)
+
+
+def _config(args):
+    from tape.ops.config import ConfigError, load
+
+    try:
+        return load(args.config, getattr(args, "data", "."))
+    except ConfigError as e:
+        raise SystemExit(f"tape: config error: {e}")
+
+
+def _node(cfg, name: str, role: str):
+    try:
+        node = cfg.node(name)
+    except KeyError as e:
+        raise SystemExit(f"tape: {e.args[0]}") from None
+    if node.role != role:
+        raise SystemExit(f"tape: node {name} is a {node.role}, not a {role}")
+    return node
+
+
+def _run_node(runtime) -> int:
+    """Serve the runtime's metrics, tune the GC for the long run, and run it (fail-stop: exit 4)."""
+    from tape.node.gctune import tune_gc
+    from tape.ops import metrics
+
+    node = runtime.node
+    metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.report, node.host)
+    tune_gc()
+    return runtime.run()
+
+
+def _sequencer(args) -> int:
+    from tape.sequencer.server import Sequencer
+
+    cfg = _config(args)
+    return _run_node(Sequencer(cfg, _node(cfg, args.node, "sequencer"), args.drop, args.seed))
+
+
+def _rewinder(args) -> int:
+    from tape.rewinder.server import Rewinder
+
+    cfg = _config(args)
+    return _run_node(Rewinder(cfg, _node(cfg, args.node, "rewinder"), args.drop, args.seed))
+
+
+def _replica(args) -> int:
+    from tape.replicas.runtime import Replica
+
+    cfg = _config(args)
+    return _run_node(Replica(cfg, _node(cfg, args.node, "replica"), args.drop, args.seed, args.exit_on_end))
+
+
+def _emitter(args) -> int:
+    from tape.replicas.emitter import Emitter
+
+    cfg = _config(args)
+    node = _node(cfg, args.node, "emitter")
+    if args.sinks:
+        node.sinks = args.sinks.split(",")
+    if args.webhook_url:
+        node.webhook_url = args.webhook_url
+    try:
+        emitter = Emitter(cfg, node)
+    except ValueError as e:  # a sink's settings
+        raise SystemExit(f"tape: emitter {node.name}: {e}") from None
+    return _run_node(emitter)
+
+
+def _up(args) -> int:
+    from tape.ops.up import main
+
+    return main(args.rate, args.duration, args.drop, args.out, args.seed)
+
+
+def _sim(args) -> int:
+    from tape.ops.sim import main
+
+    return main(args.first, args.seeds, args.verbose, args.jobs)
+
+
+def _drill(args) -> int:
+    from tape.ops.drill import run
+
+    return run(args.name, args.rate, args.duration, args.loss, args.out, args.seed)
+
+
+def _audit(args) -> int:
+    from tape.ops.audit_cmd import audit
+    from tape.ops.spark import parse_conf
+
+    return audit(args.journal, args.alerts, _config(args), args.master, args.report, parse_conf(args.conf),
+                 args.skip_corrupt)
+
+
+def _analytics(args) -> int:
+    from tape.ops.analytics import run
+    from tape.ops.spark import parse_conf
+
+    cfg = _config(args)
+    return run(args.journal, args.out, int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9), args.master,
+               parse_conf(args.conf), args.skip_corrupt)
+
+
+def _replay(args) -> int:
+    from tape.ops.audit_cmd import replay
+
+    return replay(args.journal, args.to_lmdb, _config(args))
+
+
+def _load(args) -> int:
+    from tape.ops.load import main
+
+    return main(
+        _config(args), args.client, args.rate, args.duration, args.messages, args.seed, args.drop, args.overfill
+    )
+
+
+def _tail(args) -> int:
+    from tape.ops.tail import main
+
+    return main(_config(args), args.stats, args.until, args.drop, args.seed, args.summary, args.idle_exit)
+
+
+def _onramp(args) -> int:
+    from tape.ops.onramp import main
+
+    cfg = _config(args)
+    return main(cfg, args.client or cfg.clients[0].name, args.file, args.timeout)
+
+
+def _config_default(args) -> int:
+    from tape.ops.config import default_toml
+
+    sys.stdout.write(default_toml(args.data, args.rewinders, args.clients, free=args.free_ports))
+    return 0
+
+
+def _cluster_options(p: argparse.ArgumentParser, drop: bool = True) -> None:
+    p.add_argument("--config", default=None, help="cluster TOML file (default: the embedded loopback cluster)")
+    if drop:
+        p.add_argument(
+            "--drop", type=float, default=0.0, help="fraction of received datagrams to drop, for tests (default 0)"
+        )
+        p.add_argument("--seed", type=int, default=0, help="seed of the loss injection (default 0)")
+
+
+def _spark_options(p, skip_corrupt: bool = True) -> None:
+    p.add_argument("--master", default="local[*]", help="Spark master (default local[*]; e.g. spark://host:7077)")
+    p.add_argument("--conf", action="append", metavar="KEY=VALUE",
+                   help="a Spark setting, repeatable (e.g. --conf spark.executor.memory=4g)")
+    if skip_corrupt:
+        p.add_argument("--skip-corrupt", action="store_true",
+                       help="skip corrupt journal records and count them, instead of failing")
+
+
+def _add_demo(sub) -> None:
+    demo = sub.add_parser("demo", help="run the live stream on loopback multicast and check it",
+                          description="Start a sequencer, two rewinders, a load generator and a listener as real "
+                                      "processes on loopback multicast, show the stream live, then check that every "
+                                      "trade was sequenced once and every journal and listener agrees.")
+    demo.add_argument("--messages", type=int, default=100_000, help="trades to send (default 100000)")
+    demo.add_argument("--rate", type=float, default=20_000, help="trades per second (default 20000)")
+    demo.add_argument("--out", default=None, help="directory to keep config, journals and logs (default: temporary)")
+    demo.add_argument(
+        "--drop", type=float, default=0.02, help="fraction of datagrams every receiver drops (default 0.02)"
+    )
+    demo.add_argument("--seed", type=int, default=1, help="seed of the trade generator and loss injection")
+    demo.set_defaults(func=_demo)
+
+
+def _add_journal(sub) -> None:
+    journal = sub.add_parser("journal", help="inspect journal segments", description="Inspect a journal directory.")
+    jsub = journal.add_subparsers(dest="journal_command", metavar="ACTION", required=True)
+    dump = jsub.add_parser("dump", help="print decoded messages, one a line",
+                           description="Print the journal's messages in seq order.")
+    dump.add_argument("path", help="journal directory")
+    dump.add_argument("--from", dest="from_seq", type=int, default=1, help="first seq (default 1)")
+    dump.add_argument("--to", dest="to_seq", type=int, default=None, help="last seq (default: the end)")
+    dump.add_argument("--format", choices=("jsonl", "text"), default="jsonl", help="output format (default jsonl)")
+    dump.set_defaults(func=_journal_dump)
+    verify = jsub.add_parser("verify", help="check every record's CRC and seq",
+                             description="Read the whole journal, checking every record; exit 1 on corruption.")
+    verify.add_argument("path", help="journal directory")
+    verify.set_defaults(func=_journal_verify)
+    export = jsub.add_parser("export", help="write the journal as Parquet (Spark)",
+                             description="Read the journal through the tape data source and write it as Parquet, "
+                                         "for other tools and for faster repeated analytics.")
+    export.add_argument("path", help="journal directory")
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--format", choices=("parquet",), default="parquet", help="output format (parquet)")
+    _spark_options(export, skip_corrupt=False)
+    export.set_defaults(func=_journal_export)
+
+
+def _add_sequencer(sub) -> None:
+    p = sub.add_parser("sequencer", help="run a sequencer node", description="Run a sequencer: stamp inbound "
+                       "trades, journal and replicate them, publish committed packets on the multicast stream.")
+    _cluster_options(p)
+    p.add_argument("--node", default="seq-a", help="this node's name in the config (default seq-a)")
+    p.set_defaults(func=_sequencer)
+
+
+def _add_rewinder(sub) -> None:
+    p = sub.add_parser("rewinder", help="run a rewinder node", description="Run a rewinder: follow the leader's "
+                       "log, answer gap-fill requests (UDP) and replay sessions (SoupBinTCP over TCP).")
+    _cluster_options(p)
+    p.add_argument("--node", default="rw-1", help="this node's name in the config (default rw-1)")
+    p.set_defaults(func=_rewinder)
+
+
+def _add_replica(sub) -> None:
+    p = sub.add_parser("replica", help="run a replica auditor", description="Run a replica: apply the stream to "
+                       "the audit state machine, snapshot to LMDB, send alerts to the emitter.")
+    _cluster_options(p)
+    p.add_argument("--node", default="replica-A", help="this node's name in the config (default replica-A)")
+    p.add_argument("--exit-on-end", action="store_true", help="stop after applying up to the stream's end of session")
+    p.set_defaults(func=_replica)
+
+
+def _add_emitter(sub) -> None:
+    p = sub.add_parser("emitter", help="run the alert emitter", description="Run the emitter: receive alerts from "
+                       "the replicas and deliver each exactly once to its sinks: a JSON-lines file, an HTTP webhook "
+                       "(POST, Idempotency-Key = alert id, retried with back-off) and/or stdout.")
+    _cluster_options(p, drop=False)
+    p.add_argument("--node", default="emitter", help="this node's name in the config (default emitter)")
+    p.add_argument("--sinks", help="comma-separated sinks, overriding the config: jsonl,webhook,stdout")
+    p.add_argument("--webhook-url", help="the webhook sink's URL, overriding the config")
+    p.set_defaults(func=_emitter)
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser("up", help="run the whole local cluster and check it",
+                       description="Start sequencer, 2 rewinders, 3 replicas, the emitter and a load generator on "
+                                   "loopback multicast, show them live, stop them in order and print a verdict "
+                                   "against DESIGN.md section 9 (exit 1 on fail).")
+    p.add_argument("--rate", type=float, default=20_000, help="trades per second (default 20000)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10)")
+    p.add_argument("--drop", type=float, default=0.0, help="fraction of datagrams every receiver drops (default 0)")
+    p.add_argument("--out", default=None, help="directory to keep journals, LMDB files, alerts.jsonl, report.json")
+    p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
+    p.set_defaults(func=_up)
+
+
+def _add_sim(sub) -> None:
+    p = sub.add_parser("sim", help="the deterministic simulator: seeds of faults, each checked",
+                       description="Run the pure cores of every role on a seeded virtual network and clock with "
+                                   "drops, delays, duplicates, reordering, partitions, crashes and pauses; check "
+                                   "DESIGN.md section 9 after each seed. A failing seed prints its reproduction.")
+    p.add_argument("--seeds", type=int, default=1000, help="how many seeds (default 1000)")
+    p.add_argument("--first", type=int, default=1, help="the first seed (default 1)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: one per core)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each seed's figures")
+    p.set_defaults(func=_sim)
+
+
+def _add_drill(sub) -> None:
+    from tape.ops.drill import DRILLS
+
+    p = sub.add_parser("drill", help="a failover or fault drill under load, with a verdict",
+                       description="Run the whole cluster under load, inject a fault at 30%% of the run and heal it "
+                                   "at 60%%, then check DESIGN.md section 9 and the drill's own checks (a new leader, "
+                                   "the old one silent, failover_ms). Drills: " + ", ".join(DRILLS) + "; all runs "
+                                   "each in turn. Exits 1 if any verdict fails.")
+    p.add_argument("name", choices=(*DRILLS, "all"), help="which drill")
+    p.add_argument("--rate", type=float, default=50_000, help="trades per second (default 50000)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10)")
+    p.add_argument("--loss", type=float, default=0.05, help="loss at every receiver for the loss drill (default 0.05)")
+    p.add_argument("--out", default=None, help="keep journals, alerts and report.json here (all: one folder a drill)")
+    p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
+    p.set_defaults(func=_drill)
+
+
+def _add_audit(sub) -> None:
+    p = sub.add_parser("audit", help="reconcile delivered alerts with the journal (Spark)",
+                       description="Recompute the expected alerts from the journal in Spark (per order, in seq order, "
+                                   "with the replicas' rules) and reconcile them with the delivered alerts: missing, "
+                                   "duplicate, unexpected, mismatched. Exits 1 on any finding.")
+    _cluster_options(p, drop=False)
+    p.add_argument("--journal", required=True, help="journal directory (e.g. runs/demo/journal/seq-a)")
+    p.add_argument("--alerts", required=True, help="delivered alerts, JSON lines (e.g. runs/demo/alerts.jsonl)")
+    p.add_argument("--report", default=None, help="write the findings as JSON to this file")
+    _spark_options(p)
+    p.set_defaults(func=_audit)
+
+
+def _add_analytics(sub) -> None:
+    p = sub.add_parser("analytics", help="journal analytics in Spark: tables, PNG plots, an HTML page",
+                       description="Volumes per stock and client, fill ratios and overfill per order book, rejects "
+                                   "and orphans by reason, message rate per second and stamp-to-stamp gaps, from a "
+                                   "journal or its Parquet export; tables in the terminal, and analytics.json, PNG "
+                                   "plots and index.html in --out.")
+    _cluster_options(p, drop=False)
+    p.add_argument("--journal", required=True, help="journal directory or URI, or a `tape journal export` directory")
+    p.add_argument("--out", required=True, help="directory for analytics.json, the plots and index.html")
+    _spark_options(p)
+    p.set_defaults(func=_analytics)
+
+
+def _add_replay(sub) -> None:
+    p = sub.add_parser("replay", help="rebuild a replica's LMDB state from a journal",
+                       description="Apply a journal to the audit state machine and write its LMDB snapshot, so that "
+                                   "a lost replica can be restored without the network; prints seq and digest.")
+    _cluster_options(p, drop=False)
+    p.add_argument("--journal", required=True, help="journal directory")
+    p.add_argument("--to-lmdb", required=True, help="LMDB directory to write (resumes if it holds a snapshot)")
+    p.set_defaults(func=_replay)
+
+
+def _add_load(sub) -> None:
+    p = sub.add_parser("load", help="submit generated trades at a target rate",
+                       description="Generate purchase requests and purchases (seeded) and submit them exactly once; "
+                                   "prints a JSON summary and exits 1 if anything stayed unacknowledged.")
+    _cluster_options(p)
+    p.add_argument("--client", action="append", help="client name from the config (repeatable; default: all)")
+    p.add_argument("--rate", type=float, default=10_000, help="messages per second (default 10000)")
+    p.add_argument("--duration", type=float, default=None, help="seconds to run (default 10)")
+    p.add_argument("--messages", type=int, default=None, help="messages to send (instead of --duration)")
+    p.add_argument("--overfill", type=float, default=0.2, help="share of orders overfilled (default 0.2)")
+    p.set_defaults(func=_load)
+
+
+def _add_tail(sub) -> None:
+    p = sub.add_parser("tail", help="print the public stream", description="Join the public stream, fill gaps from "
+                       "the rewinders and print each message as JSON, or rates with --stats.")
+    _cluster_options(p)
+    p.add_argument("--stats", action="store_true", help="print rates, lag and gaps each second instead of messages")
+    p.add_argument("--summary", action="store_true", help="print only a JSON summary (count, digest) at the end")
+    p.add_argument("--until", type=int, default=None, help="stop after delivering this seq")
+    p.add_argument("--idle-exit", type=float, default=None, help="stop after this many seconds with nothing new")
+    p.set_defaults(func=_tail)
+
+
+def _add_onramp(sub) -> None:
+    p = sub.add_parser("onramp", help="submit trades from JSON lines",
+                       description="Read trades in the challenge's JSON-lines shape from FILE (or - for stdin), "
+                                   "report malformed lines with their number, submit the rest exactly once.")
+    _cluster_options(p, drop=False)
+    p.add_argument("file", nargs="?", default="-", help="JSON-lines file (default: stdin)")
+    p.add_argument("--client", default=None, help="client name from the config (default: the first)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for acknowledgement (default 30)")
+    p.set_defaults(func=_onramp)
+
+
+def _add_config(sub) -> None:
+    p = sub.add_parser("config", help="print a cluster config", description="Print the embedded default cluster "
+                       "config as TOML, to copy and edit.")
+    p.add_argument("--data", default="data", help="directory for the nodes' data (default data)")
+    p.add_argument("--rewinders", type=int, default=2, help="number of rewinders (default 2)")
+    p.add_argument("--clients", type=int, default=2, help="number of clients (default 2)")
+    p.add_argument(
+        "--free-ports", action="store_true", help="pick free ports and a random group instead of the fixed ones"
+    )
+    p.set_defaults(func=_config_default)
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="measure throughput", description="Benchmarks (figures, not pass/fail).")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="TARGET", required=True)
+    bp = bsub.add_parser("protocol", help="encode, decode and journal-append rates on one core",
+                         description="Messages/s for packing, decoding and journaling trade messages.")
+    bp.add_argument("--messages", type=int, default=1_000_000, help="messages per measurement (default 1000000)")
+    bp.add_argument("--batch", type=int, default=1000, help="messages per journal append (default 1000)")
+    bp.set_defaults(func=_bench_protocol)
+    bs = bsub.add_parser("stream", help="sequencer alone, then the local cluster at several rates",
+                         description="Messages/s of the sequencer alone on one core, then achieved rate and "
+                                     "submit-to-sequenced latency of sequencer + 2 rewinders + load on loopback.")
+    bs.add_argument("--rates", default="25000,50000,100000,150000", help="comma-separated target rates")
+    bs.add_argument("--seconds", type=float, default=5.0, help="seconds per rate (default 5)")
+    bs.add_argument("--sequencer-only", action="store_true", help="only the single-core sequencer measurement")
+    bs.add_argument("--standby", action="store_true", help="run a standby sequencer too (4 voters, majority 3)")
+    bs.set_defaults(func=_bench_stream)
+    br = bsub.add_parser("replica", help="decode + apply rate of one replica on one core",
+                         description="Decode a pre-built committed stream from memory and apply it to the audit "
+                                     "state machine; prints msg/s, alerts and the digest; then times an LMDB snapshot "
+                                     "of --open-orders open books (save, size, load, incremental).")
+    br.add_argument("--messages", type=int, default=1_000_000, help="messages (default 1000000)")
+    br.add_argument("--open-orders", type=int, default=1_000_000, help="open books to snapshot (default 1000000)")
+    br.set_defaults(func=_bench_replica)
+    bf = bsub.add_parser("failover", help="failover time over repeated kill-leader drills",
+                         description="Run --runs kill-leader drills and report the failover time (the old leader's "
+                                     "last stamp to the new leader's term start): p50, min and max.")
+    bf.add_argument("--runs", type=int, default=20, help="drills (default 20)")
+    bf.add_argument("--rate", type=float, default=20_000, help="trades per second during each drill (default 20000)")
+    bf.add_argument("--duration", type=float, default=4.0, help="seconds of load per drill (default 4)")
+    bf.set_defaults(func=_bench_failover)
+    bk = bsub.add_parser("spark", help="audit and analytics time over a generated journal",
+                         description="Write a journal of --messages generated trades and its delivered alerts, then "
+                                     "time in Spark: a count, the Parquet export, the audit (zero findings asserted) "
+                                     "and the analytics, each with the Python reader and with Parquet; rows/s.")
+    bk.add_argument("--messages", type=int, default=10_000_000, help="messages (default 10000000)")
+    bk.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    bk.add_argument("--keep", default=None, help="keep (and reuse) the journal, alerts and Parquet in this directory")
+    bk.set_defaults(func=_bench_spark)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tape",
+        description="Tape: a sequenced, total-order trade log with replicated state machines.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_demo(sub)
+    _add_journal(sub)
+    _add_sequencer(sub)
+    _add_rewinder(sub)
+    _add_replica(sub)
+    _add_emitter(sub)
+    _add_up(sub)
+    _add_sim(sub)
+    _add_drill(sub)
+    _add_audit(sub)
+    _add_analytics(sub)
+    _add_replay(sub)
+    _add_load(sub)
+    _add_tail(sub)
+    _add_onramp(sub)
+    _add_config(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

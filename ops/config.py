@@ -1,0 +1,248 @@
+"""Cluster configuration: one TOML file, or the embedded loopback default.
+
+    session = "TAPE"
+    [stream]    group, port, interface, max_packet, heartbeat_ms, tick_ms
+    [journal]   fsync ("batch" | "never" | ms), segment_mb
+    [timeouts]  client_resend_ms, gap_request_ms, election_ms (minimum election
+                timeout; each wait is drawn from [election_ms, 2 x election_ms]),
+                leader_heartbeat_ms
+    [audit]     book_ttl_s, orphan_ttl_s, snapshot_every, snapshot_ms
+    [[node]]    name, role ("sequencer" | "rewinder" | "replica" | "emitter"),
+                host, data, metrics_port (0 = none); sequencer: inbound_port,
+                replication_port; rewinder: replication_port, gapfill_port,
+                replay_port; emitter: alert_port, sinks (["jsonl", "webhook",
+                "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms
+    [[client]]  name, key (hex HMAC-SHA256 key, optional)
+
+Every problem raises ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import random
+import tomllib
+from pathlib import Path
+
+from tape.node.settings import ROLES, SINKS, VOTER_ROLES, Client, Config, Node, default_of
+from tape.node.transport import free_port
+from tape.protocol import moldudp64
+
+MIN_PACKET = 120  # a header and one sequenced block, with room to spare
+
+__all__ = ["Client", "Config", "ConfigError", "Node", "default", "default_toml", "load", "parse"]
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _get(table: dict, key: str, kind, where: str, default=None, required=False):
+    if key not in table:
+        if required:
+            raise ConfigError(f"{where}{key}: missing")
+        return default
+    value = table[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ConfigError(f"{where}{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _opt(table: dict, key: str, kind, where: str):
+    """An optional [section] key of Config, defaulting to the schema's default."""
+    return _get(table, key, kind, where, default_of(Config, key))
+
+
+def _port(table, key, where, required=False) -> int:
+    value = _get(table, key, int, where, 0, required)
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{where}{key}: port {value} outside 0..65535")
+    return value
+
+
+def parse(doc: dict, base: Path | None = None) -> Config:
+    known = {"session", "stream", "journal", "timeouts", "audit", "node", "client"}
+    for key in doc:
+        if key not in known:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(known))})")
+    session = _get(doc, "session", str, "", default_of(Config, "session"))
+    try:
+        moldudp64.session_bytes(session)
+    except Exception:
+        raise ConfigError(f"session: {session!r} must be 1-10 printable ASCII characters") from None
+    cfg = _parse_stream(_get(doc, "stream", dict, "", {}), session)
+    _parse_journal(cfg, _get(doc, "journal", dict, "", {}))
+    _parse_timeouts(cfg, _get(doc, "timeouts", dict, "", {}))
+    _parse_audit(cfg, _get(doc, "audit", dict, "", {}))
+    names = set()
+    for i, n in enumerate(_get(doc, "node", list, "", [])):
+        node = _parse_node(n, f"node[{i}].", base)
+        if node.name in names:
+            raise ConfigError(f"node[{i}].name: {node.name!r} appears twice")
+        names.add(node.name)
+        cfg.nodes.append(node)
+    if not cfg.by_role("sequencer"):
+        raise ConfigError("node: at least one node with role = \"sequencer\" is needed")
+    for i, c in enumerate(_get(doc, "client", list, "", [])):
+        cfg.clients.append(_parse_client(c, f"client[{i}]."))
+    if not cfg.clients:
+        raise ConfigError("client: at least one [[client]] is needed")
+    return cfg
+
+
+def _parse_stream(stream: dict, session: str) -> Config:
+    group = _get(stream, "group", str, "stream.", required=True)
+    try:
+        if not ipaddress.IPv4Address(group).is_multicast:
+            raise ConfigError(f"stream.group: {group} is not a multicast address")
+    except ipaddress.AddressValueError:
+        raise ConfigError(f"stream.group: {group!r} is not an IPv4 address") from None
+    cfg = Config(
+        session=session,
+        group=group,
+        port=_port(stream, "port", "stream.", required=True),
+        interface=_opt(stream, "interface", str, "stream."),
+        max_packet=_opt(stream, "max_packet", int, "stream."),
+        heartbeat_ms=_opt(stream, "heartbeat_ms", int, "stream."),
+        tick_ms=_opt(stream, "tick_ms", int, "stream."),
+    )
+    if not MIN_PACKET <= cfg.max_packet <= moldudp64.MAX_UDP_PAYLOAD:
+        raise ConfigError(f"stream.max_packet: {cfg.max_packet} outside {MIN_PACKET}..{moldudp64.MAX_UDP_PAYLOAD}")
+    return cfg
+
+
+def _parse_journal(cfg: Config, journal: dict) -> None:
+    cfg.fsync = journal.get("fsync", default_of(Config, "fsync"))
+    if cfg.fsync not in ("batch", "never") and not (isinstance(cfg.fsync, (int, float)) and cfg.fsync >= 0):
+        raise ConfigError(f"journal.fsync: {cfg.fsync!r}: use \"batch\", \"never\" or milliseconds")
+    cfg.segment_mb = _opt(journal, "segment_mb", int, "journal.")
+
+
+def _parse_timeouts(cfg: Config, timeouts: dict) -> None:
+    cfg.client_resend_ms = _opt(timeouts, "client_resend_ms", int, "timeouts.")
+    cfg.gap_request_ms = _opt(timeouts, "gap_request_ms", int, "timeouts.")
+    cfg.election_ms = _opt(timeouts, "election_ms", int, "timeouts.")
+    cfg.leader_heartbeat_ms = _opt(timeouts, "leader_heartbeat_ms", int, "timeouts.")
+    if not 0 < cfg.leader_heartbeat_ms * 3 <= cfg.election_ms:
+        raise ConfigError("timeouts.leader_heartbeat_ms: must be positive and at most a third of timeouts.election_ms")
+
+
+def _parse_audit(cfg: Config, audit: dict) -> None:
+    cfg.book_ttl_s = _opt(audit, "book_ttl_s", float, "audit.")
+    cfg.orphan_ttl_s = _opt(audit, "orphan_ttl_s", float, "audit.")
+    cfg.snapshot_every = _opt(audit, "snapshot_every", int, "audit.")
+    cfg.snapshot_ms = _opt(audit, "snapshot_ms", int, "audit.")
+    if cfg.book_ttl_s <= 0 or cfg.orphan_ttl_s <= 0:
+        raise ConfigError("audit.book_ttl_s / audit.orphan_ttl_s: must be positive")
+
+
+def _parse_node(n: dict, where: str, base: Path | None) -> Node:
+    name = _get(n, "name", str, where, required=True)
+    role = _get(n, "role", str, where, required=True)
+    if role not in ROLES:
+        raise ConfigError(f"{where}role: {role!r} is not sequencer, rewinder, replica or emitter")
+    data = _get(n, "data", str, where, f"data/{name}")
+    if base is not None and not Path(data).is_absolute():
+        data = str(base / data)
+    node = Node(name, role, _get(n, "host", str, where, default_of(Node, "host")), data,
+                metrics_port=_port(n, "metrics_port", where))
+    if role in VOTER_ROLES:
+        node.replication_port = _port(n, "replication_port", where, required=True)
+    if role == "sequencer":
+        node.inbound_port = _port(n, "inbound_port", where, required=True)
+    elif role == "rewinder":
+        node.gapfill_port = _port(n, "gapfill_port", where, required=True)
+        node.replay_port = _port(n, "replay_port", where, required=True)
+    elif role == "emitter":
+        _parse_emitter(node, n, where)
+    return node
+
+
+def _parse_emitter(node: Node, n: dict, where: str) -> None:
+    node.alert_port = _port(n, "alert_port", where, required=True)
+    node.sinks = _get(n, "sinks", list, where, default_of(Node, "sinks"))
+    unknown = [k for k in node.sinks if k not in SINKS]
+    if unknown or not node.sinks or len(set(node.sinks)) != len(node.sinks):
+        raise ConfigError(f"{where}sinks: {node.sinks!r}: a list of distinct sinks from {', '.join(SINKS)}")
+    node.webhook_url = _get(n, "webhook_url", str, where, default_of(Node, "webhook_url"))
+    node.webhook_timeout_ms = _get(n, "webhook_timeout_ms", int, where, default_of(Node, "webhook_timeout_ms"))
+    if "webhook" in node.sinks and not node.webhook_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}webhook_url: the webhook sink needs an http:// or https:// URL")
+
+
+def _parse_client(c: dict, where: str) -> Client:
+    name = _get(c, "name", str, where, required=True)
+    key = _get(c, "key", str, where)
+    try:
+        moldudp64.session_bytes(name)
+        return Client(name, bytes.fromhex(key) if key else None)
+    except ValueError:
+        raise ConfigError(f"{where}: client name {name!r} (1-10 ASCII) or key (hex) is malformed") from None
+
+
+def load(path: str | Path | None, data_dir: str | Path = ".") -> Config:
+    """The config at `path`, or the embedded loopback default."""
+    if path is None:
+        return default(data_dir)
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return parse(doc, path.parent)
+
+
+DEFAULT_GROUP = "239.77.0.1"
+DEFAULT_BASE_PORT = 31400
+
+
+def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 2, free: bool = False,
+                 seed: int | None = None, replicas: int = 0, sequencers: int = 1) -> str:
+    """The embedded default: `sequencers` sequencers (seq-a, and seq-b as the
+    standby) and `rewinders` rewinders on loopback. Fixed ports and group, so that separate processes agree; with
+    `free`, free ports and a random group (tests, parallel runs)."""
+    if free:
+        rng = random.Random(seed)
+        group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
+        taken: set[int] = set()
+
+        def port() -> int:  # free now, and not already given to another node of this config
+            while (p := free_port()) in taken:
+                pass
+            taken.add(p)
+            return p
+    else:
+        group = DEFAULT_GROUP
+        counter = iter(range(DEFAULT_BASE_PORT, DEFAULT_BASE_PORT + 100))
+        port = lambda: next(counter)  # noqa: E731
+    data = Path(data_dir)
+    lines = [
+        'session = "TAPE"',
+        f'[stream]\ngroup = "{group}"\nport = {port()}\ninterface = "127.0.0.1"\nheartbeat_ms = 200\ntick_ms = 1000',
+        '[journal]\nfsync = "batch"',
+    ]
+    for name in ("seq-a", "seq-b", "seq-c")[:sequencers]:
+        lines.append(f'[[node]]\nname = "{name}"\nrole = "sequencer"\ndata = "{data / name}"\n'
+                     f'inbound_port = {port()}\nreplication_port = {port()}\nmetrics_port = {port()}')
+    for i in range(1, rewinders + 1):
+        lines.append(
+            f'[[node]]\nname = "rw-{i}"\nrole = "rewinder"\ndata = "{data / f"rw-{i}"}"\n'
+            f'replication_port = {port()}\ngapfill_port = {port()}\nreplay_port = {port()}\n'
+            f'metrics_port = {port()}')
+    for name in "ABCDEFGH"[:replicas]:
+        lines.append(f'[[node]]\nname = "replica-{name}"\nrole = "replica"\ndata = "{data / f"replica-{name}"}"\n'
+                     f'metrics_port = {port()}')
+    if replicas:
+        lines.append(f'[[node]]\nname = "emitter"\nrole = "emitter"\ndata = "{data / "emitter"}"\n'
+                     f'alert_port = {port()}\nmetrics_port = {port()}')
+    for i in range(clients):
+        lines.append(f'[[client]]\nname = "load{i}"')
+    return "\n\n".join(lines) + "\n"
+
+
+def default(data_dir: str | Path = ".") -> Config:
+    return parse(tomllib.loads(default_toml(data_dir, sequencers=2)))

@@ -1,0 +1,147 @@
+"""A local cluster of real `tape` processes on loopback, for the demo, drills
+and tests: a config with free ports and a multicast group of its own,
+processes started, watched through their metrics, and stopped or killed by
+pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tape.ops.config import default_toml, load
+
+TAPE = [sys.executable, "-m", "tape.ops.cli"]
+
+
+class LocalCluster:
+    def __init__(self, root: Path, rewinders: int = 2, clients: int = 2, extra: str = "", replicas: int = 0,
+                 sequencers: int = 1):
+        self.root = root
+        self.config_path = root / "cluster.toml"
+        text = default_toml(root / "data", rewinders, clients, free=True, replicas=replicas, sequencers=sequencers)
+        text = text.replace("[journal]", extra + "\n[journal]") if extra else text
+        self.config_path.write_text(text)
+        self.cfg = load(self.config_path)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self.started: dict[str, tuple] = {}  # name -> (args, wait_metrics, env): what restart() repeats
+
+    def start(
+        self, name: str, *args: str, wait_metrics: int | None = None, env: dict | None = None
+    ) -> subprocess.Popen:
+        log = self.root / f"{name}.log"
+        self.logs[name] = log
+        self.started[name] = (args, wait_metrics, env)
+        proc = subprocess.Popen(TAPE + list(args) + ["--config", str(self.config_path)],
+                                stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "a"),
+                                env={**os.environ, **(env or {})})
+        self.procs[name] = proc
+        if wait_metrics:
+            self.wait_http(wait_metrics, proc, name)
+        return proc
+
+    def start_node(
+        self, name: str, drop: float = 0.0, seed: int = 0, *extra: str, env: dict | None = None
+    ) -> subprocess.Popen:
+        node = self.cfg.node(name)
+        args = [node.role, "--node", name, *extra]
+        if node.role != "emitter":
+            args += ["--drop", str(drop), "--seed", str(seed)]
+        return self.start(name, *args, wait_metrics=node.metrics_port, env=env)
+
+    def start_all(self, drop: float = 0.0, emitter_env: dict | None = None) -> None:
+        for i, n in enumerate(self.cfg.by_role("rewinder")):
+            self.start_node(n.name, drop, seed=10 + i)
+        for n in self.cfg.by_role("sequencer"):
+            self.start_node(n.name, drop, seed=1)
+        for n in self.cfg.by_role("emitter"):
+            self.start_node(n.name, env=emitter_env)
+        for i, n in enumerate(self.cfg.by_role("replica")):
+            self.start_node(n.name, drop, 20 + i, "--exit-on-end")
+
+    def wait_http(self, port: int, proc: subprocess.Popen, name: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {self.logs[name].read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"{name} did not serve metrics on :{port}")
+
+    def metrics(self, name: str) -> dict[str, float]:
+        """The node's metrics as {'name{labels}': value}."""
+        port = self.cfg.node(name).metrics_port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        return parse_metrics(text)
+
+    def journal_dir(self, node: str) -> Path:
+        return Path(self.cfg.node(node).data) / "journal"
+
+    def restart(self, name: str, env: dict | None = None) -> subprocess.Popen:
+        """Start `name` again as it was first started (its log goes on in the same file)."""
+        args, wait_metrics, first_env = self.started[name]
+        return self.start(name, *args, wait_metrics=wait_metrics, env=env if env is not None else first_env)
+
+    def alive(self, name: str) -> bool:
+        return name in self.procs and self.procs[name].poll() is None
+
+    def leader(self) -> str | None:
+        """The sequencer that says it leads (None during an election)."""
+        for n in self.cfg.by_role("sequencer"):
+            if not self.alive(n.name):
+                continue
+            try:
+                if self.metrics(n.name).get(f'tape_sequencer_leader{{node="{n.name}"}}') == 1:
+                    return n.name
+            except OSError:
+                continue
+        return None
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.kill(proc.pid, sig)
+            proc.wait(timeout=10)
+
+    def stop(self, name: str) -> int:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return proc.returncode
+
+    def close(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def journal_dump(self, node: str) -> list[dict]:
+        out = subprocess.run(TAPE + ["journal", "dump", str(self.journal_dir(node))],
+                             capture_output=True, text=True, check=True)
+        return [json.loads(line) for line in out.stdout.splitlines()]
+
+    def output(self, name: str) -> str:
+        return self.logs[name].with_suffix(".out").read_text()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

@@ -1,0 +1,553 @@
+"""Deterministic simulation of the whole protocol (DESIGN.md section 10).
+
+The pure cores of every role (ElectionCore, LeaderCore, FollowerCore,
+GapFillCore, StreamReceiver, AuditMachine) run in one process on a seeded
+virtual network and clock: messages are delayed, dropped, duplicated and
+reordered; nodes crash (losing all but their log and vote; a leader may
+crash between replicating a batch and journaling it), pause (their
+input waits) and are cut off by partitions, all at random times chosen by
+the seed. Clients send every batch to both sequencers and resend what they
+have not seen sequenced; listeners fill gaps from the rewinders. After the
+faults, the network heals and the run goes on until every trade is
+acknowledged and every replica has applied the log; then every invariant
+of DESIGN.md section 9 is checked (and some continuously, as it runs).
+
+    tape sim --seeds 1000            # seeds 1..1000
+    tape sim --first 4711 --seeds 1 -v
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter
+
+from tape.ops.reference import expected_alerts
+from tape.ops.tradegen import TradeGenerator
+from tape.protocol import messages as M
+from tape.protocol import moldudp64
+from tape.protocol.election import ElectionCore
+from tape.protocol.errors import ProtocolError
+from tape.protocol.follower import FollowerCore
+from tape.protocol.packets import PacketBuilder
+from tape.protocol.receiver import StreamReceiver
+from tape.protocol.replication import Ack, Append, Vote, VoteRequest
+from tape.replicas.audit import AuditMachine
+from tape.rewinder.gapfill import GapFillCore
+from tape.sequencer.core import LeaderCore
+
+MS = 1_000_000
+SESSION = moldudp64.session_bytes("SIM")
+SEQUENCERS = ("seq-a", "seq-b")
+REWINDERS = ("rw-1", "rw-2")
+VOTERS = SEQUENCERS + REWINDERS
+CLIENTS = ("c0", "c1")
+REPLICAS = ("replica-A", "replica-B")
+CATCHUP = 64  # entries per catch-up append
+FAULTS_UNTIL = 1500 * MS
+GIVE_UP = 60_000 * MS
+
+
+def wire(name: str) -> bytes:
+    return moldudp64.session_bytes(name)
+
+
+class Violation(AssertionError):
+    pass
+
+
+class Voter:
+    """A sequencer or rewinder: durable log and vote, volatile everything else."""
+
+    def __init__(self, sim: "Sim", name: str):
+        self.sim, self.name, self.wire = sim, name, wire(name)
+        self.can_lead = name in SEQUENCERS
+        self.log: list[tuple[int, bytes]] = []  # (term, message) at seq i + 1: durable
+        self.vote = (0, None)  # (term, voted_for): durable
+        self.up = True
+        self.restart()
+
+    def term_at(self, seq: int) -> int:
+        return self.log[seq - 1][0] if seq > 0 else 0
+
+    def position(self) -> tuple[int, int]:
+        return len(self.log), (self.log[-1][0] if self.log else 0)
+
+    def restart(self) -> None:
+        term, voted = self.vote
+        rng = random.Random(self.sim.rng.random())
+        self.election = ElectionCore(self.wire, [wire(v) for v in VOTERS], self.can_lead, self.position, rng,
+                                     (150 * MS, 300 * MS), term, voted, self.sim.now)
+        self.follower = FollowerCore(self.wire, *self.position(), self.term_at, term=max(term, self.position()[1]))
+        self.leader: LeaderCore | None = None
+        self.next: dict[str, int] = {}
+        self.gapfill = GapFillCore(SESSION, 17, rate_per_s=5000.0)
+        self.last_beat = 0
+        self.crash_before_journal: int | None = None  # a fault: crash (until then) inside the next batch
+        self.hellos: dict[str, tuple[int, int]] = {}  # voter -> its log position, as its hello said
+
+    @property
+    def commit_seq(self) -> int:
+        return self.leader.commit_seq if self.leader else self.follower.commit_seq
+
+    def act(self, actions: list) -> None:
+        for a in actions:
+            if a[0] == "persist":
+                self.vote = (a[1], a[2])
+            elif a[0] == "request_votes":
+                _, pre, term, last_seq, last_term = a
+                for v in VOTERS:
+                    if v != self.name:
+                        self.sim.send(self.name, v, VoteRequest(term, self.wire, last_seq, last_term, pre))
+            elif a[0] == "lead":
+                self.lead(a[1])
+            elif a[0] == "step_down":
+                if self.leader is not None:
+                    self.sim.close_links(self.name, self.leader.term)
+                    self.follower = FollowerCore(self.wire, *self.position(), self.term_at, term=self.election.term)
+                    self.follower.commit_seq = self.leader.commit_seq
+                    self.leader = None
+
+    def lead(self, term: int) -> None:
+        known = self.sim.leaders.setdefault(term, self.name)
+        if known != self.name:
+            raise Violation(f"two leaders in term {term}: {known} and {self.name}")
+        client_last: dict[bytes, int] = {}
+        for _, msg in self.log:
+            m = M.SEQUENCED.unpack(msg)
+            if m[M.TYPE] in (M.REQUEST, M.PURCHASE):
+                client_last[m[M.ORIGIN]] = max(client_last.get(m[M.ORIGIN], 0), m[M.CLIENT_SEQ])
+        last_seq, last_term = self.position()
+        self.leader = LeaderCore(SESSION, self.wire, term, [wire(v) for v in VOTERS if v != self.name],
+                                 {wire(c): None for c in CLIENTS}, last_seq, last_term, client_last,
+                                 tick_ns=100 * MS, heartbeat_ns=50 * MS)
+        self.next = {v: last_seq + 1 for v in VOTERS if v != self.name}
+        self.process(self.leader.start_term(self.sim.now))
+
+    def process(self, batch) -> None:
+        """Replicate a stamped batch, journal it, publish what commits. The
+        followers get it first (as in the real leader, so that the disk
+        writes overlap): a crash between the two leaves entries that only
+        followers hold."""
+        c = self.leader
+        for v, nxt in self.next.items():
+            if nxt == batch.first_seq:
+                self.sim.send(self.name, v, Append(c.term, self.wire, batch.prev_seq, batch.prev_term, c.commit_seq,
+                                                   batch.term, len(batch.messages), b"".join(batch.messages)))
+                self.next[v] = batch.last_seq + 1
+        if self.crash_before_journal is not None:
+            self.sim.crash(self.name, self.crash_before_journal)
+            return
+        self.log.extend((batch.term, m) for m in batch.messages)
+        self.sim.publish(self.name, c.on_journaled(batch.last_seq))
+
+    def take_fetched(self, prev: int, entries: list) -> None:
+        """Entries another voter holds beyond our log (as Voter.fetch_from):
+        taken only while no leader is known and if they continue our log."""
+        if self.leader is not None or self.election.leader is not None or prev != len(self.log):
+            return
+        for term, m in entries:
+            if term > self.election.term or (self.log and term < self.log[-1][0]):
+                return
+            self.log.append((term, m))
+        self.follower = FollowerCore(self.wire, *self.position(), self.term_at, term=self.election.term)
+
+    def tick(self) -> None:
+        self.act(self.election.on_tick(self.sim.now))
+        c = self.leader
+        if c is None:
+            return
+        batch, heartbeat = c.on_timer(self.sim.now)
+        if batch is not None:
+            self.process(batch)
+        if heartbeat is not None:
+            self.sim.publish(self.name, [heartbeat])
+        if self.sim.now - self.last_beat >= 20 * MS:
+            self.last_beat = self.sim.now
+            for v, nxt in self.next.items():  # catch up whoever is behind; an empty append is the heartbeat
+                prev = min(nxt - 1, len(self.log))
+                term = self.term_at(prev + 1) if prev < len(self.log) else c.term
+                entries = []
+                for seq in range(prev + 1, min(len(self.log), prev + CATCHUP) + 1):
+                    if self.log[seq - 1][0] != term:
+                        break
+                    entries.append(self.log[seq - 1][1])
+                self.sim.send(self.name, v, Append(c.term, self.wire, prev, self.term_at(prev), c.commit_seq, term,
+                                                   len(entries), b"".join(entries)))
+                self.next[v] = prev + len(entries) + 1
+
+    def receive(self, src: str, msg) -> None:
+        now = self.sim.now
+        if isinstance(msg, Append):
+            ok, actions = self.election.on_append(msg.term, msg.leader, now)
+            self.act(actions)
+            if not ok:
+                return self.sim.send(self.name, src, Ack(self.election.term, self.wire, False, len(self.log)))
+            self.follower.term = self.election.term
+            before = self.follower.commit_seq
+            res = self.follower.on_append(msg)
+            if res.truncate_after is not None:
+                if res.truncate_after < before:
+                    raise Violation(f"{self.name} asked to drop committed seq {res.truncate_after + 1}")
+                del self.log[res.truncate_after:]
+            for seq, term, m in res.records:
+                if seq != len(self.log) + 1:
+                    raise Violation(f"{self.name} appends seq {seq} after {len(self.log)}")
+                self.log.append((term, m))
+            self.sim.send(self.name, src, Ack(self.election.term, self.wire, res.success, res.last_seq))
+        elif isinstance(msg, Ack):
+            self.act(self.election.on_ack(msg.follower, msg.term, now))
+            if self.leader is None:
+                return
+            packets = self.leader.on_ack(msg.follower, msg.term, msg.success, msg.last_seq)
+            if not msg.success and msg.term == self.leader.term:
+                self.next[src] = msg.last_seq + 1
+            if packets:
+                self.sim.publish(self.name, packets)
+        elif isinstance(msg, VoteRequest):
+            granted, actions = self.election.on_vote_request(msg.term, msg.candidate, msg.last_seq, msg.last_term,
+                                                             msg.pre, now)
+            self.act(actions)
+            self.sim.send(self.name, src, ("hello", *self.position()))
+            self.sim.send(self.name, src, Vote(self.election.reply_term(msg.term, granted, msg.pre), self.wire,
+                                               granted, msg.pre))
+        elif isinstance(msg, Vote):
+            self.act(self.election.on_vote(msg.term, msg.voter, msg.granted, msg.pre, now))
+            theirs = self.hellos.pop(src, None)
+            if not msg.granted and theirs and self.election.leader is None and \
+                    (theirs[1], theirs[0]) > (self.position()[1], self.position()[0]):
+                last_seq, last_term = self.position()
+                self.sim.send(self.name, src, ("fetch", last_seq + 1, last_term))  # refused for being behind
+        elif msg[0] == "hello":
+            self.hellos[src] = (msg[1], msg[2])
+        elif msg[0] == "fetch":
+            _, from_seq, prev_term = msg
+            prev = from_seq - 1
+            if 0 <= prev <= len(self.log) and self.term_at(prev) == prev_term:
+                self.sim.send(self.name, src, ("fetched", prev, self.log[prev:prev + CATCHUP]))
+        elif msg[0] == "fetched":
+            self.take_fetched(msg[1], msg[2])
+        elif msg[0] == "closed":
+            self.act(self.election.on_leader_lost(wire(src), msg[1], now))
+        elif msg[0] == "inbound":
+            if self.leader is not None:
+                self.leader.on_inbound(msg[1], now)  # bad input comes back as a reason: counted, dropped
+                batch = self.leader.flush(now)
+                if batch is not None:
+                    self.process(batch)
+        elif msg[0] == "gap" and not self.can_lead:
+            answer = self.gapfill.on_request(msg[1], src, now / 1e9, self.commit_seq)
+            if not isinstance(answer, str):
+                seq, count = answer
+                builder = PacketBuilder(SESSION, seq)
+                for pkt in builder.add_sequenced([m for _, m in self.log[seq - 1:seq - 1 + count]]):
+                    self.sim.send(self.name, src, ("packet", pkt))
+
+
+class Listener:
+    """A replica (applies the stream) or a client (submits, resends, acks)."""
+
+    def __init__(self, sim: "Sim", name: str):
+        self.sim, self.name = sim, name
+        self.rx = StreamReceiver(SESSION)
+        self.up = True
+        self.delivered: list[bytes] = []
+        self.machine = AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS) if name in REPLICAS else None
+        self.alerts: list = []
+        self.bad = 0
+        self.asked = 0
+        if name in CLIENTS:
+            self.origin = wire(name)
+            self.gen = TradeGenerator(sim.rng.randrange(1 << 30), overfill_share=0.3,
+                                      first_id=1 + CLIENTS.index(name) * 10**9)
+            self.next_cseq = 1
+            self.acked = 0
+            self.unacked: list[list] = []  # [first cseq, count, datagram, resend due]
+
+    def receive(self, src: str, msg) -> None:
+        if msg[0] != "packet":
+            return
+        data = msg[1]
+        try:
+            session, seq, count = moldudp64.decode_header(data)
+            if 0 < count < 0xFFFF:
+                M.check_packet_messages(data, count)
+            runs = self.rx.on_packet(session, seq, count, data)
+        except ProtocolError:
+            self.bad += 1  # counted and dropped, as the real listener does
+            return
+        for first, pkt, skip in runs:
+            n = moldudp64.HEADER.unpack_from(pkt)[2]
+            msgs = M.decode_packet_messages(pkt, n, skip)
+            raw = [M.packet_message_bytes(pkt, i) for i in range(skip, n)]
+            if first != len(self.delivered) + 1:
+                raise Violation(f"{self.name} delivered seq {first} after {len(self.delivered)}")
+            self.delivered.extend(raw)
+            if self.machine is not None:
+                self.alerts.extend(self.machine.apply_run(first, msgs))
+            else:
+                top = max((m[M.CLIENT_SEQ] for m in msgs if m[M.ORIGIN] == self.origin and
+                           m[M.TYPE] in (M.REQUEST, M.PURCHASE)), default=0)
+                if top > self.acked:
+                    self.acked = top
+                    self.unacked = [u for u in self.unacked if u[0] + u[1] - 1 > top]
+
+    def tick(self) -> None:
+        now = self.sim.now
+        gap = self.rx.missing()
+        if gap is not None and now - self.asked >= 10 * MS:
+            self.asked = now
+            rw = REWINDERS[(now // (10 * MS)) % len(REWINDERS)]
+            self.sim.send(self.name, rw, ("gap", moldudp64.encode_request(SESSION, *gap)))
+        if self.machine is not None:
+            return
+        if self.next_cseq <= self.sim.per_client and now < FAULTS_UNTIL and self.sim.rng.random() < 0.2:
+            count = min(self.sim.rng.randint(1, 8), self.sim.per_client - self.next_cseq + 1)
+            data = moldudp64.encode_packet(self.origin, self.next_cseq, self.gen.take(count))
+            self.unacked.append([self.next_cseq, count, data, now + 50 * MS])
+            self.next_cseq += count
+            self.submit(data)
+        for i, u in enumerate(self.unacked[:8]):  # resend what is overdue, the oldest first
+            if now >= u[3]:
+                u[3] = now + 50 * MS * (1 if i == 0 else 2)
+                self.submit(u[2])
+
+    def submit(self, data: bytes) -> None:
+        for s in SEQUENCERS:
+            self.sim.send(self.name, s, ("inbound", data))
+
+
+class Sim:
+    def __init__(self, seed: int, per_client: int = 60):
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.now = 0
+        self.per_client = per_client
+        self.queue: list = []
+        self.counter = 0
+        self.leaders: dict[int, str] = {}
+        self.published: dict[int, bytes] = {}  # seq -> the message first published there
+        self.cut: set[frozenset] = set()  # links down
+        self.paused: dict[str, list] = {}  # node -> messages waiting for it
+        self.loss = self.rng.choice((0.0, 0.01, 0.05, 0.15))
+        self.dup = self.rng.choice((0.0, 0.02))
+        self.voters = {n: Voter(self, n) for n in VOTERS}
+        self.listeners = {n: Listener(self, n) for n in (*CLIENTS, *REPLICAS)}
+        self.nodes = {**self.voters, **self.listeners}
+        self.trace: list[str] = []
+        self._schedule_faults()
+
+    # --- the virtual network -----------------------------------------------------------
+
+    def at(self, when: int, fn, *args) -> None:
+        self.counter += 1
+        heapq.heappush(self.queue, (when, self.counter, fn, args))
+
+    def send(self, src: str, dst: str, msg) -> None:
+        if frozenset((src, dst)) in self.cut or self.rng.random() < self.loss:
+            return
+        for _ in range(2 if self.rng.random() < self.dup else 1):
+            self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, src, dst, msg)
+
+    def close_links(self, src: str, term: int) -> None:
+        """A leader crashed or stepped down: its connections close. A FIN is
+        not lost (TCP resends it) but a partition stops it."""
+        for dst in VOTERS:
+            if dst != src and frozenset((src, dst)) not in self.cut:
+                self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, src, dst, ("closed", term))
+
+    def deliver(self, src: str, dst: str, msg) -> None:
+        node = self.nodes[dst]
+        if not node.up:
+            return
+        if dst in self.paused:
+            self.paused[dst].append((src, msg))
+            return
+        node.receive(src, msg)
+
+    def publish(self, src: str, packets: list[bytes]) -> None:
+        for pkt in packets:
+            _, seq, count = moldudp64.decode_header(pkt)
+            if 0 < count < 0xFFFF:
+                for i in range(count):
+                    msg = M.packet_message_bytes(pkt, i)
+                    first = self.published.setdefault(seq + i, msg)
+                    if first != msg:
+                        raise Violation(f"{src} published a different message at seq {seq + i}")
+            for name in self.listeners:
+                self.send(src, name, ("packet", pkt))
+
+    # --- faults ------------------------------------------------------------------------
+
+    def _schedule_faults(self) -> None:
+        r = self.rng
+        for _ in range(r.randint(1, 5)):
+            start = r.randint(100 * MS, FAULTS_UNTIL - 200 * MS)
+            length = r.randint(50 * MS, 700 * MS)
+            kind = r.choice(("crash", "pause", "partition", "isolate", "garbage"))
+            self.at(start, self.fault, kind, None, start + length)
+
+    def fault(self, kind: str, node: str | None, until: int) -> None:
+        if node is None:  # half the time the leader of the moment, else any voter
+            leader = next((v.name for v in self.voters.values() if v.leader is not None and v.up), None)
+            node = leader if leader and self.rng.random() < 0.5 else self.rng.choice(VOTERS)
+        self.trace.append(f"{self.now / MS:.0f} ms: {kind} {node} for {(until - self.now) / MS:.0f} ms")
+        if kind == "crash" and self.voters[node].up:
+            if self.voters[node].leader is not None and self.rng.random() < 0.5:
+                self.voters[node].crash_before_journal = until  # in its next batch, after replicating it
+                self.trace.append("  (between replicating its next batch and journaling it)")
+            else:
+                self.crash(node, until)
+        elif kind == "pause" and node not in self.paused:
+            self.paused[node] = []
+            self.at(until, self.resume, node)
+        elif kind in ("partition", "isolate"):
+            others = [n for n in self.nodes if n != node]
+            side = set(self.rng.sample(others, self.rng.randint(1, len(others) - 1))) if kind == "partition" else set()
+            side.add(node)
+            links = {frozenset((a, b)) for a in side for b in self.nodes if b not in side}
+            self.cut |= links
+            self.at(until, self.heal, links)
+        elif kind == "garbage":
+            for dst in (*SEQUENCERS, *self.listeners):
+                for blob in (b"", b"\x00" * 7, bytes(self.rng.randrange(256) for _ in range(60)),
+                             SESSION + b"\x00" * 8 + b"\x00\x05" + b"junk"):
+                    self.send("mallory", dst, ("packet", blob) if dst in self.listeners else ("inbound", blob))
+
+    def crash(self, node: str, until: int) -> None:
+        v = self.voters[node]
+        v.up = False
+        v.crash_before_journal = None
+        if v.leader is not None:
+            self.close_links(node, v.leader.term)
+        self.at(max(until, self.now + MS), self.recover, node)
+
+    def recover(self, node: str) -> None:
+        v = self.voters[node]
+        v.up = True
+        v.restart()
+
+    def resume(self, node: str) -> None:
+        waiting = self.paused.pop(node, [])
+        for src, msg in waiting:
+            self.deliver(src, node, msg)
+
+    def heal(self, links: set) -> None:
+        self.cut -= links
+
+    # --- running -------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        for name, node in self.nodes.items():
+            if node.up and name not in self.paused:
+                node.tick()
+        self.at(self.now + 5 * MS, self.tick)
+
+    def settled(self) -> bool:
+        if self.now < FAULTS_UNTIL + 200 * MS:
+            return False
+        if self.paused or self.cut or not all(v.up for v in self.voters.values()):
+            return False  # every fault healed
+        if any(c.next_cseq <= self.per_client or c.unacked for c in (self.listeners[n] for n in CLIENTS)):
+            return False
+        leader = self.leader()
+        if leader is None or leader.commit_seq < len(leader.log):
+            return False
+        c = leader.commit_seq
+        return (all(len(self.listeners[r].delivered) >= c for r in REPLICAS)
+                and all(v.log[:c] == leader.log[:c] for v in self.voters.values()))
+
+    def leader(self) -> Voter | None:
+        """The leader of the highest term (a stale one may still think it leads)."""
+        leading = [v for v in self.voters.values() if v.leader is not None and v.up]
+        return max(leading, key=lambda v: v.leader.term, default=None)
+
+    def run(self) -> dict:
+        self.at(0, self.tick)
+        while self.queue:
+            when, _, fn, args = heapq.heappop(self.queue)
+            self.now = when
+            fn(*args)
+            if self.now > FAULTS_UNTIL and self.counter % 64 == 0:
+                if self.settled():
+                    break
+                if self.now > GIVE_UP:
+                    raise Violation("no progress: the healed cluster did not finish within 60 s of virtual time")
+        return self.check()
+
+    def check(self) -> dict:
+        leader = self.leader()
+        c = leader.commit_seq
+        log = [m for _, m in leader.log[:c]]
+        for v in self.voters.values():  # agreement: every journal is a prefix of the committed log
+            if [m for _, m in v.log[:c]] != log[:len(v.log)]:
+                raise Violation(f"{v.name}'s log disagrees with the committed log")
+        for seq, msg in self.published.items():  # what was published is the committed log
+            if seq <= c and log[seq - 1] != msg:
+                raise Violation(f"published seq {seq} differs from the committed log")
+        for name, listener in self.listeners.items():  # prefix: the same gap-free stream for every listener
+            if listener.delivered != log[:len(listener.delivered)]:
+                raise Violation(f"{name} delivered a stream that is not the committed log")
+        trades = [(m[M.ORIGIN], m[M.CLIENT_SEQ]) for m in map(M.SEQUENCED.unpack, log)
+                  if m[M.TYPE] in (M.REQUEST, M.PURCHASE)]
+        dups = [k for k, n in Counter(trades).items() if n > 1]
+        if dups:
+            raise Violation(f"sequenced twice: {dups[:3]}")
+        for name in CLIENTS:  # no loss: everything a client saw sequenced, and (after healing) all it sent
+            cl = self.listeners[name]
+            mine = sorted(cseq for origin, cseq in trades if origin == cl.origin)
+            if mine != list(range(1, self.per_client + 1)):
+                raise Violation(f"{name}: sequenced client seqs are not 1..{self.per_client}")
+        replicas = [self.listeners[r] for r in REPLICAS]
+        if len({(len(r.delivered), r.machine.digest()) for r in replicas}) != 1:
+            raise Violation("replicas that applied the same log have different digests")
+        decoded = [(i + 1, M.SEQUENCED.unpack(m)) for i, m in enumerate(replicas[0].delivered)]
+        want, _ = expected_alerts(decoded, 2000 * MS, 500 * MS)
+        got = [(a.emit_seq, a.purchase_seq, a.cumulative) for a in replicas[0].alerts]
+        if got != [(a["emit_seq"], a["purchase_seq"], a["cumulative"]) for a in want]:
+            raise Violation("the replicas' alerts differ from those recomputed from the log")
+        return {"seed": self.seed, "log": c, "terms": len(self.leaders), "virtual_ms": self.now // MS,
+                "faults": len(self.trace), "loss": self.loss}
+
+
+def run_seed(seed: int) -> tuple[int, str | None, dict | None]:
+    sim = Sim(seed)
+    try:
+        return seed, None, sim.run()
+    except Exception as e:  # a violation, or any crash of a core on what the network sent it
+        detail = f"{type(e).__name__}: {e}" + "".join(f"\n    {t}" for t in sim.trace)
+        return seed, detail, None
+
+
+def main(first: int, seeds: int, verbose: bool = False, jobs: int = 1) -> int:
+    import multiprocessing
+    import time
+
+    from rich.progress import Progress
+
+    t0 = time.monotonic()
+    failures = []
+    results = []
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"seeds {first}..{first + seeds - 1}", total=seeds)
+        pool = multiprocessing.Pool(jobs) if jobs > 1 else None
+        outcomes = (pool.imap_unordered(run_seed, range(first, first + seeds), chunksize=8) if pool
+                    else map(run_seed, range(first, first + seeds)))
+        for seed, error, result in outcomes:
+            progress.advance(task)
+            if error:
+                failures.append((seed, error))
+            else:
+                results.append(result)
+                if verbose:
+                    print(result)
+        if pool:
+            pool.close()
+    secs = time.monotonic() - t0
+    for seed, error in sorted(failures):
+        print(f"seed {seed} FAILED: {error}")
+        print(f"  reproduce: tape sim --first {seed} --seeds 1 -v")
+    terms = sum(r["terms"] for r in results)
+    print(f"{seeds} seeds in {secs:.1f} s: {len(failures)} failed; {sum(r['log'] for r in results):,} messages "
+          f"committed, {terms} terms, {sum(r['faults'] for r in results)} faults injected")
+    return 1 if failures else 0

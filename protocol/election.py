@@ -1,0 +1,241 @@
+"""Who leads: Raft's elections for the voters (sequencers and rewinders). Pure.
+
+Events in: timer ticks, appends heard from a leader, the close of the
+connection that carried them, vote requests and votes, acks (a leader's
+proof that followers still follow). Actions out, as
+tuples the shell carries out in order:
+
+    ("persist", term, voted_for)          write durably before anything else
+    ("request_votes", pre, term, last_seq, last_term)   to every other voter
+    ("lead", term)                        become leader of this term
+    ("step_down", reason)                 stop leading (or campaigning) now
+
+Rules (DESIGN.md section 5):
+- Only a node that `can_lead` (a sequencer) campaigns; rewinders vote only.
+- Election timeout with jitter from the `rng` the shell seeds.
+- Pre-vote first: a would-be candidate asks whether voters would elect it
+  at term + 1, changing no one's term; a voter says yes only if it has not
+  heard from a leader for the minimum election timeout and the candidate's
+  log is at least as up to date. So a node cut off by a partition does not
+  inflate terms and depose a healthy leader when it comes back.
+- A leader's connection closing (a crash, or a step-down) brings the next
+  campaign forward to a tenth to a fifth of the timeout and lets this voter
+  grant pre-votes at once: a crashed leader is replaced in tens of ms,
+  while a paused or cut-off one still takes the timeout.
+- One vote per term, only for a candidate whose log is at least as up to
+  date (last term, then last seq); a vote resets the granter's timer.
+- A leader steps down at once on seeing a higher term, and when it has not
+  heard from a majority (itself included) for the minimum election timeout
+  (check-quorum): a leader cut off from its followers stops within the
+  timeout, before a new leader can be elected.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from tape.protocol.errors import InvariantViolation
+
+FOLLOWER, PRE_CANDIDATE, CANDIDATE, LEADER = "follower", "pre-candidate", "candidate", "leader"
+
+
+class Rng(Protocol):
+    """The seeded random source the shell passes in (random.Random)."""
+
+    def randint(self, a: int, b: int) -> int: ...
+
+
+class ElectionCore:
+    def __init__(self, name: bytes, voters: list[bytes], can_lead: bool, log_position: Callable[[], tuple[int, int]],
+                 rng: Rng, timeout_ns: tuple[int, int] = (300_000_000, 600_000_000), term: int = 0,
+                 voted_for: bytes | None = None, now_ns: int = 0):
+        if name not in voters:
+            raise ValueError(f"{name!r} is not one of the voters")
+        self.name = name
+        self.voters = list(voters)
+        self.can_lead = can_lead
+        self.log_position = log_position  # () -> (last_seq, last_term) of this node's log
+        self.rng = rng
+        self.timeout_lo, self.timeout_hi = timeout_ns
+        self.term = term
+        self.voted_for = voted_for
+        self.role = FOLLOWER
+        self.leader: bytes | None = None
+        self.votes: set[bytes] = set()
+        self.heard_ns = now_ns  # last time a leader of the current term was heard
+        self.acked: dict[bytes, int] = {}  # leader: follower -> last ack time
+        self.leader_gone = False  # its connection closed: campaign in short rounds until someone leads
+        self.elections = 0
+        self.leader_changes = 0
+        self.deadline = now_ns + self._timeout()
+
+    @property
+    def majority(self) -> int:
+        return len(self.voters) // 2 + 1
+
+    def _timeout(self, pre_vote: bool = False) -> int:
+        # Only pre-vote rounds are shortened: answers to an earlier pre-vote
+        # still count (no term moves), while a real election needs its votes
+        # on disk, which may take longer than a short round.
+        if pre_vote and self.leader_gone:
+            return self.rng.randint(self.timeout_lo // 10, self.timeout_lo // 5)
+        return self.rng.randint(self.timeout_lo, self.timeout_hi)
+
+    def _adopt(self, term: int, now_ns: int, reason: str) -> list:
+        """A higher term: follow it (stepping down if leading or campaigning)."""
+        was = self.role
+        self.leader_gone = False
+        self.term = term
+        self.voted_for = None
+        self.role = FOLLOWER
+        self.leader = None
+        self.votes = set()
+        self.deadline = now_ns + self._timeout()
+        out = [("persist", self.term, None)]
+        if was in (LEADER, CANDIDATE, PRE_CANDIDATE):
+            out.append(("step_down", reason))
+        return out
+
+    # --- time ------------------------------------------------------------------------
+
+    def on_tick(self, now_ns: int) -> list:
+        if self.role == LEADER:
+            recent = 1 + sum(
+                1 for v in self.voters if v != self.name and now_ns - self.acked.get(v, -1 << 62) < self.timeout_lo
+            )
+            if recent < self.majority:
+                self.role = FOLLOWER
+                self.leader = None
+                self.deadline = now_ns + self._timeout()
+                return [("step_down", f"no majority heard for {self.timeout_lo / 1e6:.0f} ms (check-quorum)")]
+            return []
+        if not self.can_lead or now_ns < self.deadline:
+            return []
+        # Time to campaign: a pre-vote first (or a fresh one, if the last round stalled).
+        self.role = PRE_CANDIDATE
+        self.leader = None  # not heard for a whole timeout
+        self.votes = {self.name}
+        self.deadline = now_ns + self._timeout(pre_vote=True)
+        last_seq, last_term = self.log_position()
+        if len(self.votes) >= self.majority:
+            return self._campaign(now_ns)
+        return [("request_votes", True, self.term + 1, last_seq, last_term)]
+
+    def _campaign(self, now_ns: int) -> list:
+        self.role = CANDIDATE
+        self.term += 1
+        self.voted_for = self.name
+        self.votes = {self.name}
+        self.leader = None
+        self.elections += 1
+        self.deadline = now_ns + self._timeout()
+        last_seq, last_term = self.log_position()
+        out = [("persist", self.term, self.name)]
+        if len(self.votes) >= self.majority:
+            return out + self._win(now_ns)
+        return out + [("request_votes", False, self.term, last_seq, last_term)]
+
+    def _win(self, now_ns: int) -> list:
+        self.role = LEADER
+        self.leader = self.name
+        self.leader_gone = False
+        self.leader_changes += 1
+        self.acked = {v: now_ns for v in self.voters}  # a fresh leader gets one timeout to hear its followers
+        return [("lead", self.term)]
+
+    # --- messages --------------------------------------------------------------------
+
+    def on_append(self, term: int, leader: bytes, now_ns: int) -> tuple[bool, list]:
+        """An append (or heartbeat) from `leader`: (accept it?, actions)."""
+        if term < self.term:
+            return False, []
+        out = []
+        if term > self.term:
+            out = self._adopt(term, now_ns, f"{leader.decode(errors='replace').strip()} leads term {term}")
+        elif self.role == LEADER:
+            raise InvariantViolation(f"two leaders in term {term}: this node and {leader!r}")
+        elif self.role in (CANDIDATE, PRE_CANDIDATE):
+            self.role = FOLLOWER
+            out.append(("step_down", f"{leader.decode(errors='replace').strip()} won term {term}"))
+        if self.leader != leader:
+            self.leader = leader
+            self.leader_changes += 1
+        self.leader_gone = False
+        self.heard_ns = now_ns
+        self.deadline = now_ns + self._timeout()
+        return True, out
+
+    def on_vote_request(self, term: int, candidate: bytes, last_seq: int, last_term: int, pre: bool,
+                        now_ns: int) -> tuple[bool, list]:
+        """(grant?, actions). The reply carries self.term after the actions."""
+        my_seq, my_term = self.log_position()
+        up_to_date = (last_term, last_seq) >= (my_term, my_seq)
+        leader_alive = self.role == LEADER or (self.leader is not None and now_ns - self.heard_ns < self.timeout_lo)
+        if pre:
+            return term > self.term and up_to_date and not leader_alive and candidate != self.name, []
+        if term < self.term or leader_alive and term > self.term and self.role != LEADER:
+            return False, []  # stale, or disruptive while our leader is alive
+        out = []
+        if term > self.term:
+            out = self._adopt(term, now_ns, f"{candidate.decode(errors='replace').strip()} campaigns in term {term}")
+        grant = up_to_date and self.voted_for in (None, candidate)
+        if grant:
+            self.voted_for = candidate
+            self.deadline = now_ns + self._timeout()
+            out.append(("persist", self.term, candidate))
+        return grant, out
+
+    def on_vote(self, term: int, voter: bytes, granted: bool, pre: bool, now_ns: int) -> list:
+        """A vote. A granted pre-vote carries the term asked for; any other
+        answer carries the voter's own term, which is adopted if higher."""
+        if voter not in self.voters:
+            return []
+        if pre and granted:
+            if self.role == PRE_CANDIDATE and term == self.term + 1:
+                self.votes.add(voter)
+                if len(self.votes) >= self.majority:
+                    return self._campaign(now_ns)
+            return []
+        if term > self.term:
+            return self._adopt(term, now_ns, f"{voter.decode(errors='replace').strip()} is in term {term}")
+        if granted and self.role == CANDIDATE and term == self.term:
+            self.votes.add(voter)
+            if len(self.votes) >= self.majority:
+                return self._win(now_ns)
+        return []
+
+    def on_leader_lost(self, leader: bytes, term: int, now_ns: int) -> list:
+        """The connection that carried `leader`'s appends in `term` closed:
+        its process most likely died (the OS closes a killed process's
+        sockets at once) or it stepped down. Stop counting it as alive, and
+        a node that can lead campaigns within a tenth to a fifth of the
+        timeout instead of a whole one, and keeps to such short rounds
+        until a leader is heard or elected (a voter that had not yet seen
+        its own connection close refuses the first pre-vote). Pre-votes
+        still decide: a voter that still hears the leader refuses, so one
+        lost connection cannot depose a live leader."""
+        if term != self.term or self.leader != leader or self.role != FOLLOWER:
+            return []
+        self.heard_ns = min(self.heard_ns, now_ns - self.timeout_lo)
+        if self.can_lead:
+            self.leader_gone = True
+            self.deadline = min(self.deadline, now_ns + self._timeout(pre_vote=True))
+        return []
+
+    def reply_term(self, request_term: int, granted: bool, pre: bool) -> int:
+        return request_term if pre and granted else self.term
+
+    def on_ack(self, follower: bytes, term: int, now_ns: int) -> list:
+        """A follower answered this leader (any answer proves it is reachable)."""
+        if term > self.term:
+            return self._adopt(term, now_ns, f"{follower.decode(errors='replace').strip()} is in term {term}")
+        if self.role == LEADER and term == self.term:
+            self.acked[follower] = now_ns
+        return []
+
+    def on_higher_term(self, term: int, who: bytes, now_ns: int) -> list:
+        return (
+            self._adopt(term, now_ns, f"{who.decode(errors='replace').strip()} is in term {term}")
+            if term > self.term
+            else []
+        )

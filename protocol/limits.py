@@ -1,0 +1,53 @@
+"""Every size and count limit of the shells and cores, named once, with the
+relations between them asserted at import: a change that breaks one (say, a
+drain that could build an append larger than a follower accepts) fails on
+the first import, not in production.
+"""
+
+from __future__ import annotations
+
+from tape.protocol import messages, moldudp64, replication, soupbintcp
+
+# --- datagrams -------------------------------------------------------------------------
+DATAGRAM_BUFFER = 65536  # bytes read per recv(): any UDP payload fits
+DRAIN_DATAGRAMS = 512  # datagrams one wake-up of a data-plane socket reads before yielding
+GAP_REQUEST_DRAIN = 256  # gap-fill requests one wake-up of a rewinder answers
+GAP_REQUEST_BUFFER = 2048  # bytes read per gap-fill request (a request is 20)
+
+# --- the leader's batches ----------------------------------------------------------------
+# A batch is one journal append and one replication frame: the leader cuts a drain
+# into batches of at most this many messages.
+MAX_BATCH_MESSAGES = 65_536
+CATCHUP_CHUNK = 2_000  # journal entries per catch-up append to a follower behind
+FETCH_MAX = 100_000  # entries one fetch answer carries at most
+MAX_LIVE_BUFFER = 32 << 20  # bytes queued to a follower before it is caught up from the journal instead
+MAX_HELD_BATCHES = 4096  # per client: batches held that arrived ahead of a lost one
+
+# --- TCP reads and frames ----------------------------------------------------------------
+STREAM_READ = 1 << 20  # bytes per read() on a replication or replay connection
+CONTROL_READ = 65536  # bytes per read() on a low-rate connection (hellos, acks, alerts)
+REPLICATION_FRAME = replication.MAX_FRAME
+REPLAY_CHUNK = 1_000  # committed messages per replay write
+REPLAY_LOGIN_FRAME = 1024  # largest frame a replay server accepts before the login
+REPLAY_LOGIN_TIMEOUT_S = 5.0
+
+# --- listeners ---------------------------------------------------------------------------
+REPLAY_BEHIND = 2_000  # messages a replica is behind the stream before it catches up over TCP
+RECEIVER_MAX_HELD = 1_000_000  # out-of-order messages a receiver holds before dropping the furthest
+RESENDS_PER_ROUND = 16  # unacknowledged batches a client resends per round
+
+
+def _check() -> None:
+    append_overhead = replication.FRAME.size + replication.APPEND.size
+    assert MAX_BATCH_MESSAGES * messages.SEQUENCED_SIZE + append_overhead <= REPLICATION_FRAME, \
+        "a batch must fit one append frame"
+    assert CATCHUP_CHUNK <= MAX_BATCH_MESSAGES and FETCH_MAX * messages.SEQUENCED_SIZE <= REPLICATION_FRAME, \
+        "catch-up and fetch answers must fit one append frame"
+    assert DATAGRAM_BUFFER >= moldudp64.MAX_UDP_PAYLOAD, "a recv() must hold any datagram"
+    assert GAP_REQUEST_BUFFER > moldudp64.HEADER_SIZE, "a request must fit the request buffer"
+    assert REPLAY_CHUNK * (messages.SEQUENCED_SIZE + 3) <= STREAM_READ
+    assert soupbintcp.FRAME_LEN.size + 1 + 46 <= REPLAY_LOGIN_FRAME <= soupbintcp.MAX_FRAME, "a login must fit"
+    assert REPLAY_BEHIND < RECEIVER_MAX_HELD
+
+
+_check()

@@ -1,0 +1,191 @@
+"""Trade and control messages: fixed-width, big-endian, first byte the type.
+
+Every message type shares one layout, so that a packet of N messages is N
+equal blocks and decodes with a single C-level `Struct.iter_unpack` and a
+few stride slices for validation (no Python loop per message).
+
+An *inbound* message (client -> sequencer) is 49 bytes:
+
+    type u8 | order_id u64 | shares i64 | client 16 | stock 8 | purchase_id u64
+
+The sequencer *stamps* it by appending the 26-byte envelope, giving a
+75-byte *sequenced* message:
+
+    inbound (49) | stamp_ns u64 | origin 10 | client_seq u64
+
+Types: 'R' purchase request (purchase_id 0), 'P' purchase, and two control
+messages only the sequencer emits: 'T' term start (term in the order_id
+slot, leader name in the client slot) and 'K' time tick (body all zero).
+Text fields are ASCII, left-justified, space-padded. Shares are signed: a
+non-positive count is a business reject, not a framing error.
+
+Decoded messages are plain tuples, indexed by the constants below.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+from .errors import ProtocolError
+from .moldudp64 import HEADER_SIZE
+
+REQUEST = ord("R")
+PURCHASE = ord("P")
+TERM_START = ord("T")
+TIME_TICK = ord("K")
+TYPE_NAMES = {REQUEST: "purchase_request", PURCHASE: "purchase", TERM_START: "term_start", TIME_TICK: "time_tick"}
+CLIENT_TYPES = bytes((REQUEST, PURCHASE))  # what a client may submit
+ALL_TYPES = bytes((REQUEST, PURCHASE, TERM_START, TIME_TICK))
+
+# Field positions in a decoded message.
+TYPE, ORDER_ID, SHARES, CLIENT, STOCK, PURCHASE_ID, STAMP, ORIGIN, CLIENT_SEQ = range(9)
+TERM, LEADER = ORDER_ID, CLIENT  # in 'T'
+
+INBOUND = struct.Struct(">BQq16s8sQ")
+ENVELOPE = struct.Struct(">Q10sQ")
+SEQUENCED = struct.Struct(">BQq16s8sQQ10sQ")
+INBOUND_SIZE = INBOUND.size  # 49
+SEQUENCED_SIZE = SEQUENCED.size  # 75
+# A whole block (u16 length + message) with the length skipped: iter_unpack over a packet payload.
+_SEQUENCED_BLOCK = struct.Struct(">2x" + SEQUENCED.format[1:])
+_INBOUND_BLOCK = struct.Struct(">2x" + INBOUND.format[1:])
+SEQUENCED_BLOCK_SIZE = _SEQUENCED_BLOCK.size  # 77
+INBOUND_BLOCK_SIZE = _INBOUND_BLOCK.size  # 51
+BLOCK_PREFIX = SEQUENCED_SIZE.to_bytes(2, "big")  # the length prefix of every sequenced block
+
+
+def text(value: str | bytes, width: int) -> bytes:
+    """A text field as its fixed-width wire form."""
+    raw = value.encode("ascii") if isinstance(value, str) else bytes(value)
+    if len(raw) > width:
+        raise ValueError(f"{value!r} is longer than {width} bytes")
+    return raw.ljust(width, b" ")
+
+
+# --- building messages --------------------------------------------------------
+
+def purchase_request(order_id: int, shares: int, client: str | bytes, stock: str | bytes) -> bytes:
+    return INBOUND.pack(REQUEST, order_id, shares, text(client, 16), text(stock, 8), 0)
+
+
+def purchase(purchase_id: int, order_id: int, shares: int, client: str | bytes, stock: str | bytes) -> bytes:
+    return INBOUND.pack(PURCHASE, order_id, shares, text(client, 16), text(stock, 8), purchase_id)
+
+
+def stamp(inbound: bytes, stamp_ns: int, origin: bytes, client_seq: int) -> bytes:
+    """The sequenced form of a checked inbound message."""
+    return inbound + ENVELOPE.pack(stamp_ns, origin, client_seq)
+
+
+def term_start(stamp_ns: int, origin: bytes, term: int, leader: str | bytes) -> bytes:
+    return SEQUENCED.pack(TERM_START, term, 0, text(leader, 16), b" " * 8, 0, stamp_ns, origin, 0)
+
+
+def time_tick(stamp_ns: int, origin: bytes) -> bytes:
+    return SEQUENCED.pack(TIME_TICK, 0, 0, b" " * 16, b" " * 8, 0, stamp_ns, origin, 0)
+
+
+# --- checking and decoding ----------------------------------------------------
+
+def check_inbound(msg: bytes) -> None:
+    """Raise unless `msg` is a well-formed message a client may submit."""
+    if len(msg) != INBOUND_SIZE:
+        raise ProtocolError("bad_length", f"an inbound message is {INBOUND_SIZE} bytes, got {len(msg)}", 0)
+    if msg[0] not in CLIENT_TYPES:
+        raise ProtocolError("unknown_type", f"type byte 0x{msg[0]:02x} is not one a client may submit", 0)
+
+
+def decode(msg) -> tuple:
+    """One sequenced message as a tuple; raises ProtocolError if malformed."""
+    if len(msg) != SEQUENCED_SIZE:
+        raise ProtocolError("bad_length", f"a sequenced message is {SEQUENCED_SIZE} bytes, got {len(msg)}", 0)
+    if msg[0] not in ALL_TYPES:
+        raise ProtocolError("unknown_type", f"unknown message type byte 0x{msg[0]:02x}", 0)
+    return SEQUENCED.unpack(msg)
+
+
+def _check_blocks(data, count: int, block: int, msg_size: int, types: bytes, offset: int = HEADER_SIZE) -> None:
+    """Validate `count` equal blocks after `offset` with stride slices (C speed)."""
+    if len(data) != offset + count * block:
+        if len(data) < offset + count * block:
+            raise ProtocolError(
+                "truncated", f"{count} messages need {count * block} bytes, {len(data) - offset} present", len(data)
+            )
+        raise ProtocolError(
+            "trailing_bytes",
+            f"{len(data) - offset - count * block} bytes after {count} messages",
+            offset + count * block,
+        )
+    hi = data[offset::block]
+    lo = data[offset + 1::block]
+    if hi.count(0) != count or lo.count(msg_size) != count:
+        i = next(k for k in range(count) if hi[k] != 0 or lo[k] != msg_size)
+        raise ProtocolError(
+            "bad_length",
+            f"block {i} has length {hi[i] << 8 | lo[i]}, messages are {msg_size} bytes",
+            offset + i * block,
+        )
+    kinds = data[offset + 2::block]
+    if kinds.translate(None, types):
+        i = next(k for k in range(count) if kinds[k] not in types)
+        raise ProtocolError("unknown_type", f"block {i} has type byte 0x{kinds[i]:02x}", offset + i * block + 2)
+
+
+def decode_packet_messages(data, count: int, skip: int = 0) -> list:
+    """The messages of a downstream packet (header already validated, `count`
+    from it) as tuples, from message index `skip` on."""
+    _check_blocks(data, count, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE, ALL_TYPES)
+    start = HEADER_SIZE + skip * SEQUENCED_BLOCK_SIZE
+    return list(_SEQUENCED_BLOCK.iter_unpack(memoryview(data)[start:]))
+
+
+def check_packet_messages(data, count: int) -> None:
+    _check_blocks(data, count, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE, ALL_TYPES)
+
+
+def check_inbound_batch(data, count: int) -> None:
+    """Validate an inbound batch's blocks: only client message types."""
+    _check_blocks(data, count, INBOUND_BLOCK_SIZE, INBOUND_SIZE, CLIENT_TYPES)
+
+
+def packet_message_bytes(data, index: int) -> bytes:
+    """The raw bytes of message `index` of a checked downstream packet."""
+    start = HEADER_SIZE + index * SEQUENCED_BLOCK_SIZE + 2
+    return bytes(data[start:start + SEQUENCED_SIZE])
+
+
+def inbound_message_bytes(data, index: int) -> bytes:
+    start = HEADER_SIZE + index * INBOUND_BLOCK_SIZE + 2
+    return bytes(data[start:start + INBOUND_SIZE])
+
+
+@functools.lru_cache(maxsize=4096)
+def _inbound_slicer(skip: int, count: int) -> struct.Struct:
+    return struct.Struct(f"{HEADER_SIZE + skip * INBOUND_BLOCK_SIZE}x" + f"2x{INBOUND_SIZE}s" * (count - skip))
+
+
+def inbound_messages(data, skip: int, count: int) -> tuple:
+    """Messages skip..count-1 of a checked inbound batch, in one C call."""
+    return _inbound_slicer(skip, count).unpack_from(data)
+
+
+def to_dict(msg: tuple) -> dict:
+    """A decoded message as a JSON-friendly dict (for dumps and tools)."""
+    kind = msg[TYPE]
+    out = {"type": TYPE_NAMES[kind]}
+    if kind == REQUEST or kind == PURCHASE:
+        if kind == PURCHASE:
+            out["purchase_id"] = msg[PURCHASE_ID]
+        out.update(order_id=msg[ORDER_ID], shares=msg[SHARES], client=_text(msg[CLIENT]), stock=_text(msg[STOCK]))
+    elif kind == TERM_START:
+        out.update(term=msg[TERM], leader=_text(msg[LEADER]))
+    out.update(stamp_ns=msg[STAMP], origin=_text(msg[ORIGIN]), client_seq=msg[CLIENT_SEQ])
+    return out
+
+
+def _text(raw: bytes) -> str:
+    try:
+        return raw.decode("ascii").rstrip(" ")
+    except UnicodeDecodeError:
+        return raw.hex()

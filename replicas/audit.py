@@ -1,0 +1,281 @@
+"""The trade-audit state machine. Pure and deterministic: a function of the
+committed stream only (its stamps are the only clock), no randomness, no
+iteration over unordered containers that affects output.
+
+Rules (DESIGN.md sections 1 and 6):
+
+- A purchase request R(order, shares, client, stock) opens a book. It is
+  rejected if a book with that order id is open (`duplicate_order`) or if
+  shares <= 0 (`bad_shares`).
+- A purchase P(purchase, order, shares, client, stock) is rejected if
+  shares <= 0 (`bad_shares`) or if its client or stock differ from its
+  request's (`client_mismatch`, `stock_mismatch`). Otherwise it adds to the
+  book's cumulative shares; when they first exceed the requested shares,
+  exactly one alert is raised. Later purchases on the book raise nothing.
+- A purchase whose request has not arrived is held (an orphan) and applied
+  when the request arrives, in seq order; it expires after `orphan_ttl_ns`
+  (`orphan_expired`).
+- A book closes `book_ttl_ns` after its request's stamp; a purchase for a
+  closed book is then an orphan like any other.
+
+Every message advances the clock to its stamp before it is applied, so
+expiries happen at the same seq on every replica. Memory is bounded by the
+two windows.
+
+An alert is identified by the seq of the purchase that triggered it; it is
+*emitted* at the seq whose application raised it (the purchase's own seq, or
+the request's seq for a purchase that was held). Emit seqs strictly increase,
+so they order the alert channel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import deque
+from typing import NamedTuple
+
+from tape.protocol.errors import InvariantViolation
+
+DEFAULT_BOOK_TTL_NS = 3600 * 10**9
+DEFAULT_ORPHAN_TTL_NS = 10 * 10**9
+DIGEST_BLOCK = 4096
+REJECT_REASONS = ("duplicate_order", "bad_shares", "client_mismatch", "stock_mismatch", "orphan_expired")
+
+# Outcome codes fed to the digest, one byte per applied message.
+_OPENED, _FILLED, _ALERT, _HELD, _REJECT, _CONTROL = b"O", b"F", b"A", b"H", b"X", b"C"
+_ALERT_RECORD = struct.Struct(">QQQQq16s8sqqQ")
+_REJECT_RECORD = struct.Struct(">QQB")
+
+
+class Alert(NamedTuple):
+    emit_seq: int  # seq whose application raised it: orders the alert channel
+    purchase_seq: int  # seq of the purchase that crossed the line: the alert id
+    purchase_id: int
+    order_id: int
+    client: bytes
+    stock: bytes
+    requested: int
+    cumulative: int
+    stamp_ns: int  # stamp of the triggering purchase
+
+    def encode(self) -> bytes:
+        return _ALERT_RECORD.pack(self.emit_seq, self.purchase_seq, self.purchase_id, self.order_id, self.requested,
+                                  self.client, self.stock, self.cumulative, self.stamp_ns, 0)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Alert":
+        e, p, pid, oid, req, client, stock, cum, stamp, _ = _ALERT_RECORD.unpack(raw)
+        return cls(e, p, pid, oid, client, stock, req, cum, stamp)
+
+    def to_dict(self, session: str) -> dict:
+        return {
+            "alert_id": f"{session}:{self.purchase_seq}",
+            "emit_seq": self.emit_seq,
+            "purchase_seq": self.purchase_seq,
+            "purchase_id": self.purchase_id,
+            "order_id": self.order_id,
+            "client": self.client.decode("ascii", "replace").rstrip(),
+            "stock": self.stock.decode("ascii", "replace").rstrip(),
+            "requested": self.requested,
+            "cumulative": self.cumulative,
+            "stamp_ns": self.stamp_ns,
+        }
+
+
+
+class AuditMachine:
+    def __init__(self, book_ttl_ns: int = DEFAULT_BOOK_TTL_NS, orphan_ttl_ns: int = DEFAULT_ORPHAN_TTL_NS):
+        self.book_ttl_ns = book_ttl_ns
+        self.orphan_ttl_ns = orphan_ttl_ns
+        self.last_seq = 0  # last applied
+        self.now_ns = 0
+        # order id -> [requested, cumulative, client, stock, opened_ns, alerted, request_seq]
+        self.books: dict[int, list] = {}
+        self._book_expiry: deque = deque()  # (expires_ns, order id, request seq), in stamp order
+        # order id -> [(seq, stamp, purchase tuple), ...] in seq order
+        self.orphans: dict[int, list] = {}
+        self._orphan_expiry: deque = deque()  # (expires_ns, order id, seq)
+        self.rejects = dict.fromkeys(REJECT_REASONS, 0)
+        self.alerts_raised = 0
+        self.applied = 0
+        # The digest: a hash chain folded at every seq multiple of DIGEST_BLOCK,
+        # over the effect bytes since the last fold (snapshot-able, unlike a
+        # hashlib object, and independent of how the stream was cut).
+        self.chain = bytes(16)
+        self._codes = bytearray()  # effect bytes since the last fold
+        self.dirty: set[int] = set()  # order ids whose book or orphans changed since the last snapshot
+
+    # --- the digest ----------------------------------------------------------------
+
+    def digest(self) -> str:
+        """Digest of every applied effect through last_seq: equal streams
+        give equal digests, whenever and however they were applied."""
+        return hashlib.blake2b(self.chain + self._codes, digest_size=16).hexdigest()
+
+    @property
+    def pending_effects(self) -> bytes:
+        return bytes(self._codes)
+
+    def restore_digest(self, chain: bytes, pending: bytes) -> None:
+        self.chain = chain
+        self._codes = bytearray(pending)
+
+    def _fold(self) -> None:
+        self.chain = hashlib.blake2b(self.chain + self._codes, digest_size=16).digest()
+        self._codes.clear()
+
+    def _effect(self, record: bytes) -> None:
+        self._codes += record
+
+    # --- applying ---------------------------------------------------------------------
+
+    def apply(self, seq: int, msg: tuple) -> list[Alert]:
+        """Apply one decoded sequenced message; returns the alerts it raised."""
+        if seq != self.last_seq + 1:
+            raise InvariantViolation(f"applying seq {seq} after {self.last_seq}")
+        return self.apply_run(seq, [msg])
+
+    def apply_run(self, first_seq: int, msgs: list) -> list[Alert]:
+        """Apply consecutive decoded messages from first_seq."""
+        if first_seq != self.last_seq + 1:
+            raise InvariantViolation(f"applying seq {first_seq} after {self.last_seq}")
+        out: list[Alert] = []
+        start = 0
+        while start < len(msgs):
+            # Runs end at fold points (seq multiples of DIGEST_BLOCK), where the digest chain folds.
+            seq = first_seq + start
+            end = min(len(msgs), start + DIGEST_BLOCK - (seq - 1) % DIGEST_BLOCK)
+            self._apply(seq, msgs[start:end] if start or end < len(msgs) else msgs, out)
+            if self.last_seq % DIGEST_BLOCK == 0:
+                self._fold()
+            start = end
+        return out
+
+    def _apply(self, first_seq: int, msgs: list, out: list) -> None:
+        """The hot path: the common purchase and request cases are inlined."""
+        books = self.books
+        get_book = books.get
+        code = self._codes.append
+        mark = self.dirty.add
+        book_expiry = self._book_expiry
+        book_ttl = self.book_ttl_ns
+        orphans = self.orphans
+        now = self.now_ns
+        seq = first_seq - 1
+        for m in msgs:
+            seq += 1
+            stamp = m[6]
+            if stamp > now:
+                now = self.now_ns = stamp
+                if (book_expiry and book_expiry[0][0] <= stamp) or \
+                        (self._orphan_expiry and self._orphan_expiry[0][0] <= stamp):
+                    self._expire(seq)
+            kind = m[0]
+            if kind == 80:  # 'P'
+                order_id = m[1]
+                book = get_book(order_id)
+                if book is not None and m[2] > 0 and m[3] == book[2] and m[4] == book[3]:
+                    total = book[1] = book[1] + m[2]
+                    mark(order_id)
+                    if total > book[0] and not book[5]:
+                        self._alert(seq, m, book, seq, out)
+                    else:
+                        code(70)  # 'F'
+                elif book is not None:
+                    self._purchase(seq, m, book, seq, out)  # a reject
+                elif m[2] <= 0:
+                    self._reject(seq, "bad_shares")
+                else:
+                    self._hold(seq, m)
+                    code(72)  # 'H'
+            elif kind == 82:  # 'R'
+                order_id = m[1]
+                if order_id in books or m[2] <= 0 or order_id in orphans:
+                    self._request(seq, m, out)
+                else:
+                    books[order_id] = [m[2], 0, m[3], m[4], stamp, False, seq]
+                    mark(order_id)
+                    book_expiry.append((stamp + book_ttl, order_id, seq))
+                    code(79)  # 'O'
+            else:  # control: term start, time tick
+                code(67)  # 'C'
+        self.last_seq = seq
+        self.applied += len(msgs)
+
+    def _purchase(self, seq: int, m: tuple, book: list, emit_seq: int, out: list) -> None:
+        shares = m[2]
+        if shares <= 0:
+            self._reject(seq, "bad_shares")
+            return
+        if m[3] != book[2]:
+            self._reject(seq, "client_mismatch")
+            return
+        if m[4] != book[3]:
+            self._reject(seq, "stock_mismatch")
+            return
+        book[1] += shares
+        self.dirty.add(m[1])
+        if not book[5] and book[1] > book[0]:
+            self._alert(seq, m, book, emit_seq, out)
+        else:
+            self._codes += _FILLED
+
+    def _alert(self, seq: int, m: tuple, book: list, emit_seq: int, out: list) -> None:
+        book[5] = True
+        alert = Alert(emit_seq, seq, m[5], m[1], m[3], m[4], book[0], book[1], m[6])
+        self.alerts_raised += 1
+        self._effect(_ALERT + alert.encode())
+        out.append(alert)
+
+    def _request(self, seq: int, m: tuple, out: list) -> None:
+        order_id, shares = m[1], m[2]
+        if order_id in self.books:
+            self._reject(seq, "duplicate_order")
+            return
+        if shares <= 0:
+            self._reject(seq, "bad_shares")
+            return
+        book = [shares, 0, m[3], m[4], m[6], False, seq]
+        self.books[order_id] = book
+        self.dirty.add(order_id)
+        self._book_expiry.append((m[6] + self.book_ttl_ns, order_id, seq))
+        self._codes += _OPENED
+        held = self.orphans.pop(order_id, None)
+        if held:
+            for pseq, _stamp, pm in held:  # in their own seq order
+                self._purchase(pseq, pm, book, seq, out)
+
+    def _hold(self, seq: int, m: tuple) -> None:
+        self.orphans.setdefault(m[1], []).append((seq, m[6], m))
+        self.dirty.add(m[1])
+        self._orphan_expiry.append((m[6] + self.orphan_ttl_ns, m[1], seq))
+
+    def _reject(self, seq: int, reason: str) -> None:
+        self.rejects[reason] += 1
+        self._effect(_REJECT + _REJECT_RECORD.pack(seq, 0, REJECT_REASONS.index(reason)))
+
+    def _expire(self, seq: int) -> None:
+        now = self.now_ns
+        q = self._book_expiry
+        while q and q[0][0] <= now:
+            _, order_id, request_seq = q.popleft()
+            book = self.books.get(order_id)
+            if book is not None and book[6] == request_seq:
+                del self.books[order_id]
+                self.dirty.add(order_id)
+                self._effect(b"E" + _REJECT_RECORD.pack(seq, order_id, 0))
+        q = self._orphan_expiry
+        while q and q[0][0] <= now:
+            _, order_id, pseq = q.popleft()
+            held = self.orphans.get(order_id)
+            if not held:
+                continue
+            keep = [h for h in held if h[0] != pseq]
+            if len(keep) != len(held):
+                self._reject(pseq, "orphan_expired")
+                self.dirty.add(order_id)
+                if keep:
+                    self.orphans[order_id] = keep
+                else:
+                    del self.orphans[order_id]

@@ -1,0 +1,236 @@
+"""`tape replica`: a replica auditor process.
+
+Loads its LMDB snapshot (or starts at seq 1), joins the public stream from
+the next seq, catches up over SoupBinTCP replay from a rewinder when far
+behind, applies strictly in seq order, snapshots every N messages or T ms,
+and sends its alerts in emit-seq order to the emitter, resending from the
+emitter's mark on every (re)connection. With `--exit-on-end` it stops once
+it has applied everything up to the stream's end of session, and writes
+`status.json` (last seq, digest, counts) either way when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from tape.node.latency import LatencySamples
+from tape.node.listener import StreamListener
+from tape.node.process import NodeProcess
+from tape.node.settings import Config, Node
+from tape.protocol import alertlink, messages
+from tape.protocol import soupbintcp as soup
+from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.packets import PacketBuilder
+from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
+from tape.replicas.snapshot import SnapshotStore
+
+log = logging.getLogger("tape.replica")
+REPLAY_BEHIND = 2000  # messages behind the stream before catching up over TCP
+ALERT_SIZE = len(Alert(0, 0, 0, 0, b" " * 16, b" " * 8, 0, 0, 0).encode())
+
+
+class Replica(NodeProcess):
+    METRICS_PREFIX = "tape_replica"
+
+    def __init__(self, cfg: Config, node: Node, drop: float = 0.0, seed: int = 0, exit_on_end: bool = False):
+        super().__init__(node.name, log)
+        self.cfg = cfg
+        self.node = node
+        self.exit_on_end = exit_on_end
+        self.data = Path(node.data)
+        self.machine = AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9))
+        self.store = SnapshotStore(self.data / "lmdb")
+        self.store.load(self.machine)
+        self.resumed_from = self.machine.last_seq
+        raw = self.store.outbox()
+        self.outbox: deque = deque(Alert.decode(raw[i:i + ALERT_SIZE]) for i in range(0, len(raw), ALERT_SIZE))
+        self.listener = StreamListener(cfg, self._deliver, drop, seed, next_seq=self.machine.last_seq + 1,
+                                       on_undecodable=self._undecodable)
+        self.emitters = cfg.by_role("emitter")
+        self.acked = 0
+        self._writer: asyncio.StreamWriter | None = None
+        self._since_snapshot = 0
+        self._last_snapshot = time.monotonic()
+        self.replayed = 0
+        # Sequencer stamp -> applied here (wall clock, same host or PTP-synced hosts):
+        # for the report only, never for state.
+        self.latency = LatencySamples()
+
+    def report(self):
+        m = self.machine
+        yield "applied_seq", "gauge", "last seq applied", m.last_seq
+        yield "messages_applied", "counter", "messages applied since start", m.applied
+        yield "alerts_raised", "counter", "alerts raised", m.alerts_raised
+        yield "alerts_unacked", "gauge", "alerts not yet acknowledged by the emitter", len(self.outbox)
+        yield "rejects", "counter", "messages rejected, by reason", dict(m.rejects)
+        yield "open_books", "gauge", "open books", len(m.books)
+        yield "held_orphans", "gauge", "purchases held for their request", sum(len(h) for h in m.orphans.values())
+        yield "lag", "gauge", "messages known to exist but not applied", self.listener.receiver.lag()
+        yield "replayed_messages", "counter", "messages caught up over TCP replay", self.replayed
+        yield "snapshots", "counter", "LMDB snapshots written", self.store.saves
+        yield "resumed_from_seq", "gauge", "seq of the snapshot this process started from", self.resumed_from
+        # The digest chain at the last fold point (a multiple of 4096 seqs), as a 48-bit number
+        # labelled with that seq: replicas at the same fold_seq must show the same value.
+        fold = m.last_seq - m.last_seq % DIGEST_BLOCK
+        digest = {str(fold): int.from_bytes(m.chain[:6], "big")}
+        yield "digest", "gauge", "digest chain at fold_seq (48 bits)", digest, "fold_seq"
+
+    async def main(self) -> None:
+        log.info(
+            "%s resuming after seq %d (snapshot), %d alerts to resend",
+            self.node.name,
+            self.resumed_from,
+            len(self.outbox),
+        )
+        self.listener.start()
+        tasks = [self.spawn(self._emitter_link()), self.spawn(self._catch_up()), self.spawn(self._housekeeping())]
+        await self.stop.wait()
+        for t in tasks:
+            t.cancel()
+        self.listener.stop()
+        self._snapshot()
+        status = {"name": self.node.name, "last_seq": self.machine.last_seq, "digest": self.machine.digest(),
+                  "alerts_raised": self.machine.alerts_raised, "rejects": self.machine.rejects,
+                  "resumed_from": self.resumed_from, "failed": self.failed,
+                  "latency_ms": self.latency.summary_ms()}
+        (self.data / "status.json").write_text(json.dumps(status, indent=1))
+        self.store.close()
+        log.info("%s stopped at seq %d, digest %s", self.node.name, self.machine.last_seq, status["digest"])
+
+    # --- applying ------------------------------------------------------------------------
+
+    def _deliver(self, first: int, pkt: bytes, skip: int) -> None:
+        if self.failed:
+            return
+        count = int.from_bytes(pkt[18:20], "big")
+        try:
+            msgs = messages.decode_packet_messages(pkt, count, skip)
+            alerts = self.machine.apply_run(first, msgs)
+        except (ProtocolError, InvariantViolation) as e:
+            # Skipping would diverge this replica from the others: stop applying, loudly.
+            self.fail(f"cannot apply seq {first}: {e}")
+            return
+        now = time.time_ns()
+        trades = (messages.REQUEST, messages.PURCHASE)
+        self.latency.extend([now - m[messages.STAMP] for m in msgs if m[messages.TYPE] in trades])
+        self._since_snapshot += len(msgs)
+        if alerts:
+            self.outbox.extend(alerts)
+            if self._writer is not None:
+                self._writer.write(b"".join(alertlink.alert(a.encode()) for a in alerts))
+        if self._since_snapshot >= self.cfg.snapshot_every:
+            self._snapshot()
+
+    def _undecodable(self, seq: int, error: ProtocolError) -> None:
+        self.fail(f"the committed message at seq {seq} cannot be decoded ({error}); skipping it would diverge")
+
+    def _snapshot(self) -> None:
+        self.store.save(self.machine, {"node": self.node.name},
+                        outbox=b"".join(a.encode() for a in self.outbox))
+        self._since_snapshot = 0
+        self._last_snapshot = time.monotonic()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            if self._since_snapshot and time.monotonic() - self._last_snapshot >= self.cfg.snapshot_ms / 1000:
+                self._snapshot()
+            rx = self.listener.receiver
+            if self.exit_on_end and rx.ended and rx.missing() is None and rx.lag() == 0 and not self.outbox:
+                self.stop.set()
+
+    # --- catching up over TCP ------------------------------------------------------------
+
+    async def _catch_up(self) -> None:
+        rewinders = self.cfg.by_role("rewinder")
+        which = 0
+        await asyncio.sleep(0.3)  # a heartbeat tells how far the stream is
+        while True:
+            rx = self.listener.receiver
+            if rx.lag() < REPLAY_BEHIND or not rewinders:
+                await asyncio.sleep(0.2)
+                continue
+            rw = rewinders[which % len(rewinders)]
+            which += 1
+            try:
+                await self._replay_from(rw)
+            except (OSError, ProtocolError, asyncio.TimeoutError) as e:
+                log.warning("replay from %s failed: %s", rw.name, e)
+                await asyncio.sleep(0.2)
+
+    async def _replay_from(self, rw: Node) -> None:
+        rx = self.listener.receiver
+        start = rx.next_seq
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(rw.host, rw.replay_port), 2.0)
+        log.info("%s catching up over TCP from %s at seq %d (%d behind)", self.node.name, rw.name, start, rx.lag())
+        try:
+            writer.write(soup.login(self.node.name[:6], "", "", start))
+            dec = soup.FrameDecoder()
+            seq = None
+            batch: list[bytes] = []
+            while rx.lag() > 0 or rx.missing() is not None:
+                data = await asyncio.wait_for(reader.read(1 << 20), 5.0)
+                if not data:
+                    return
+                for kind, payload in dec.feed(data):
+                    if kind == soup.LOGIN_ACCEPTED:
+                        seq = soup.parse_login_accepted(payload)[1]
+                    elif kind == soup.LOGIN_REJECTED:
+                        raise ProtocolError("rejected", f"replay login rejected ({payload!r})", 0)
+                    elif kind == soup.SEQUENCED and seq is not None:
+                        batch.append(payload)
+                if batch:
+                    # Replayed messages go through the same receiver as the live stream.
+                    for pkt in PacketBuilder(self.cfg.session_bytes, seq, self.cfg.max_packet).add_sequenced(batch):
+                        self.listener.on_datagram(pkt, committed=True)
+                    seq += len(batch)
+                    self.replayed += len(batch)
+                    batch = []
+        finally:
+            writer.write(soup.logout())
+            writer.close()
+        log.info("%s caught up at seq %d", self.node.name, rx.next_seq - 1)
+
+    # --- the alert channel ---------------------------------------------------------------
+
+    async def _emitter_link(self) -> None:
+        if not self.emitters:
+            return
+        em = self.emitters[0]
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(em.host, em.alert_port)
+            except OSError:
+                await asyncio.sleep(0.2)
+                continue
+            frames = alertlink.Reader()
+            try:
+                writer.write(alertlink.hello(self.node.wire_name))
+                while True:
+                    data = await reader.read(65536)
+                    if not data:
+                        break
+                    for kind, payload in frames.feed(data):
+                        mark = alertlink.MARK.unpack(payload)[0] if len(payload) == 8 else 0
+                        self._drop_acked(mark)
+                        if kind == alertlink.WELCOME:  # resend everything after the emitter's mark
+                            writer.write(b"".join(alertlink.alert(a.encode()) for a in self.outbox))
+                            self._writer = writer
+            except (OSError, ProtocolError) as e:
+                log.warning("alert link to %s lost: %s", em.name, e)
+            finally:
+                self._writer = None
+                writer.close()
+            await asyncio.sleep(0.2)
+
+    def _drop_acked(self, mark: int) -> None:
+        self.acked = max(self.acked, mark)
+        q = self.outbox
+        while q and q[0].emit_seq <= mark:
+            q.popleft()
+

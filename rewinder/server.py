@@ -1,0 +1,190 @@
+"""`tape rewinder`: a follower that keeps the whole log.
+
+- Replication (TCP, tape/voter.py): the leader connects; the rewinder says
+  hello with its log position, appends what the leader sends to its journal
+  (durably, per the fsync policy) and only then acknowledges. A restarted
+  rewinder says where its journal ends and is caught up by the leader from
+  there before it acknowledges anything new. It votes in elections (never
+  campaigns), and drops an uncommitted suffix that conflicts with a new
+  leader's log.
+- Gap fill (UDP): answers MoldUDP64 request packets with committed messages.
+- Replay (TCP, SoupBinTCP): streams committed messages from any seq, then
+  follows the log live, with heartbeats when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from tape.node.process import NodeProcess
+from tape.node.ratelog import RateLimitedLog
+from tape.node.settings import Config, Node
+from tape.node.transport import LossInjector, udp_socket
+from tape.node.voter import Voter
+from tape.protocol import soupbintcp as soup
+from tape.protocol.errors import ProtocolError
+from tape.protocol.packets import PacketBuilder, messages_per_packet
+from tape.rewinder.gapfill import GapFillCore
+
+log = logging.getLogger("tape.rewinder")
+REPLAY_CHUNK = 1000
+
+
+class Rewinder(NodeProcess):
+    METRICS_PREFIX = "tape_rewinder"
+
+    def __init__(self, cfg: Config, node: Node, drop: float = 0.0, seed: int = 0):
+        super().__init__(node.name, log)
+        self.cfg = cfg
+        self.node = node
+        self.loss = LossInjector(drop, seed)
+        self.badlog = RateLimitedLog(log)
+        self.journal = cfg.open_journal(node)
+        self.voter = Voter(cfg, node, self.journal, can_lead=False, on_fatal=self.fail)  # votes, never leads
+        self.gapfill = GapFillCore(cfg.session_bytes, messages_per_packet(cfg.max_packet))
+        self.replay_sessions = 0
+        self.replayed = 0
+        self.gap_messages_sent = 0
+        self.bad_frames = 0
+
+    @property
+    def commit_seq(self) -> int:
+        return self.voter.commit_seq
+
+    def report(self):
+        yield "last_seq", "gauge", "highest seq in the journal", self.journal.last_seq
+        yield "commit_seq", "gauge", "highest seq known committed", self.commit_seq
+        yield "messages_appended", "counter", "messages appended from the leader", self.voter.appended
+        yield "gapfill_requests_served", "counter", "gap-fill requests answered", self.gapfill.served
+        yield "gapfill_messages_sent", "counter", "messages sent in gap-fill answers", self.gap_messages_sent
+        yield (
+            "dropped_datagrams",
+            "counter",
+            "gap-fill requests dropped, by reason",
+            {**self.gapfill.dropped, "injected_loss": self.loss.dropped},
+        )
+        yield "replay_sessions", "counter", "TCP replay sessions accepted", self.replay_sessions
+        yield "replay_messages", "counter", "messages sent over TCP replay", self.replayed
+        yield (
+            "bad_frames",
+            "counter",
+            "malformed TCP frames (connection closed)",
+            self.bad_frames + self.voter.bad_frames,
+        )
+        yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
+        yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
+        yield "term", "gauge", "current term", self.voter.election.term
+        yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
+
+    async def main(self) -> None:
+        loop = asyncio.get_running_loop()
+        repl = await asyncio.start_server(self.voter.serve, self.node.host, self.node.replication_port)
+        replay = await asyncio.start_server(self._on_replay, self.node.host, self.node.replay_port)
+        self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
+        loop.add_reader(self.gap_sock, self._on_gap_request)
+        log.info(
+            "%s at seq %d: replication :%d, gap fill :%d (rcvbuf %d), replay :%d",
+            self.node.name,
+            self.journal.last_seq,
+            self.node.replication_port,
+            self.node.gapfill_port,
+            granted,
+            self.node.replay_port,
+        )
+        await self.stop.wait()
+        loop.remove_reader(self.gap_sock)
+        repl.close()
+        replay.close()
+        self.journal.close()
+        log.info("%s stopped at seq %d", self.node.name, self.journal.last_seq)
+
+    # --- gap fill ----------------------------------------------------------------------
+
+    def _on_gap_request(self) -> None:
+        now = time.monotonic()
+        for _ in range(256):
+            try:
+                data, addr = self.gap_sock.recvfrom(2048)
+            except BlockingIOError:
+                return
+            if self.loss.drop():
+                continue
+            action = self.gapfill.on_request(data, addr, now, self.commit_seq)
+            if isinstance(action, str):
+                if action != "rate_limited":
+                    self.badlog.warn(action, "dropped gap request from %s: %s", addr, action)
+                continue
+            seq, count = action
+            msgs = [m for _, _, m in self.journal.read_batch(seq, count)]
+            for pkt in PacketBuilder(self.cfg.session_bytes, seq, self.cfg.max_packet).add_sequenced(msgs):
+                try:
+                    self.gap_sock.sendto(pkt, addr)
+                except OSError:
+                    pass
+            self.gap_messages_sent += len(msgs)
+
+    # --- replay --------------------------------------------------------------------------
+
+    async def _on_replay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        frames = soup.FrameDecoder(max_frame=1024)
+        try:
+            login = None
+            while login is None:
+                data = await asyncio.wait_for(reader.read(4096), 5.0)
+                if not data:
+                    return
+                for kind, payload in frames.feed(data):
+                    if kind == soup.LOGIN:
+                        login = soup.parse_login(payload)
+            _user, _password, session, seq = login
+            if session and session != self.cfg.session_bytes.rstrip(b" "):
+                writer.write(soup.login_rejected(soup.REJECT_SESSION_UNAVAILABLE))
+                await writer.drain()
+                return
+            seq = seq or self.commit_seq + 1
+            writer.write(soup.login_accepted(self.cfg.session_bytes, seq))
+            self.replay_sessions += 1
+            client = self.spawn(self._replay_client_frames(reader, frames))
+            while not client.done():
+                if seq <= self.commit_seq:
+                    records = self.journal.read_batch(seq, min(REPLAY_CHUNK, self.commit_seq - seq + 1))
+                    writer.write(b"".join(soup.sequenced(m) for _, _, m in records))
+                    seq += len(records)
+                    self.replayed += len(records)
+                    await writer.drain()
+                    continue
+                try:
+                    await asyncio.wait_for(self._wait_commit(), 1.0)
+                except asyncio.TimeoutError:
+                    writer.write(soup.heartbeat())
+                    await writer.drain()
+            client.cancel()
+        except (asyncio.TimeoutError, ConnectionError, asyncio.CancelledError):
+            pass
+        except ProtocolError as e:
+            self.bad_frames += 1
+            self.badlog.warn("replay", "bad replay frame, closing: %s", e)
+        finally:
+            writer.close()
+
+    async def _wait_commit(self) -> None:
+        await self.voter.committed.wait()
+
+    async def _replay_client_frames(self, reader, frames) -> None:
+        """Read the client's side until it logs out, goes away or breaks the framing."""
+        try:
+            while True:
+                data = await reader.read(4096)
+                if not data:
+                    return
+                for kind, _ in frames.feed(data):
+                    if kind == soup.LOGOUT:
+                        return
+        except ProtocolError as e:
+            self.bad_frames += 1
+            self.badlog.warn("replay", "bad replay frame, closing: %s", e)
+        except ConnectionError:
+            pass
+

@@ -1,0 +1,290 @@
+"""The leader sequencer's logic. Pure: no sockets, files or clock.
+
+Events in: inbound batches (bytes and the time they arrived), acks from
+followers, the shell's report that its own journal holds a batch, timer
+ticks. Actions out: a `Batch` to journal and replicate, packets to publish
+(only committed ones), heartbeats.
+
+Commit before publish: packets are cut when a batch is stamped and released
+only when a majority of voters (this leader included) holds the batch.
+Followers ack whole batches, so the commit point is always a batch boundary
+and a packet is either wholly committed or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections import deque
+from dataclasses import dataclass
+
+from tape.protocol import messages, moldudp64
+from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.packets import PacketBuilder
+
+HMAC_SIZE = 32
+MAX_HELD_BATCHES = 4096  # per client: batches that arrived ahead of a lost one
+
+
+@dataclass
+class Batch:
+    """Stamped messages to append to the journal and replicate."""
+
+    first_seq: int
+    prev_seq: int
+    prev_term: int
+    term: int
+    messages: list  # 75-byte sequenced messages
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + len(self.messages) - 1
+
+    def records(self) -> list:
+        return [(self.first_seq + i, self.term, m) for i, m in enumerate(self.messages)]
+
+
+
+class LeaderCore:
+    def __init__(
+        self,
+        session: bytes,
+        name: bytes,
+        term: int,
+        followers: list[bytes],
+        clients: dict[bytes, bytes | None],
+        last_seq: int = 0,
+        last_term: int = 0,
+        client_last: dict[bytes, int] | None = None,
+        max_packet: int = moldudp64.DEFAULT_MAX_PACKET,
+        tick_ns: int = 1_000_000_000,
+        heartbeat_ns: int = 1_000_000_000,
+    ):
+        if term <= last_term:
+            raise InvariantViolation(f"new term {term} must exceed the log's last term {last_term}")
+        self.session = session
+        self.name = name
+        self.term = term
+        self.followers = list(followers)
+        self.clients = clients  # client id (10 bytes) -> HMAC key or None
+        self.client_last = dict(client_last or {})  # highest client seq sequenced, per client
+        self.last_seq = last_seq  # highest seq stamped
+        self.last_term = last_term
+        self.commit_seq = 0
+        # Last seq released to the public stream. Entries of earlier terms that
+        # commit with this term are not re-published: listeners fill them as a gap.
+        self.published_seq = last_seq
+        self.journaled_seq = last_seq  # what this leader's own journal holds
+        self.match = {f: 0 for f in self.followers}
+        self.tick_ns = tick_ns
+        self.heartbeat_ns = heartbeat_ns
+        self._builder = PacketBuilder(session, last_seq + 1, max_packet)
+        self._held: dict[bytes, dict[int, tuple[int, bytes]]] = {}  # client -> first cseq -> (count, batch)
+        self._pending: list = []  # (origin, first client seq, [inbound messages]) accepted, not stamped
+        self._pending_count = 0
+        self._unpublished: deque = deque()  # (last seq, [packets]) stamped, not committed
+        self._last_stamp_ns = 0
+        self._last_sequenced_ns = 0
+        self._last_published_ns = 0
+        self.term_start_seq = 0
+        # Counters (the shell exposes them as metrics).
+        self.accepted = 0
+        self.dropped: dict[str, int] = {}
+        self.published_packets = 0
+        self.published_messages = 0
+
+    # --- inbound ---------------------------------------------------------------
+
+    def start_term(self, now_ns: int) -> Batch:
+        """A new leader's first entry: the term start, committed before anything new."""
+        self._sequence_control(messages.term_start(self._stamp(now_ns), self.name, self.term, self.name))
+        batch = self.flush(now_ns)
+        self.term_start_seq = batch.first_seq
+        return batch
+
+    def on_inbound(self, data: bytes, now_ns: int) -> str | None:
+        """Accept an inbound batch; returns the drop reason, or None."""
+        try:
+            client, cseq, count = moldudp64.decode_header(data)
+        except ProtocolError as e:
+            return self._drop(e.reason)
+        if client not in self.clients:
+            return self._drop("unknown_client")
+        key = self.clients[client]
+        if key is not None:
+            if len(data) < moldudp64.HEADER_SIZE + HMAC_SIZE:
+                return self._drop("unauthenticated")
+            body, mac = data[:-HMAC_SIZE], data[-HMAC_SIZE:]
+            if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()):
+                return self._drop("unauthenticated")
+            data = body
+        if count == 0 or count == 0xFFFF or cseq == 0:
+            return self._drop("bad_batch")
+        try:
+            messages.check_inbound_batch(data, count)
+        except ProtocolError as e:
+            return self._drop(e.reason)
+        last = self.client_last.get(client, 0)
+        if cseq + count - 1 <= last:
+            return self._drop("duplicate")
+        if cseq > last + 1:
+            # Ahead of a lost batch: hold it until the client resends the gap.
+            held = self._held.setdefault(client, {})
+            if cseq not in held and len(held) >= MAX_HELD_BATCHES:
+                return self._drop("client_seq_gap")
+            held[cseq] = (count, data)
+            return None
+        self._accept(client, cseq, count, data, last)
+        held = self._held.get(client)
+        while held:
+            last = self.client_last[client]
+            for k in [k for k in held if k <= last]:  # now duplicates
+                if held[k][0] + k - 1 <= last:
+                    del held[k]
+            nxt = held.pop(last + 1, None)
+            if nxt is None:
+                overlap = [k for k in held if k <= last + 1]
+                if not overlap:
+                    break
+                nxt = held.pop(overlap[0])
+                self._accept(client, overlap[0], nxt[0], nxt[1], last)
+            else:
+                self._accept(client, last + 1, nxt[0], nxt[1], last)
+        return None
+
+    def _accept(self, client: bytes, cseq: int, count: int, data: bytes, last: int) -> None:
+        skip = last + 1 - cseq
+        self._pending.append((client, last + 1, messages.inbound_messages(data, skip, count)))
+        self._pending_count += count - skip
+        self.client_last[client] = cseq + count - 1
+        self.accepted += count - skip
+
+    def _drop(self, reason: str) -> str:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        return reason
+
+    @property
+    def pending(self) -> int:
+        return self._pending_count
+
+    def _stamp(self, now_ns: int) -> int:
+        # Stamps never go backwards, whatever the clock does.
+        self._last_stamp_ns = max(self._last_stamp_ns, now_ns)
+        return self._last_stamp_ns
+
+    def _sequence_control(self, msg: bytes) -> None:
+        self._pending.append((None, 0, [msg]))
+        self._pending_count += 1
+
+    def flush(self, now_ns: int) -> Batch | None:
+        """Stamp everything accepted into one batch (one journal write, one
+        replication frame per follower)."""
+        if not self._pending:
+            return None
+        stamp = self._stamp(now_ns)
+        out = []
+        stamp_bytes = stamp.to_bytes(8, "big")
+        for origin, first_cseq, msgs in self._pending:
+            if origin is None:
+                out.extend(msgs)  # control messages come stamped
+            else:
+                head = stamp_bytes + origin  # the envelope is stamp, origin, client seq
+                out.extend([m + head + cseq.to_bytes(8, "big") for cseq, m in enumerate(msgs, first_cseq)])
+        self._pending = []
+        self._pending_count = 0
+        batch = Batch(self.last_seq + 1, self.last_seq, self.last_term, self.term, out)
+        packets = self._builder.add_sequenced(out)
+        self._unpublished.append((batch.last_seq, packets))
+        self.last_seq = batch.last_seq
+        self.last_term = self.term
+        self._last_sequenced_ns = stamp
+        return batch
+
+    # --- replication -----------------------------------------------------------
+
+    def on_journaled(self, last_seq: int) -> list[bytes]:
+        """The leader's own journal now holds everything through last_seq."""
+        if last_seq > self.last_seq:
+            raise InvariantViolation(f"journal claims seq {last_seq}, only {self.last_seq} were stamped")
+        self.journaled_seq = max(self.journaled_seq, last_seq)
+        return self._advance_commit()
+
+    def on_ack(self, follower: bytes, term: int, success: bool, last_seq: int) -> list[bytes] | None:
+        """Returns packets now committed, or None if the ack shows a higher
+        term (this leader must step down)."""
+        if term > self.term:
+            return None
+        if follower not in self.match or term < self.term or not success:
+            return []
+        if last_seq > self.last_seq:
+            raise InvariantViolation(f"{follower!r} acks seq {last_seq}, only {self.last_seq} exist")
+        if last_seq > self.match[follower]:
+            self.match[follower] = last_seq
+        return self._advance_commit()
+
+    def majority(self) -> int:
+        return (len(self.followers) + 1) // 2 + 1
+
+    def _advance_commit(self) -> list[bytes]:
+        held = sorted([self.journaled_seq, *self.match.values()], reverse=True)
+        candidate = held[self.majority() - 1]
+        # Raft: only entries of the current term commit by counting replicas;
+        # earlier ones commit with them. The term start is this term's first entry.
+        if candidate <= self.commit_seq or candidate < self.term_start_seq:
+            return []
+        self.commit_seq = candidate
+        out = []
+        # A follower catching up from the journal may ack mid-batch: a batch
+        # is released only once all of it is committed.
+        while self._unpublished and self._unpublished[0][0] <= candidate:
+            last, packets = self._unpublished.popleft()
+            out.extend(packets)
+            self.published_seq = last
+        return out
+
+    def note_published(self, packets: int, msgs: int, now_ns: int) -> None:
+        self.published_packets += packets
+        self.published_messages += msgs
+        self._last_published_ns = now_ns
+
+    # --- time ------------------------------------------------------------------
+
+    def on_timer(self, now_ns: int) -> tuple[Batch | None, bytes | None]:
+        """A time tick batch if idle for tick_ns, and a heartbeat packet if
+        nothing was published for heartbeat_ns."""
+        batch = None
+        if not self._pending and now_ns - self._last_sequenced_ns >= self.tick_ns:
+            self._sequence_control(messages.time_tick(self._stamp(now_ns), self.name))
+            batch = self.flush(now_ns)
+        heartbeat = None
+        if now_ns - self._last_published_ns >= self.heartbeat_ns:
+            heartbeat = moldudp64.encode_heartbeat(self.session, self.published_seq + 1)
+            self._last_published_ns = now_ns
+        return batch, heartbeat
+
+    def sequenced_client_last(self) -> dict[bytes, int]:
+        """Highest client seq per client that is in the log (accepted but not
+        yet stamped messages excluded): what a follower continues from."""
+        out = dict(self.client_last)
+        for origin, first_cseq, _ in self._pending:
+            if origin is not None and out.get(origin, 0) >= first_cseq:
+                out[origin] = first_cseq - 1
+        return out
+
+    def end_of_session(self) -> bytes:
+        return moldudp64.encode_end_of_session(self.session, self.published_seq + 1)
+
+
+def rebuild_client_state(records) -> tuple[dict, int, int]:
+    """(highest client seq per client, last seq, last term) from journal
+    records: a new leader dedupes retransmits of what the old one sequenced."""
+    last_cseq: dict[bytes, int] = {}
+    last_seq = last_term = 0
+    ORIGIN, CSEQ, TYPE = messages.ORIGIN, messages.CLIENT_SEQ, messages.TYPE
+    for seq, term, raw in records:
+        m = messages.SEQUENCED.unpack(raw)
+        if m[TYPE] == messages.REQUEST or m[TYPE] == messages.PURCHASE:
+            if m[CSEQ] > last_cseq.get(m[ORIGIN], 0):
+                last_cseq[m[ORIGIN]] = m[CSEQ]
+        last_seq, last_term = seq, term
+    return last_cseq, last_seq, last_term

@@ -1,0 +1,422 @@
+"""`tape sequencer`: a voter that can lead; the asyncio shell around
+ElectionCore (through Voter), FollowerCore and LeaderCore.
+
+Every sequencer starts as a follower: it serves its replication port (appends
+from the leader, vote requests) like a rewinder, and drops inbound batches.
+When its election timer fires it campaigns (pre-vote, then vote); elected,
+it leads: inbound batches are drained in one go per wake-up (natural
+batching under load), each drain is stamped into one batch, written to the
+journal with one append, sent to every live follower in one frame, and
+published once a majority holds it. A follower that is behind (new,
+restarted, slow) is caught up from this journal before it gets live batches.
+A leader that sees a higher term, or has not heard a majority for the
+election timeout, steps down at once and follows again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+from tape.node.process import NodeProcess
+from tape.node.ratelog import RateLimitedLog
+from tape.node.settings import Config, Node
+from tape.node.transport import LossInjector, multicast_sender, udp_socket
+from tape.node.voter import Voter
+from tape.protocol import replication as rep
+from tape.protocol.errors import ProtocolError
+from tape.sequencer.core import Batch, LeaderCore
+
+log = logging.getLogger("tape.sequencer")
+CATCHUP_CHUNK = 2000
+EOS_REPEATS = 5  # end-of-session packets published at shutdown, 20 ms apart
+MAX_LIVE_BUFFER = 32 << 20  # a follower whose socket buffer exceeds this is caught up from the journal
+
+
+@dataclass
+class Link:
+    node: Node
+    writer: asyncio.StreamWriter
+    next_seq: int
+    live: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    rewind: int | None = None  # a follower refused an append: resend from here
+
+
+class Sequencer(NodeProcess):
+    METRICS_PREFIX = "tape_sequencer"
+
+    def __init__(self, cfg: Config, node: Node, drop: float = 0.0, seed: int = 0):
+        super().__init__(node.name, log)
+        self.cfg = cfg
+        self.node = node
+        self.loss = LossInjector(drop, seed)
+        self.badlog = RateLimitedLog(log)
+        self.journal = cfg.open_journal(node)
+        self.voter = Voter(cfg, node, self.journal, can_lead=True, on_action=self._on_election, on_fatal=self.fail)
+        self.followers = [n for n in cfg.voters if n is not node]
+        self.core: LeaderCore | None = None  # while leading
+        self.links: dict[bytes, Link] = {}
+        self._held: list[asyncio.StreamWriter] = []  # links a partition keeps from closing
+        self._leader_tasks: list[asyncio.Task] = []
+        self.inbound_datagrams = 0
+        self.inbound_bytes = 0
+        self.not_leader_drops = 0
+        self.send_errors = 0
+        self.step_downs: dict[str, int] = {}
+        self.terms_led = 0
+        self.published_seq = 0  # highest seq this process ever published, in any term
+        self._commit_sent = -1
+        self._last = {"published": 0, "accepted": 0, "packets": 0, "dropped": {}}
+
+    # --- metrics -----------------------------------------------------------------
+
+    def report(self):
+        c = self.core
+        e = self.voter.election
+        yield "inbound_datagrams", "counter", "inbound datagrams received", self.inbound_datagrams
+        yield "inbound_bytes", "counter", "inbound bytes received", self.inbound_bytes
+        yield "messages_accepted", "counter", "client messages accepted for sequencing", \
+            self._last["accepted"] + (c.accepted if c else 0)
+        dropped = dict(self._last["dropped"])
+        for k, v in (c.dropped.items() if c else ()):
+            dropped[k] = dropped.get(k, 0) + v
+        yield "dropped_datagrams", "counter", "inbound datagrams dropped, by reason", \
+            {**dropped, "injected_loss": self.loss.dropped, "not_leader": self.not_leader_drops}
+        yield "sequenced_seq", "gauge", "highest seq in this node's log", self.journal.last_seq
+        yield (
+            "commit_seq",
+            "gauge",
+            "highest seq known held by a majority",
+            c.commit_seq if c else self.voter.commit_seq,
+        )
+        yield "commit_lag", "gauge", "messages stamped but not yet committed", c.last_seq - c.commit_seq if c else 0
+        yield "packets_published", "counter", "packets published on the public stream", \
+            self._last["packets"] + (c.published_packets if c else 0)
+        yield "messages_published", "counter", "messages published on the public stream", \
+            self._last["published"] + (c.published_messages if c else 0)
+        yield "publish_errors", "counter", "packets the socket refused", self.send_errors
+        yield "published_seq", "gauge", "highest seq this process published, in any term", self.published_seq
+        yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
+        yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
+        yield "term", "gauge", "current term", e.term
+        yield "leader", "gauge", "1 while this node leads", 1 if c else 0
+        yield "elections", "counter", "elections this node started (after a won pre-vote)", e.elections
+        yield "leader_changes", "counter", "times the leader this node knows changed", e.leader_changes
+        yield "terms_led", "counter", "terms this node led", self.terms_led
+        yield "step_downs", "counter", "times this node stopped leading, by reason", self.step_downs
+        if c:
+            yield "follower_match_seq", "gauge", "highest seq each follower holds", \
+                {k.decode().strip(): v for k, v in c.match.items()}, "follower"
+
+    # --- running -------------------------------------------------------------------
+
+    async def main(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.inbound, granted = udp_socket(self.node.host, self.node.inbound_port)
+        self.publisher = multicast_sender(self.cfg.interface)
+        self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        self.dest = (self.cfg.group, self.cfg.port)
+        server = await asyncio.start_server(self.voter.serve, self.node.host, self.node.replication_port)
+        log.info("%s at seq %d, term %d; replication :%d, inbound %s:%d (rcvbuf %d), publishing %s:%d; %d voters",
+                 self.node.name, self.journal.last_seq, self.voter.election.term, self.node.replication_port,
+                 self.node.host, self.node.inbound_port, granted, *self.dest, len(self.cfg.voters))
+        ticker = self.spawn(self._election_ticker())
+        loop.add_reader(self.inbound, self._on_inbound)
+        await self.stop.wait()
+        loop.remove_reader(self.inbound)
+        ticker.cancel()
+        server.close()
+        await self._shutdown()
+
+    async def _election_ticker(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            self.voter.tick()
+
+    def _on_election(self, action: tuple) -> None:
+        kind = action[0]
+        if kind == "request_votes":
+            _, pre, term, last_seq, last_term = action
+            log.info("%s: %s for term %d at seq %d (term %d)", self.node.name, "pre-vote" if pre else "campaigning",
+                     term, last_seq, last_term)
+            self._leader_tasks.append(self.spawn(self.voter.request_votes(pre, term, last_seq, last_term)))
+        elif kind == "lead":
+            self._lead(action[1])
+        elif kind == "step_down":
+            self._follow(action[1])
+        elif kind == "partition":
+            self._partition(action[1])
+
+    def _partition(self, cut: bool) -> None:
+        """Fault injection: black-hole the links to the followers (no reads,
+        no writes, no close: a cut network sends no FIN) until healed."""
+        for link in self.links.values():
+            link.live = False
+            if cut:
+                link.writer.transport.pause_reading()
+            else:
+                link.writer.transport.resume_reading()
+                link.wake.set()  # catch up what was not sent
+        if not cut:
+            for writer in self._held:
+                writer.close()
+            self._held = []
+
+    def _lead(self, term: int) -> None:
+        j = self.journal
+        self.core = LeaderCore(
+            self.cfg.session_bytes, self.node.wire_name, term, [f.wire_name for f in self.followers],
+            {c.name.encode().ljust(10): c.key for c in self.cfg.clients},
+            last_seq=j.last_seq, last_term=j.last_term, client_last=dict(self.voter.log.client_last),
+            max_packet=self.cfg.max_packet, tick_ns=self.cfg.tick_ms * 1_000_000,
+            heartbeat_ns=self.cfg.heartbeat_ms * 1_000_000)
+        self.terms_led += 1
+        self._commit_sent = -1
+        log.warning("%s leading term %d from seq %d", self.node.name, term, j.last_seq + 1)
+        self._leader_tasks = [t for t in self._leader_tasks if not t.done()]
+        self._leader_tasks += [self.spawn(self._follower_link(f)) for f in self.followers]
+        self._leader_tasks.append(self.spawn(self._timer()))
+        self._process(self.core.start_term(time.time_ns()))
+
+    def _follow(self, reason: str) -> None:
+        c = self.core
+        if c is None:
+            return  # a candidate giving up: nothing to undo
+        log.error("%s stepping down from term %d: %s", self.node.name, c.term, reason)
+        key = reason.split(":")[0].split(" (")[0] if "check-quorum" not in reason else "lost_majority"
+        key = "higher_term" if "term" in key else key
+        self.step_downs[key] = self.step_downs.get(key, 0) + 1
+        self.core = None
+        for t in self._leader_tasks:
+            t.cancel()
+        self._leader_tasks = []
+        for link in self.links.values():
+            if not self.voter.partitioned:
+                link.writer.close()  # (a partition holds them open until it heals)
+        self.links = {}
+        self._last["accepted"] += c.accepted
+        self._last["published"] += c.published_messages
+        self._last["packets"] += c.published_packets
+        for k, v in c.dropped.items():
+            self._last["dropped"][k] = self._last["dropped"].get(k, 0) + v
+        self.voter.log.client_last = c.sequenced_client_last()
+        self.voter.resync(c.commit_seq)
+
+    async def _shutdown(self) -> None:
+        c = self.core
+        if c is not None:
+            batch = c.flush(time.time_ns())
+            if batch:
+                self._process(batch)
+            deadline = time.monotonic() + 1.0
+            while self.core is c and c.commit_seq < c.last_seq and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if self.core is c:
+                # Followers learn the final commit point now (they serve gap fills only up to
+                # it): no later append would tell them, and a listener that lost the last
+                # packets could never fill them.
+                self._send_commit()
+                for link in list(self.links.values()):
+                    try:
+                        await asyncio.wait_for(link.writer.drain(), 0.5)
+                    except (OSError, asyncio.TimeoutError):
+                        pass
+                # Repeated, as MoldUDP64 servers do: a listener that loses the one packet
+                # would wait forever for a session that has ended.
+                for _ in range(EOS_REPEATS):
+                    if self.core is not c:
+                        break
+                    self._publish([c.end_of_session()])
+                    await asyncio.sleep(0.02)
+        for t in self._leader_tasks:
+            t.cancel()
+        self.journal.close()
+        log.info("%s stopped at seq %d, term %d", self.node.name, self.journal.last_seq, self.voter.election.term)
+
+    def _on_inbound(self) -> None:
+        core, sock, loss = self.core, self.inbound, self.loss
+        if core is None:  # following: clients send to every sequencer; the leader sequences
+            for _ in range(512):
+                try:
+                    sock.recv(65536)
+                except BlockingIOError:
+                    return
+                self.inbound_datagrams += 1
+                self.not_leader_drops += 1
+            return
+        now = time.time_ns()
+        for _ in range(512):
+            try:
+                data = sock.recv(65536)
+            except BlockingIOError:
+                break
+            self.inbound_datagrams += 1
+            self.inbound_bytes += len(data)
+            if loss.drop():
+                continue
+            reason = core.on_inbound(data, now)
+            if reason is not None and reason != "duplicate":
+                self.badlog.warn(reason, "dropped inbound datagram of %d bytes: %s", len(data), reason)
+        batch = core.flush(now)
+        if batch is not None:
+            self._process(batch)
+
+    def _process(self, batch: Batch) -> None:
+        """Replicate to live followers, journal, publish what commits.
+        Followers get the batch before the leader's own fsync (as Raft
+        allows), so the two disk writes overlap instead of adding up."""
+        frame = None
+        for link in self.links.values():
+            if link.live and link.next_seq == batch.first_seq:
+                if frame is None:
+                    frame = rep.encode_append(self.core.term, self.node.wire_name, batch.prev_seq, batch.prev_term,
+                                              self.core.commit_seq, batch.term, batch.messages)
+                link.writer.write(frame)
+                link.next_seq = batch.last_seq + 1
+                if link.writer.transport.get_write_buffer_size() > MAX_LIVE_BUFFER:
+                    link.live = False
+                    link.wake.set()
+            elif link.live:
+                link.live = False
+                link.wake.set()
+        self.journal.append(batch.records())
+        self.voter.log.note_term(batch.first_seq, batch.term)  # no per-message work on the leader's path
+        self._publish(self.core.on_journaled(batch.last_seq))
+
+    def _publish(self, packets: list[bytes]) -> None:
+        if not packets:
+            return
+        msgs = 0
+        for pkt in packets:
+            try:
+                self.publisher.sendto(pkt, self.dest)
+            except (BlockingIOError, OSError):
+                self.send_errors += 1  # listeners will fill the gap from the rewinders
+            count = int.from_bytes(pkt[18:20], "big")
+            msgs += count if count != 0xFFFF else 0
+        self.core.note_published(len(packets), msgs, time.time_ns())
+        self.published_seq = max(self.published_seq, self.core.published_seq)
+
+    async def _timer(self) -> None:
+        period = 0.005
+        last_commit_beat = 0.0
+        beat = self.cfg.leader_heartbeat_ms / 1000
+        while self.core is not None:
+            await asyncio.sleep(period)
+            if self.core is None:
+                return
+            batch, heartbeat = self.core.on_timer(time.time_ns())
+            if batch is not None:
+                self._process(batch)
+            if heartbeat is not None:
+                self._publish([heartbeat])
+            now = time.monotonic()
+            if self.core.commit_seq != self._commit_sent or now - last_commit_beat > beat:
+                self._send_commit()
+                last_commit_beat = now
+            self.journal.maybe_sync()  # the "every N ms" policy while idle
+
+    def _send_commit(self) -> None:
+        """Empty appends: the followers learn the commit point (to serve gap
+        fills) and that this leader lives (their election timers restart)."""
+        self._commit_sent = self.core.commit_seq
+        for link in self.links.values():
+            if link.live:
+                link.writer.write(rep.encode_append(self.core.term, self.node.wire_name, self.core.last_seq,
+                                                    self.core.last_term, self.core.commit_seq, self.core.term, []))
+
+    # --- followers -------------------------------------------------------------------
+
+    async def _follower_link(self, f: Node) -> None:
+        while True:
+            if self.voter.partitioned:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                reader, writer = await asyncio.open_connection(f.host, f.replication_port)
+            except OSError:
+                await asyncio.sleep(0.2)
+                continue
+            link = None
+            sender = None
+            try:
+                frames = rep.FrameReader()
+                hello = None
+                while hello is None:
+                    data = await reader.read(65536)
+                    if not data:
+                        raise ConnectionError("closed before hello")
+                    for fr in frames.feed(data):
+                        if isinstance(fr, rep.Hello):
+                            hello = fr
+                self.voter.act(self.voter.election.on_higher_term(hello.term, hello.node, time.monotonic_ns()))
+                if self.core is None:
+                    return
+                link = Link(f, writer, min(hello.last_seq, self.core.last_seq) + 1)
+                self.links[f.wire_name] = link
+                log.info("follower %s connected at seq %d", f.name, hello.last_seq)
+                sender = self.spawn(self._feed(link))
+                while True:
+                    data = await reader.read(65536)
+                    if not data:
+                        raise ConnectionError("closed")
+                    for fr in frames.feed(data):
+                        if isinstance(fr, rep.Ack):
+                            self._on_ack(link, fr)
+            except (ConnectionError, OSError, ProtocolError) as e:
+                log.warning("follower %s link lost: %s", f.name, e)
+            finally:
+                if sender:
+                    sender.cancel()
+                if link and self.links.get(f.wire_name) is link:
+                    del self.links[f.wire_name]
+                if self.voter.partitioned:
+                    self._held.append(writer)  # closed when the partition heals
+                else:
+                    writer.close()
+            await asyncio.sleep(0.1)
+
+    def _on_ack(self, link: Link, ack: rep.Ack) -> None:
+        self.voter.act(self.voter.election.on_ack(link.node.wire_name, ack.term, time.monotonic_ns()))
+        if self.core is None:
+            return  # it was in a higher term: stepped down
+        packets = self.core.on_ack(link.node.wire_name, ack.term, ack.success, ack.last_seq)
+        if packets is None:
+            return
+        if not ack.success:
+            # The follower's log ends, or disagrees, before what was sent: the
+            # feeder resends from its hint (it may be mid-send: it checks).
+            hint = ack.last_seq + 1
+            link.rewind = hint if link.rewind is None else min(link.rewind, hint)
+            link.live = False
+            link.wake.set()
+        self._publish(packets)
+
+    async def _feed(self, link: Link) -> None:
+        """Catch a follower up from the journal, then let it go live."""
+        while True:
+            link.wake.clear()
+            while True:
+                if link.rewind is not None:
+                    link.next_seq, link.rewind = min(link.next_seq, link.rewind), None
+                if link.next_seq > self.core.last_seq:
+                    break
+                while self.voter.partitioned:
+                    await asyncio.sleep(0.02)
+                records = self.journal.read_batch(link.next_seq, CATCHUP_CHUNK)
+                if not records:
+                    break
+                prev = link.next_seq - 1
+                link.writer.write(rep.encode_runs(self.core.term, self.node.wire_name, prev, self.voter.term_at(prev),
+                                                  self.core.commit_seq, records))
+                link.next_seq = records[-1][0] + 1
+                await link.writer.drain()
+            if link.rewind is not None:
+                continue
+            link.live = True
+            await link.wake.wait()
+
