@@ -16,6 +16,7 @@ from tape.node.settings import Config
 from tape.node.transport import LossInjector, multicast_receiver, udp_socket
 from tape.protocol import messages, moldudp64
 from tape.protocol.errors import ProtocolError
+from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
 from tape.protocol.receiver import StreamReceiver
 
 log = logging.getLogger("tape.listener")
@@ -61,9 +62,9 @@ class StreamListener:
     def _drain(self, sock) -> None:
         loss, on_datagram = self.loss, self.on_datagram
         committed = sock is self.req  # unicast answers from the rewinders
-        for _ in range(512):
+        for _ in range(DRAIN_DATAGRAMS):
             try:
-                data = sock.recv(65536)
+                data = sock.recv(DATAGRAM_BUFFER)
             except BlockingIOError:
                 break
             self.datagrams += 1

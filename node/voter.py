@@ -29,9 +29,9 @@ from tape.protocol import replication as rep
 from tape.protocol.election import ElectionCore
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.follower import FollowerCore
+from tape.protocol.limits import CONTROL_READ, FETCH_MAX, STREAM_READ
 
 log = logging.getLogger("tape.voter")
-FETCH_MAX = 100_000  # entries one fetch answer carries at most
 _TYPE_ORIGIN_CSEQ = struct.Struct(">B56x10sQ")  # type, origin and client seq of a sequenced message
 
 
@@ -183,7 +183,7 @@ class Voter:
         closed_by_peer = False
         try:
             while True:
-                data = await reader.read(1 << 20)
+                data = await reader.read(STREAM_READ)
                 if not data:
                     closed_by_peer = True
                     break
@@ -280,7 +280,7 @@ class Voter:
             writer.write(rep.encode_fetch(self.journal.last_seq + 1, self.journal.last_term))
             frames = rep.FrameReader()
             while True:
-                data = await asyncio.wait_for(reader.read(1 << 20), 2.0)
+                data = await asyncio.wait_for(reader.read(STREAM_READ), 2.0)
                 if not data:
                     return taken
                 for fr in frames.feed(data):
@@ -325,7 +325,7 @@ class Voter:
             hello = None
             deadline = time.monotonic() + self.cfg.election_ms / 1000
             while time.monotonic() < deadline:
-                data = await asyncio.wait_for(reader.read(4096), deadline - time.monotonic())
+                data = await asyncio.wait_for(reader.read(CONTROL_READ), deadline - time.monotonic())
                 if not data:
                     return
                 for fr in frames.feed(data):

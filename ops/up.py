@@ -186,6 +186,9 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
     # Inbound (the sequencer's stamp) to applied, for the slowest of the replicas.
     applied_lat = {q: max((status[r].get("latency_ms", {}).get(q) or 0.0) for r in REPLICAS)
                    for q in ("p50", "p99", "max")}
+    terms = term_changes(decoded)
+    published = {s: _read_json(Path(cfg.node(s).data) / "status.json").get("published_terms", {}) for s in SEQUENCERS}
+    term_issues = term_problems(terms, published)
     checks = {
         "all trades acknowledged": load.get("acked") == total,
         "no loss: every trade sequenced": len(trades) == total,
@@ -195,6 +198,7 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
         "replica identity: digests equal": len(set(digests.values())) == 1 and "" not in digests.values(),
         "exactly-once alerts": not missing and not unexpected and not mismatched and duplicates == 0,
         "no divergence alarms": emitter.get("divergences", 0) == 0,
+        "each term published only by its winner": not term_issues,
     }
     figures = {
         "all trades acknowledged": f"{load.get('acked', 0):,} / {total:,}",
@@ -207,6 +211,7 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
                                f"{len(missing)} missing, {len(unexpected)} unexpected, {len(mismatched)} mismatched, "
                                f"{duplicates} dup.",
         "no divergence alarms": f"{emitter.get('divergences', 0)}",
+        "each term published only by its winner": term_issues[0] if term_issues else f"{len(terms)} terms",
     }
     report = {
         "submitted": load.get("submitted", 0), "acknowledged": load.get("acked", 0), "sequenced": len(trades),
@@ -218,7 +223,9 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
         "latency_ms": {**applied_lat, "measured": "inbound (sequencer stamp) to applied, slowest replica"},
         "submit_to_sequenced_ms": {"p50": lat.get("p50"), "p99": lat.get("p99"), "max": lat.get("max"),
                                    "measured": "client submit to seen sequenced on the stream"},
-        "terms": term_changes(decoded),
+        "terms": terms,
+        "published_terms": published,
+        "term_problems": term_issues,
     }
     if drill:
         report["drill"] = drill.name
@@ -263,6 +270,26 @@ def term_changes(decoded: list) -> list[dict]:
                         "ms_since_previous_stamp": round(gap, 1) if gap is not None else None})
         last_stamp = m[M.STAMP]
     return out
+
+
+def term_problems(terms: list[dict], published: dict[str, dict]) -> list[str]:
+    """Who published in which term, judged against the log: in every term at most one
+    sequencer published, none published in a term it did not win, and what it published
+    lies within that term's seqs. `terms` is term_changes() of the log; `published` maps
+    each sequencer to {term: [first seq, last seq]} of what it published."""
+    starts = {t["term"]: t for t in terms}
+    ends = {t["term"]: (nxt["seq"] - 1 if nxt else None) for t, nxt in zip(terms, [*terms[1:], None])}
+    problems = []
+    for name, spans in sorted(published.items()):
+        for term, (first, last) in sorted((int(t), s) for t, s in spans.items()):
+            won = starts.get(term)
+            if won is None or won["leader"] != name:
+                problems.append(f"{name} published seqs {first}-{last} in term {term}, which "
+                                f"{'no one' if won is None else won['leader']} won")
+            elif first < won["seq"] or (ends[term] is not None and last > ends[term]):
+                problems.append(f"{name} published seqs {first}-{last} outside term {term}'s "
+                                f"{won['seq']}-{ends[term] or 'end'}")
+    return problems
 
 
 def _read_json_text(text: str) -> dict:

@@ -39,7 +39,10 @@ RESENDS_PER_ROUND = 16  # unacknowledged batches a client resends per round
 
 def _check() -> None:
     append_overhead = replication.FRAME.size + replication.APPEND.size
-    assert MAX_BATCH_MESSAGES * messages.SEQUENCED_SIZE + append_overhead <= REPLICATION_FRAME, \
+    per_datagram = (moldudp64.MAX_UDP_PAYLOAD - moldudp64.HEADER_SIZE) // messages.INBOUND_BLOCK_SIZE
+    # The leader flushes once a batch reaches MAX_BATCH_MESSAGES: one datagram may take it past.
+    largest_batch = MAX_BATCH_MESSAGES + per_datagram
+    assert largest_batch * messages.SEQUENCED_SIZE + append_overhead <= REPLICATION_FRAME, \
         "a batch must fit one append frame"
     assert CATCHUP_CHUNK <= MAX_BATCH_MESSAGES and FETCH_MAX * messages.SEQUENCED_SIZE <= REPLICATION_FRAME, \
         "catch-up and fetch answers must fit one append frame"

@@ -14,13 +14,12 @@ from __future__ import annotations
 from sortedcontainers import SortedDict
 
 from .errors import ProtocolError
+from .limits import RECEIVER_MAX_HELD
 from .moldudp64 import MAX_BLOCKS
-
-DEFAULT_MAX_HELD = 1_000_000  # messages held out of order before dropping the furthest
 
 
 class StreamReceiver:
-    def __init__(self, session: bytes | None = None, next_seq: int = 1, max_held: int = DEFAULT_MAX_HELD):
+    def __init__(self, session: bytes | None = None, next_seq: int = 1, max_held: int = RECEIVER_MAX_HELD):
         self.session = session  # None: adopt the first session seen
         self.next_seq = next_seq  # the next seq to deliver
         self.high_seq = next_seq  # one past the highest seq known to exist

@@ -38,6 +38,7 @@ from tape.node.process import NodeProcess
 from tape.node.settings import Config, Node
 from tape.protocol import alertlink
 from tape.protocol.errors import ProtocolError
+from tape.protocol.limits import CONTROL_READ
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit import Alert
 
@@ -152,7 +153,7 @@ class Emitter(NodeProcess):
         name = None
         try:
             while True:
-                data = await reader.read(65536)
+                data = await reader.read(CONTROL_READ)
                 if not data:
                     return
                 fresh = []

@@ -25,12 +25,12 @@ from tape.node.settings import Config, Node
 from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.limits import CONTROL_READ, REPLAY_BEHIND, STREAM_READ
 from tape.protocol.packets import PacketBuilder
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 from tape.replicas.snapshot import SnapshotStore
 
 log = logging.getLogger("tape.replica")
-REPLAY_BEHIND = 2000  # messages behind the stream before catching up over TCP
 ALERT_SIZE = len(Alert(0, 0, 0, 0, b" " * 16, b" " * 8, 0, 0, 0).encode())
 
 
@@ -174,7 +174,7 @@ class Replica(NodeProcess):
             seq = None
             batch: list[bytes] = []
             while rx.lag() > 0 or rx.missing() is not None:
-                data = await asyncio.wait_for(reader.read(1 << 20), 5.0)
+                data = await asyncio.wait_for(reader.read(STREAM_READ), 5.0)
                 if not data:
                     return
                 for kind, payload in dec.feed(data):
@@ -212,7 +212,7 @@ class Replica(NodeProcess):
             try:
                 writer.write(alertlink.hello(self.node.wire_name))
                 while True:
-                    data = await reader.read(65536)
+                    data = await reader.read(CONTROL_READ)
                     if not data:
                         break
                     for kind, payload in frames.feed(data):

@@ -25,11 +25,18 @@ from tape.node.transport import LossInjector, udp_socket
 from tape.node.voter import Voter
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import ProtocolError
+from tape.protocol.limits import (
+    CONTROL_READ,
+    GAP_REQUEST_BUFFER,
+    GAP_REQUEST_DRAIN,
+    REPLAY_CHUNK,
+    REPLAY_LOGIN_FRAME,
+    REPLAY_LOGIN_TIMEOUT_S,
+)
 from tape.protocol.packets import PacketBuilder, messages_per_packet
 from tape.rewinder.gapfill import GapFillCore
 
 log = logging.getLogger("tape.rewinder")
-REPLAY_CHUNK = 1000
 
 
 class Rewinder(NodeProcess):
@@ -104,9 +111,9 @@ class Rewinder(NodeProcess):
 
     def _on_gap_request(self) -> None:
         now = time.monotonic()
-        for _ in range(256):
+        for _ in range(GAP_REQUEST_DRAIN):
             try:
-                data, addr = self.gap_sock.recvfrom(2048)
+                data, addr = self.gap_sock.recvfrom(GAP_REQUEST_BUFFER)
             except BlockingIOError:
                 return
             if self.loss.drop():
@@ -128,11 +135,11 @@ class Rewinder(NodeProcess):
     # --- replay --------------------------------------------------------------------------
 
     async def _on_replay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        frames = soup.FrameDecoder(max_frame=1024)
+        frames = soup.FrameDecoder(max_frame=REPLAY_LOGIN_FRAME)
         try:
             login = None
             while login is None:
-                data = await asyncio.wait_for(reader.read(4096), 5.0)
+                data = await asyncio.wait_for(reader.read(CONTROL_READ), REPLAY_LOGIN_TIMEOUT_S)
                 if not data:
                     return
                 for kind, payload in frames.feed(data):
@@ -176,7 +183,7 @@ class Rewinder(NodeProcess):
         """Read the client's side until it logs out, goes away or breaks the framing."""
         try:
             while True:
-                data = await reader.read(4096)
+                data = await reader.read(CONTROL_READ)
                 if not data:
                     return
                 for kind, _ in frames.feed(data):

@@ -22,8 +22,8 @@ from tape.node.listener import StreamListener
 from tape.node.settings import Config
 from tape.node.transport import udp_socket
 from tape.protocol import messages, moldudp64
+from tape.protocol.limits import RESENDS_PER_ROUND
 
-RESENDS_PER_ROUND = 16
 # Only origin and client seq of each 77-byte block: cheap to scan the whole stream.
 _ORIGIN_CSEQ = struct.Struct(">59x10sQ")
 

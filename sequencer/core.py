@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from tape.protocol import messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.limits import MAX_HELD_BATCHES
 from tape.protocol.packets import PacketBuilder
 
 HMAC_SIZE = 32
-MAX_HELD_BATCHES = 4096  # per client: batches that arrived ahead of a lost one
 
 
 @dataclass

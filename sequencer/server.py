@@ -16,10 +16,12 @@ election timeout, steps down at once and follows again.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tape.node.process import NodeProcess
 from tape.node.ratelog import RateLimitedLog
@@ -28,12 +30,18 @@ from tape.node.transport import LossInjector, multicast_sender, udp_socket
 from tape.node.voter import Voter
 from tape.protocol import replication as rep
 from tape.protocol.errors import ProtocolError
+from tape.protocol.limits import (
+    CATCHUP_CHUNK,
+    CONTROL_READ,
+    DATAGRAM_BUFFER,
+    DRAIN_DATAGRAMS,
+    MAX_BATCH_MESSAGES,
+    MAX_LIVE_BUFFER,
+)
 from tape.sequencer.core import Batch, LeaderCore
 
 log = logging.getLogger("tape.sequencer")
-CATCHUP_CHUNK = 2000
 EOS_REPEATS = 5  # end-of-session packets published at shutdown, 20 ms apart
-MAX_LIVE_BUFFER = 32 << 20  # a follower whose socket buffer exceeds this is caught up from the journal
 
 
 @dataclass
@@ -69,6 +77,7 @@ class Sequencer(NodeProcess):
         self.step_downs: dict[str, int] = {}
         self.terms_led = 0
         self.published_seq = 0  # highest seq this process ever published, in any term
+        self.published_terms: dict[int, list[int]] = {}  # term -> [first, last] seq this process published
         self._commit_sent = -1
         self._last = {"published": 0, "accepted": 0, "packets": 0, "dropped": {}}
 
@@ -100,6 +109,11 @@ class Sequencer(NodeProcess):
             self._last["published"] + (c.published_messages if c else 0)
         yield "publish_errors", "counter", "packets the socket refused", self.send_errors
         yield "published_seq", "gauge", "highest seq this process published, in any term", self.published_seq
+        terms = sorted(self.published_terms.items())
+        yield "published_first_seq", "gauge", "first seq this process published, by term", \
+            {t: span[0] for t, span in terms}, "term"
+        yield "published_last_seq", "gauge", "last seq this process published, by term", \
+            {t: span[1] for t, span in terms}, "term"
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
         yield "term", "gauge", "current term", e.term
@@ -235,23 +249,27 @@ class Sequencer(NodeProcess):
         for t in self._leader_tasks:
             t.cancel()
         self.journal.close()
+        status = {"name": self.node.name, "term": self.voter.election.term, "last_seq": self.journal.last_seq,
+                  "published_terms": {str(t): span for t, span in sorted(self.published_terms.items())},
+                  "failed": self.failed}
+        (Path(self.node.data) / "status.json").write_text(json.dumps(status, indent=1))
         log.info("%s stopped at seq %d, term %d", self.node.name, self.journal.last_seq, self.voter.election.term)
 
     def _on_inbound(self) -> None:
         core, sock, loss = self.core, self.inbound, self.loss
         if core is None:  # following: clients send to every sequencer; the leader sequences
-            for _ in range(512):
+            for _ in range(DRAIN_DATAGRAMS):
                 try:
-                    sock.recv(65536)
+                    sock.recv(DATAGRAM_BUFFER)
                 except BlockingIOError:
                     return
                 self.inbound_datagrams += 1
                 self.not_leader_drops += 1
             return
         now = time.time_ns()
-        for _ in range(512):
+        for _ in range(DRAIN_DATAGRAMS):
             try:
-                data = sock.recv(65536)
+                data = sock.recv(DATAGRAM_BUFFER)
             except BlockingIOError:
                 break
             self.inbound_datagrams += 1
@@ -261,6 +279,8 @@ class Sequencer(NodeProcess):
             reason = core.on_inbound(data, now)
             if reason is not None and reason != "duplicate":
                 self.badlog.warn(reason, "dropped inbound datagram of %d bytes: %s", len(data), reason)
+            if core.pending >= MAX_BATCH_MESSAGES:  # one batch must fit one append frame
+                self._process(core.flush(now))
         batch = core.flush(now)
         if batch is not None:
             self._process(batch)
@@ -291,15 +311,21 @@ class Sequencer(NodeProcess):
         if not packets:
             return
         msgs = 0
+        first = 0
         for pkt in packets:
             try:
                 self.publisher.sendto(pkt, self.dest)
             except (BlockingIOError, OSError):
                 self.send_errors += 1  # listeners will fill the gap from the rewinders
             count = int.from_bytes(pkt[18:20], "big")
-            msgs += count if count != 0xFFFF else 0
+            if 0 < count < 0xFFFF:
+                msgs += count
+                first = first or int.from_bytes(pkt[10:18], "big")
         self.core.note_published(len(packets), msgs, time.time_ns())
         self.published_seq = max(self.published_seq, self.core.published_seq)
+        if msgs:  # which seqs this process published in which term: drills judge terms by it
+            span = self.published_terms.setdefault(self.core.term, [first, 0])
+            span[1] = self.core.published_seq
 
     async def _timer(self) -> None:
         period = 0.005
@@ -347,7 +373,7 @@ class Sequencer(NodeProcess):
                 frames = rep.FrameReader()
                 hello = None
                 while hello is None:
-                    data = await reader.read(65536)
+                    data = await reader.read(CONTROL_READ)
                     if not data:
                         raise ConnectionError("closed before hello")
                     for fr in frames.feed(data):
@@ -361,7 +387,7 @@ class Sequencer(NodeProcess):
                 log.info("follower %s connected at seq %d", f.name, hello.last_seq)
                 sender = self.spawn(self._feed(link))
                 while True:
-                    data = await reader.read(65536)
+                    data = await reader.read(CONTROL_READ)
                     if not data:
                         raise ConnectionError("closed")
                     for fr in frames.feed(data):
