@@ -26,7 +26,7 @@ from typing import Callable
 from tape.node.settings import Config, Node
 from tape.protocol import messages
 from tape.protocol import replication as rep
-from tape.protocol.election import ElectionCore
+from tape.protocol.election import ElectionAction, ElectionCore, Persist, RequestVotes
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.follower import FollowerCore
 from tape.protocol.limits import CONTROL_READ, FETCH_MAX, STREAM_READ
@@ -102,12 +102,14 @@ class LogState:
 
 
 class Voter:
-    def __init__(self, cfg: Config, node: Node, journal, can_lead: bool, on_action: Callable[[tuple], None] = None,
-                 on_fatal: Callable[[str], None] = None):
+    def __init__(self, cfg: Config, node: Node, journal, can_lead: bool,
+                 on_action: Callable[[ElectionAction], None] | None = None, on_fatal: Callable[[str], None] = None,
+                 on_partition: Callable[[bool], None] | None = None):
         self.cfg = cfg
         self.node = node
         self.journal = journal
-        self.on_action = on_action or (lambda action: None)
+        self.on_action = on_action or (lambda action: None)  # what the election decided, but Persist
+        self.on_partition = on_partition or (lambda cut: None)  # drills' fault injection
         self.on_fatal = on_fatal or (lambda why: None)  # the node's state is impossible: it must stop
         self.store = VoteStore(Path(node.data) / "election.json")
         term, voted_for = self.store.load()
@@ -145,8 +147,8 @@ class Voter:
 
     def act(self, actions: list) -> None:
         for action in actions:
-            if action[0] == "persist":
-                self.store.save(action[1], action[2])
+            if isinstance(action, Persist):
+                self.store.save(action.term, action.voted_for)
             else:
                 self.on_action(action)
 
@@ -159,7 +161,7 @@ class Voter:
             if cut:
                 for w in list(self._conns):
                     w.close()
-            self.on_action(("partition", cut))
+            self.on_partition(cut)
         self.act(self.election.on_tick(time.monotonic_ns()))
 
     def resync(self, commit_seq: int) -> None:
@@ -307,12 +309,12 @@ class Voter:
 
     # --- campaigning -------------------------------------------------------------------
 
-    async def request_votes(self, pre: bool, term: int, last_seq: int, last_term: int) -> None:
+    async def request_votes(self, r: RequestVotes) -> None:
         """Ask every other voter, each over a connection of its own; votes feed the election as they come."""
         if self.partitioned:
             return
         others = [n for n in self.cfg.voters if n.name != self.node.name]
-        await asyncio.gather(*(self._ask(n, pre, term, last_seq, last_term) for n in others))
+        await asyncio.gather(*(self._ask(n, r.pre, r.term, r.last_seq, r.last_term) for n in others))
 
     async def _ask(self, voter: Node, pre: bool, term: int, last_seq: int, last_term: int) -> None:
         try:

@@ -26,7 +26,7 @@ from tape.ops.reference import expected_alerts
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
-from tape.protocol.election import ElectionCore
+from tape.protocol.election import ElectionCore, Lead, Persist, RequestVotes, StepDown
 from tape.protocol.errors import ProtocolError
 from tape.protocol.follower import FollowerCore
 from tape.protocol.packets import PacketBuilder
@@ -92,16 +92,15 @@ class Voter:
 
     def act(self, actions: list) -> None:
         for a in actions:
-            if a[0] == "persist":
-                self.vote = (a[1], a[2])
-            elif a[0] == "request_votes":
-                _, pre, term, last_seq, last_term = a
+            if isinstance(a, Persist):
+                self.vote = (a.term, a.voted_for)
+            elif isinstance(a, RequestVotes):
                 for v in VOTERS:
                     if v != self.name:
-                        self.sim.send(self.name, v, VoteRequest(term, self.wire, last_seq, last_term, pre))
-            elif a[0] == "lead":
-                self.lead(a[1])
-            elif a[0] == "step_down":
+                        self.sim.send(self.name, v, VoteRequest(a.term, self.wire, a.last_seq, a.last_term, a.pre))
+            elif isinstance(a, Lead):
+                self.lead(a.term)
+            elif isinstance(a, StepDown):
                 if self.leader is not None:
                     self.sim.close_links(self.name, self.leader.term)
                     self.follower = FollowerCore(self.wire, *self.position(), self.term_at, term=self.election.term)

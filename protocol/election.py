@@ -2,13 +2,13 @@
 
 Events in: timer ticks, appends heard from a leader, the close of the
 connection that carried them, vote requests and votes, acks (a leader's
-proof that followers still follow). Actions out, as
-tuples the shell carries out in order:
+proof that followers still follow). Actions out, which the shell carries
+out in order:
 
-    ("persist", term, voted_for)          write durably before anything else
-    ("request_votes", pre, term, last_seq, last_term)   to every other voter
-    ("lead", term)                        become leader of this term
-    ("step_down", reason)                 stop leading (or campaigning) now
+    Persist(term, voted_for)              write durably before anything else
+    RequestVotes(pre, term, last_seq, last_term)   to every other voter
+    Lead(term)                            become leader of this term
+    StepDown(reason)                      stop leading (or campaigning) now
 
 Rules (DESIGN.md section 5):
 - Only a node that `can_lead` (a sequencer) campaigns; rewinders vote only.
@@ -32,11 +32,41 @@ Rules (DESIGN.md section 5):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from tape.protocol.errors import InvariantViolation
 
 FOLLOWER, PRE_CANDIDATE, CANDIDATE, LEADER = "follower", "pre-candidate", "candidate", "leader"
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Write (term, voted_for) durably before any message that follows is sent."""
+
+    term: int
+    voted_for: bytes | None
+
+
+@dataclass(frozen=True)
+class RequestVotes:
+    pre: bool
+    term: int
+    last_seq: int
+    last_term: int
+
+
+@dataclass(frozen=True)
+class Lead:
+    term: int
+
+
+@dataclass(frozen=True)
+class StepDown:
+    reason: str
+
+
+ElectionAction = Persist | RequestVotes | Lead | StepDown
 
 
 class Rng(Protocol):
@@ -81,7 +111,7 @@ class ElectionCore:
             return self.rng.randint(self.timeout_lo // 10, self.timeout_lo // 5)
         return self.rng.randint(self.timeout_lo, self.timeout_hi)
 
-    def _adopt(self, term: int, now_ns: int, reason: str) -> list:
+    def _adopt(self, term: int, now_ns: int, reason: str) -> list[ElectionAction]:
         """A higher term: follow it (stepping down if leading or campaigning)."""
         was = self.role
         self.leader_gone = False
@@ -91,14 +121,14 @@ class ElectionCore:
         self.leader = None
         self.votes = set()
         self.deadline = now_ns + self._timeout()
-        out = [("persist", self.term, None)]
+        out = [Persist(self.term, None)]
         if was in (LEADER, CANDIDATE, PRE_CANDIDATE):
-            out.append(("step_down", reason))
+            out.append(StepDown(reason))
         return out
 
     # --- time ------------------------------------------------------------------------
 
-    def on_tick(self, now_ns: int) -> list:
+    def on_tick(self, now_ns: int) -> list[ElectionAction]:
         if self.role == LEADER:
             recent = 1 + sum(
                 1 for v in self.voters if v != self.name and now_ns - self.acked.get(v, -1 << 62) < self.timeout_lo
@@ -107,7 +137,7 @@ class ElectionCore:
                 self.role = FOLLOWER
                 self.leader = None
                 self.deadline = now_ns + self._timeout()
-                return [("step_down", f"no majority heard for {self.timeout_lo / 1e6:.0f} ms (check-quorum)")]
+                return [StepDown(f"no majority heard for {self.timeout_lo / 1e6:.0f} ms (check-quorum)")]
             return []
         if not self.can_lead or now_ns < self.deadline:
             return []
@@ -119,9 +149,9 @@ class ElectionCore:
         last_seq, last_term = self.log_position()
         if len(self.votes) >= self.majority:
             return self._campaign(now_ns)
-        return [("request_votes", True, self.term + 1, last_seq, last_term)]
+        return [RequestVotes(True, self.term + 1, last_seq, last_term)]
 
-    def _campaign(self, now_ns: int) -> list:
+    def _campaign(self, now_ns: int) -> list[ElectionAction]:
         self.role = CANDIDATE
         self.term += 1
         self.voted_for = self.name
@@ -130,18 +160,18 @@ class ElectionCore:
         self.elections += 1
         self.deadline = now_ns + self._timeout()
         last_seq, last_term = self.log_position()
-        out = [("persist", self.term, self.name)]
+        out = [Persist(self.term, self.name)]
         if len(self.votes) >= self.majority:
             return out + self._win(now_ns)
-        return out + [("request_votes", False, self.term, last_seq, last_term)]
+        return out + [RequestVotes(False, self.term, last_seq, last_term)]
 
-    def _win(self, now_ns: int) -> list:
+    def _win(self, now_ns: int) -> list[ElectionAction]:
         self.role = LEADER
         self.leader = self.name
         self.leader_gone = False
         self.leader_changes += 1
         self.acked = {v: now_ns for v in self.voters}  # a fresh leader gets one timeout to hear its followers
-        return [("lead", self.term)]
+        return [Lead(self.term)]
 
     # --- messages --------------------------------------------------------------------
 
@@ -156,7 +186,7 @@ class ElectionCore:
             raise InvariantViolation(f"two leaders in term {term}: this node and {leader!r}")
         elif self.role in (CANDIDATE, PRE_CANDIDATE):
             self.role = FOLLOWER
-            out.append(("step_down", f"{leader.decode(errors='replace').strip()} won term {term}"))
+            out.append(StepDown(f"{leader.decode(errors='replace').strip()} won term {term}"))
         if self.leader != leader:
             self.leader = leader
             self.leader_changes += 1
@@ -182,10 +212,10 @@ class ElectionCore:
         if grant:
             self.voted_for = candidate
             self.deadline = now_ns + self._timeout()
-            out.append(("persist", self.term, candidate))
+            out.append(Persist(self.term, candidate))
         return grant, out
 
-    def on_vote(self, term: int, voter: bytes, granted: bool, pre: bool, now_ns: int) -> list:
+    def on_vote(self, term: int, voter: bytes, granted: bool, pre: bool, now_ns: int) -> list[ElectionAction]:
         """A vote. A granted pre-vote carries the term asked for; any other
         answer carries the voter's own term, which is adopted if higher."""
         if voter not in self.voters:
@@ -204,7 +234,7 @@ class ElectionCore:
                 return self._win(now_ns)
         return []
 
-    def on_leader_lost(self, leader: bytes, term: int, now_ns: int) -> list:
+    def on_leader_lost(self, leader: bytes, term: int, now_ns: int) -> list[ElectionAction]:
         """The connection that carried `leader`'s appends in `term` closed:
         its process most likely died (the OS closes a killed process's
         sockets at once) or it stepped down. Stop counting it as alive, and
@@ -225,7 +255,7 @@ class ElectionCore:
     def reply_term(self, request_term: int, granted: bool, pre: bool) -> int:
         return request_term if pre and granted else self.term
 
-    def on_ack(self, follower: bytes, term: int, now_ns: int) -> list:
+    def on_ack(self, follower: bytes, term: int, now_ns: int) -> list[ElectionAction]:
         """A follower answered this leader (any answer proves it is reachable)."""
         if term > self.term:
             return self._adopt(term, now_ns, f"{follower.decode(errors='replace').strip()} is in term {term}")
@@ -233,7 +263,7 @@ class ElectionCore:
             self.acked[follower] = now_ns
         return []
 
-    def on_higher_term(self, term: int, who: bytes, now_ns: int) -> list:
+    def on_higher_term(self, term: int, who: bytes, now_ns: int) -> list[ElectionAction]:
         return (
             self._adopt(term, now_ns, f"{who.decode(errors='replace').strip()} is in term {term}")
             if term > self.term

@@ -29,6 +29,7 @@ from tape.node.settings import Config, Node
 from tape.node.transport import LossInjector, multicast_sender, udp_socket
 from tape.node.voter import Voter
 from tape.protocol import replication as rep
+from tape.protocol.election import ElectionAction, Lead, RequestVotes, StepDown
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import (
     CATCHUP_CHUNK,
@@ -64,7 +65,8 @@ class Sequencer(NodeProcess):
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
         self.journal = cfg.open_journal(node)
-        self.voter = Voter(cfg, node, self.journal, can_lead=True, on_action=self._on_election, on_fatal=self.fail)
+        self.voter = Voter(cfg, node, self.journal, can_lead=True, on_action=self._on_election, on_fatal=self.fail,
+                           on_partition=self._partition)
         self.followers = [n for n in cfg.voters if n is not node]
         self.core: LeaderCore | None = None  # while leading
         self.links: dict[bytes, Link] = {}
@@ -151,19 +153,15 @@ class Sequencer(NodeProcess):
             await asyncio.sleep(0.01)
             self.voter.tick()
 
-    def _on_election(self, action: tuple) -> None:
-        kind = action[0]
-        if kind == "request_votes":
-            _, pre, term, last_seq, last_term = action
-            log.info("%s: %s for term %d at seq %d (term %d)", self.node.name, "pre-vote" if pre else "campaigning",
-                     term, last_seq, last_term)
-            self._leader_tasks.append(self.spawn(self.voter.request_votes(pre, term, last_seq, last_term)))
-        elif kind == "lead":
-            self._lead(action[1])
-        elif kind == "step_down":
-            self._follow(action[1])
-        elif kind == "partition":
-            self._partition(action[1])
+    def _on_election(self, action: ElectionAction) -> None:
+        if isinstance(action, RequestVotes):
+            log.info("%s: %s for term %d at seq %d (term %d)", self.node.name,
+                     "pre-vote" if action.pre else "campaigning", action.term, action.last_seq, action.last_term)
+            self._leader_tasks.append(self.spawn(self.voter.request_votes(action)))
+        elif isinstance(action, Lead):
+            self._lead(action.term)
+        elif isinstance(action, StepDown):
+            self._follow(action.reason)
 
     def _partition(self, cut: bool) -> None:
         """Fault injection: black-hole the links to the followers (no reads,

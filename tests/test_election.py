@@ -5,7 +5,17 @@ import random
 
 import pytest
 
-from tape.protocol.election import CANDIDATE, FOLLOWER, LEADER, PRE_CANDIDATE, ElectionCore, InvariantViolation
+from tape.protocol.election import (
+    CANDIDATE,
+    FOLLOWER,
+    LEADER,
+    PRE_CANDIDATE,
+    ElectionCore,
+    Lead,
+    Persist,
+    RequestVotes,
+)
+from tape.protocol.errors import InvariantViolation
 
 A, B, R1, R2 = b"seq-a     ", b"seq-b     ", b"rw-1      ", b"rw-2      "
 VOTERS = [A, B, R1, R2]
@@ -17,16 +27,16 @@ def core(name=A, can_lead=True, log=(0, 0), term=0, now=0):
 
 
 def kinds(actions):
-    return [a[0] for a in actions]
+    return [type(a).__name__ for a in actions]
 
 
 def elect(c, now):
     """Drive `c` through pre-vote and vote with every other voter granting."""
     acts = c.on_tick(now)
-    assert acts[-1][:2] == ("request_votes", True)
+    assert acts[-1] == RequestVotes(True, c.term + 1, *c.log_position())
     for v in VOTERS[1:3]:
         acts = c.on_vote(c.term + 1, v, True, True, now)
-    assert ("request_votes", False) == acts[-1][:2] and acts[0] == ("persist", c.term, c.name)
+    assert isinstance(acts[-1], RequestVotes) and not acts[-1].pre and acts[0] == Persist(c.term, c.name)
     for v in VOTERS[1:3]:
         acts = c.on_vote(c.term, v, True, False, now)
     return acts
@@ -36,7 +46,7 @@ def test_a_sequencer_campaigns_after_its_timeout_and_wins_with_a_majority():
     c = core()
     assert c.on_tick(299 * MS) == []  # no election before the minimum timeout
     acts = elect(c, 700 * MS)
-    assert acts == [("lead", 1)] and c.role == LEADER and c.term == 1 and c.leader == A
+    assert acts == [Lead(1)] and c.role == LEADER and c.term == 1 and c.leader == A
 
 
 def test_rewinders_never_campaign():
@@ -59,7 +69,7 @@ def test_one_vote_per_term_and_only_for_an_up_to_date_log():
     granted, _ = c.on_vote_request(3, A, 99, 2, False, 0)  # shorter log, same last term
     assert not granted and c.term == 3
     granted, acts = c.on_vote_request(3, B, 100, 2, False, 0)
-    assert granted and ("persist", 3, B) in acts
+    assert granted and Persist(3, B) in acts
     granted, _ = c.on_vote_request(3, A, 200, 2, False, 0)  # already voted in term 3
     assert not granted
     granted, _ = c.on_vote_request(4, A, 50, 3, False, 0)  # a later last term wins over length
@@ -73,12 +83,12 @@ def test_a_leader_steps_down_on_a_higher_term_and_without_a_majority():
         assert c.on_ack(v, 1, 800 * MS) == []
     assert c.on_tick(1000 * MS) == []
     acts = c.on_ack(R1, 5, 1001 * MS)
-    assert kinds(acts) == ["persist", "step_down"] and c.role == FOLLOWER and c.term == 5
+    assert kinds(acts) == ["Persist", "StepDown"] and c.role == FOLLOWER and c.term == 5
     d = core()
     elect(d, 700 * MS)
     d.on_ack(R1, 1, 800 * MS)  # only one follower answers: leader + 1 < 3
     acts = d.on_tick(1100 * MS)
-    assert kinds(acts) == ["step_down"] and "check-quorum" in acts[0][1] and d.role == FOLLOWER
+    assert kinds(acts) == ["StepDown"] and "check-quorum" in acts[0].reason and d.role == FOLLOWER
 
 
 def test_a_rejected_pre_vote_teaches_the_candidate_the_higher_term():
@@ -86,7 +96,7 @@ def test_a_rejected_pre_vote_teaches_the_candidate_the_higher_term():
     c.on_tick(700 * MS)
     assert c.role == PRE_CANDIDATE
     acts = c.on_vote(6, R1, False, True, 701 * MS)
-    assert c.term == 6 and c.role == FOLLOWER and acts[0] == ("persist", 6, None)
+    assert c.term == 6 and c.role == FOLLOWER and acts[0] == Persist(6, None)
 
 
 def test_a_candidate_yields_to_the_winner_of_its_term():
@@ -96,7 +106,7 @@ def test_a_candidate_yields_to_the_winner_of_its_term():
     c.on_vote(1, R2, True, True, 700 * MS)
     assert c.role == CANDIDATE and c.term == 1
     ok, acts = c.on_append(1, B, 710 * MS)
-    assert ok and kinds(acts) == ["step_down"] and c.role == FOLLOWER and c.leader == B
+    assert ok and kinds(acts) == ["StepDown"] and c.role == FOLLOWER and c.leader == B
 
 
 def test_two_leaders_in_one_term_is_impossible_and_said_so():
@@ -118,7 +128,7 @@ def test_a_closed_leader_connection_brings_the_campaign_forward_and_frees_pre_vo
     for c in (standby, rewinder):
         c.on_leader_lost(A, 1, 110 * MS)
     assert 140 * MS <= standby.deadline <= 170 * MS  # a tenth to a fifth of the 300 ms timeout
-    assert standby.on_tick(standby.deadline)[-1][:2] == ("request_votes", True)
+    assert standby.on_tick(standby.deadline)[-1].pre is True
     granted, _ = rewinder.on_vote_request(2, B, 50, 1, True, 111 * MS)
     assert granted and rewinder.term == 1  # a pre-vote still changes no term
     assert rewinder.on_tick(10_000 * MS) == []  # a rewinder still never campaigns
@@ -138,7 +148,7 @@ def test_after_a_closed_leader_connection_only_pre_vote_rounds_are_short():
     c.on_tick(now)
     c.on_vote(2, R1, True, True, now + MS)
     acts = c.on_vote(2, R2, True, True, now + MS)
-    assert c.role == CANDIDATE and acts[-1][:2] == ("request_votes", False)
+    assert c.role == CANDIDATE and isinstance(acts[-1], RequestVotes) and not acts[-1].pre
     assert c.deadline - (now + MS) >= 300 * MS  # a real election waits out its votes' fsyncs
     c.on_vote(2, R1, True, False, now + 2 * MS)
-    assert c.on_vote(2, R2, True, False, now + 2 * MS) == [("lead", 2)] and not c.leader_gone
+    assert c.on_vote(2, R2, True, False, now + 2 * MS) == [Lead(2)] and not c.leader_gone
