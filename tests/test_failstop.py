@@ -1,0 +1,66 @@
+"""Fail-stop (issue 12): a core that finds its own state impossible stops its
+process with exit 4 and one CRITICAL line, wherever in the shell it surfaces:
+the leader's election task, a voter's connection handler, a replica's
+delivery callback, the emitter's connection handler. Real processes; the
+impossibility is planted by a `sitecustomize` module the test writes (the
+code under test has no hook for it)."""
+
+import pytest
+
+from tape.ops.local import LocalCluster
+
+pytestmark = pytest.mark.process
+
+PLANT = '''
+import os
+spec = os.environ.get("TAPE_TEST_IMPOSSIBLE")
+if spec:
+    import importlib
+    from tape.protocol.errors import InvariantViolation
+    module, attr = spec.split(":")
+    cls_name, method = attr.split(".")
+    cls = getattr(importlib.import_module(module), cls_name)
+
+    def impossible(self, *args, **kwargs):
+        raise InvariantViolation(f"planted by the test in {cls_name}.{method}")
+
+    setattr(cls, method, impossible)
+'''
+
+
+def wait_exit(proc, timeout: float = 30.0) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except Exception:
+        raise AssertionError(f"the process did not stop within {timeout} s") from None
+
+
+@pytest.mark.parametrize("node, where", [
+    ("seq-a", "tape.sequencer.core:LeaderCore.on_journaled"),  # raised in the election task, as it starts leading
+    ("rw-1", "tape.protocol.follower:FollowerCore.on_append"),  # raised in the voter's connection handler
+    ("replica-A", "tape.replicas.audit:AuditMachine.apply_run"),  # raised in the stream's reader callback
+    ("emitter", "tape.replicas.emitter:Emitter._done"),  # raised in the alert link's connection handler
+])
+def test_an_impossible_state_stops_the_process_with_exit_4(tmp_path, node, where):
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(PLANT)
+    cluster = LocalCluster(tmp_path, replicas=1, sequencers=1, rewinders=1)
+    env = {"PYTHONPATH": str(plant), "TAPE_TEST_IMPOSSIBLE": where}
+    try:
+        for n in ("rw-1", "seq-a", "emitter", "replica-A"):
+            cluster.start_node(n, env=env if n == node else None)
+        if node in ("replica-A", "emitter"):  # these need trades to reach the impossible point
+            load = cluster.start("load", "load", "--rate", "2000", "--messages", "2000", "--overfill", "1.0")
+        code = wait_exit(cluster.procs[node])
+        log = cluster.logs[node].read_text()
+        assert code == 4, log[-3000:]
+        critical = [line for line in log.splitlines() if " CRITICAL " in line]
+        assert len(critical) == 1 and "planted by the test" in critical[0], log[-3000:]
+        for other in cluster.procs:
+            if other not in (node, "load"):
+                assert cluster.alive(other), f"{other} stopped too"
+        if node in ("replica-A", "emitter"):
+            load.kill()
+    finally:
+        cluster.close()
