@@ -53,6 +53,7 @@ _INBOUND_BLOCK = struct.Struct(">2x" + INBOUND.format[1:])
 SEQUENCED_BLOCK_SIZE = _SEQUENCED_BLOCK.size  # 77
 INBOUND_BLOCK_SIZE = _INBOUND_BLOCK.size  # 51
 BLOCK_PREFIX = SEQUENCED_SIZE.to_bytes(2, "big")  # the length prefix of every sequenced block
+INBOUND_MAC_SIZE = 32  # HMAC-SHA256 trailer of an inbound batch from a client with a key
 
 
 def text(value: str | bytes, width: int) -> bytes:

@@ -23,8 +23,6 @@ from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import MAX_HELD_BATCHES
 from tape.protocol.packets import PacketBuilder
 
-HMAC_SIZE = 32
-
 
 @dataclass
 class Batch:
@@ -112,9 +110,9 @@ class LeaderCore:
             return self._drop("unknown_client")
         key = self.clients[client]
         if key is not None:
-            if len(data) < moldudp64.HEADER_SIZE + HMAC_SIZE:
+            if len(data) < moldudp64.HEADER_SIZE + messages.INBOUND_MAC_SIZE:
                 return self._drop("unauthenticated")
-            body, mac = data[:-HMAC_SIZE], data[-HMAC_SIZE:]
+            body, mac = data[:-messages.INBOUND_MAC_SIZE], data[-messages.INBOUND_MAC_SIZE:]
             if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()):
                 return self._drop("unauthenticated")
             data = body

@@ -1,0 +1,105 @@
+"""The client library's decisions: submit trades exactly once. Pure.
+
+`submit(messages, now)` numbers them with the client's own sequence
+numbers and returns the inbound batches (datagrams) to send to every
+sequencer. `on_delivered(packet, skip)` reads the public stream: a message
+sequenced with this client as origin acknowledges everything up to its
+client seq (the sequencer accepts each client's messages in order).
+`on_timer(now)` returns what is due to be sent again.
+
+Resend policy: at most RESENDS_PER_ROUND batches per call, the oldest
+first. The oldest one blocks everything behind it (the leader holds what
+arrives ahead of it), so it is resent at the plain timeout; the ones behind
+it back off (up to 8x), so that a loaded cluster is not sent everything
+again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections import deque
+
+from tape.protocol import messages, moldudp64
+from tape.protocol.limits import RESENDS_PER_ROUND
+
+MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
+# Only origin and client seq of each 77-byte block: cheap to scan the whole stream.
+_ORIGIN_CSEQ = struct.Struct(">59x10sQ")
+
+
+class Unacked:
+    """An inbound batch sent and not yet seen sequenced."""
+
+    __slots__ = ("first_cseq", "count", "datagram", "sent_ns", "due_ns", "resends")
+
+    def __init__(self, first_cseq: int, count: int, datagram: bytes, now_ns: int, timeout_ns: int):
+        self.first_cseq, self.count, self.datagram = first_cseq, count, datagram
+        self.sent_ns, self.due_ns, self.resends = now_ns, now_ns + timeout_ns, 0
+
+    @property
+    def last_cseq(self) -> int:
+        return self.first_cseq + self.count - 1
+
+
+class ClientCore:
+    def __init__(self, origin: bytes, key: bytes | None, max_packet: int, resend_ns: int):
+        self.origin = origin
+        self.key = key
+        room = max_packet - moldudp64.HEADER_SIZE - (messages.INBOUND_MAC_SIZE if key else 0)
+        self.per_batch = room // messages.INBOUND_BLOCK_SIZE
+        assert self.per_batch >= 1, f"max_packet {max_packet} holds no inbound message"
+        self.resend_ns = resend_ns
+        self.next_cseq = 1
+        self.acked = 0  # highest client seq seen sequenced
+        self.unacked: deque[Unacked] = deque()
+        self.resends = 0
+        self.latencies_ns: list[int] = []  # submit -> seen sequenced, one sample per batch
+
+    @property
+    def in_flight(self) -> int:
+        return self.next_cseq - 1 - self.acked
+
+    def submit(self, msgs: list[bytes], now_ns: int) -> list[bytes]:
+        """Number and batch inbound messages; returns the datagrams to send."""
+        out = []
+        for start in range(0, len(msgs), self.per_batch):
+            chunk = msgs[start:start + self.per_batch]
+            data = moldudp64.encode_packet(self.origin, self.next_cseq, chunk)
+            if self.key:
+                data += hmac.new(self.key, data, hashlib.sha256).digest()
+            self.unacked.append(Unacked(self.next_cseq, len(chunk), data, now_ns, self.resend_ns))
+            self.next_cseq += len(chunk)
+            out.append(data)
+        return out
+
+    def on_delivered(self, packet: bytes, skip: int, now_ns: int) -> bool:
+        """Messages skip.. of an in-order packet of the stream; True if they acknowledged something."""
+        origin = self.origin
+        top = 0
+        start = moldudp64.HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
+        for o, cseq in _ORIGIN_CSEQ.iter_unpack(memoryview(packet)[start:]):
+            if o == origin and cseq > top:
+                top = cseq
+        if top <= self.acked:
+            return False
+        self.acked = top
+        q = self.unacked
+        while q and q[0].last_cseq <= top:
+            self.latencies_ns.append(now_ns - q.popleft().sent_ns)
+        return True
+
+    def on_timer(self, now_ns: int) -> list[bytes]:
+        """The batches due to be sent again, the oldest first."""
+        out = []
+        for i, u in enumerate(self.unacked):
+            if len(out) == RESENDS_PER_ROUND:
+                break
+            if now_ns >= u.due_ns:
+                u.resends += 1
+                backoff = 1 if i == 0 else min(1 << u.resends, MAX_BACKOFF)
+                u.due_ns = now_ns + self.resend_ns * backoff
+                out.append(u.datagram)
+        self.resends += len(out)
+        return out
