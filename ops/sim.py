@@ -22,6 +22,7 @@ import heapq
 import random
 from collections import Counter
 
+from tape.node.settings import Config, default_of
 from tape.ops.reference import expected_alerts
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
@@ -29,11 +30,12 @@ from tape.protocol import moldudp64
 from tape.protocol.election import ElectionCore, Lead, Persist, RequestVotes, StepDown
 from tape.protocol.errors import ProtocolError
 from tape.protocol.follower import FollowerCore
+from tape.protocol.listener import Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
-from tape.protocol.receiver import StreamReceiver
 from tape.protocol.replication import Ack, Append, Vote, VoteRequest
 from tape.replicas.audit import AuditMachine
 from tape.rewinder.gapfill import GapFillCore
+from tape.sequencer.client_core import ClientCore
 from tape.sequencer.core import LeaderCore
 
 MS = 1_000_000
@@ -46,6 +48,9 @@ REPLICAS = ("replica-A", "replica-B")
 CATCHUP = 64  # entries per catch-up append
 FAULTS_UNTIL = 1500 * MS
 GIVE_UP = 60_000 * MS
+# The processes' defaults (node/settings.py): the simulator runs the policies as configured.
+GAP_REQUEST_NS = default_of(Config, "gap_request_ms") * MS
+RESEND_NS = default_of(Config, "client_resend_ms") * MS
 
 
 def wire(name: str) -> bytes:
@@ -244,72 +249,59 @@ class Voter:
 
 
 class Listener:
-    """A replica (applies the stream) or a client (submits, resends, acks)."""
+    """A replica (applies the stream) or a client (submits, resends, acks): the
+    ListenerCore and ClientCore the processes run, on the simulated network."""
 
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name = sim, name
-        self.rx = StreamReceiver(SESSION)
+        self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS)
+        self.rx = self.core.receiver
         self.up = True
         self.delivered: list[bytes] = []
         self.machine = AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS) if name in REPLICAS else None
         self.alerts: list = []
-        self.bad = 0
-        self.asked = 0
+        self.client: ClientCore | None = None
         if name in CLIENTS:
-            self.origin = wire(name)
+            self.client = ClientCore(wire(name), None, default_of(Config, "max_packet"), RESEND_NS)
             self.gen = TradeGenerator(sim.rng.randrange(1 << 30), overfill_share=0.3,
                                       first_id=1 + CLIENTS.index(name) * 10**9)
-            self.next_cseq = 1
-            self.acked = 0
-            self.unacked: list[list] = []  # [first cseq, count, datagram, resend due]
 
     def receive(self, src: str, msg) -> None:
         if msg[0] != "packet":
             return
-        data = msg[1]
-        try:
-            session, seq, count = moldudp64.decode_header(data)
-            if 0 < count < 0xFFFF:
-                M.check_packet_messages(data, count)
-            runs = self.rx.on_packet(session, seq, count, data)
-        except ProtocolError:
-            self.bad += 1  # counted and dropped, as the real listener does
-            return
-        for first, pkt, skip in runs:
-            n = moldudp64.HEADER.unpack_from(pkt)[2]
-            msgs = M.decode_packet_messages(pkt, n, skip)
-            raw = [M.packet_message_bytes(pkt, i) for i in range(skip, n)]
-            if first != len(self.delivered) + 1:
-                raise Violation(f"{self.name} delivered seq {first} after {len(self.delivered)}")
-            self.delivered.extend(raw)
-            if self.machine is not None:
-                self.alerts.extend(self.machine.apply_run(first, msgs))
-            else:
-                top = max((m[M.CLIENT_SEQ] for m in msgs if m[M.ORIGIN] == self.origin and
-                           m[M.TYPE] in (M.REQUEST, M.PURCHASE)), default=0)
-                if top > self.acked:
-                    self.acked = top
-                    self.unacked = [u for u in self.unacked if u[0] + u[1] - 1 > top]
+        actions = self.core.on_datagram(msg[1], committed=src in REWINDERS)
+        if isinstance(actions, ProtocolError):
+            return  # counted and dropped, as the real listener does
+        for a in actions:
+            if isinstance(a, Undecodable):
+                raise Violation(f"{self.name}: the committed log holds an undecodable message at seq {a.seq}")
+            self.apply(a)
+
+    def apply(self, d: Deliver) -> None:
+        n = moldudp64.HEADER.unpack_from(d.packet)[2]
+        if d.first_seq != len(self.delivered) + 1:
+            raise Violation(f"{self.name} delivered seq {d.first_seq} after {len(self.delivered)}")
+        self.delivered.extend(M.packet_message_bytes(d.packet, i) for i in range(d.skip, n))
+        if self.machine is not None:
+            msgs = M.decode_packet_messages(d.packet, n, d.skip)
+            self.alerts.extend(self.machine.apply_run(d.first_seq, msgs))
+        else:
+            self.client.on_delivered(d.packet, d.skip, self.sim.now)
 
     def tick(self) -> None:
         now = self.sim.now
-        gap = self.rx.missing()
-        if gap is not None and now - self.asked >= 10 * MS:
-            self.asked = now
-            rw = REWINDERS[(now // (10 * MS)) % len(REWINDERS)]
-            self.sim.send(self.name, rw, ("gap", moldudp64.encode_request(SESSION, *gap)))
-        if self.machine is not None:
+        ask = self.core.on_timer(now)
+        if ask is not None:
+            self.sim.send(self.name, REWINDERS[ask.index], ("gap", ask.request))
+        if self.client is None:
             return
-        if self.next_cseq <= self.sim.per_client and now < FAULTS_UNTIL and self.sim.rng.random() < 0.2:
-            count = min(self.sim.rng.randint(1, 8), self.sim.per_client - self.next_cseq + 1)
-            data = moldudp64.encode_packet(self.origin, self.next_cseq, self.gen.take(count))
-            self.unacked.append([self.next_cseq, count, data, now + 50 * MS])
-            self.next_cseq += count
+        c = self.client
+        if c.next_cseq <= self.sim.per_client and self.sim.rng.random() < 0.2:
+            count = min(self.sim.rng.randint(1, 8), self.sim.per_client - c.next_cseq + 1)
+            for data in c.submit(self.gen.take(count), now):
+                self.submit(data)
+        for data in c.on_timer(now):
             self.submit(data)
-        for i, u in enumerate(self.unacked[:8]):  # resend what is overdue, the oldest first
-            if now >= u[3]:
-                u[3] = now + 50 * MS * (1 if i == 0 else 2)
-                self.submit(u[2])
 
     def submit(self, data: bytes) -> None:
         for s in SEQUENCERS:
@@ -447,7 +439,7 @@ class Sim:
             return False
         if self.paused or self.cut or not all(v.up for v in self.voters.values()):
             return False  # every fault healed
-        if any(c.next_cseq <= self.per_client or c.unacked for c in (self.listeners[n] for n in CLIENTS)):
+        if any(c.next_cseq <= self.per_client or c.unacked for c in (self.listeners[n].client for n in CLIENTS)):
             return False
         leader = self.leader()
         if leader is None or leader.commit_seq < len(leader.log):
@@ -493,8 +485,7 @@ class Sim:
         if dups:
             raise Violation(f"sequenced twice: {dups[:3]}")
         for name in CLIENTS:  # no loss: everything a client saw sequenced, and (after healing) all it sent
-            cl = self.listeners[name]
-            mine = sorted(cseq for origin, cseq in trades if origin == cl.origin)
+            mine = sorted(cseq for origin, cseq in trades if origin == wire(name))
             if mine != list(range(1, self.per_client + 1)):
                 raise Violation(f"{name}: sequenced client seqs are not 1..{self.per_client}")
         replicas = [self.listeners[r] for r in REPLICAS]
