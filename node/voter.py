@@ -12,7 +12,6 @@ so that a restarted voter never votes twice in a term.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import json
 import logging
 import os
@@ -24,12 +23,11 @@ from pathlib import Path
 from typing import Callable
 
 from tape.node.settings import Config, Node
-from tape.protocol import messages
 from tape.protocol import replication as rep
-from tape.protocol.election import ElectionAction, ElectionCore, Persist, RequestVotes
+from tape.protocol.election import ElectionAction, Persist, RequestVotes
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.follower import FollowerCore
 from tape.protocol.limits import CONTROL_READ, FETCH_MAX, STREAM_READ
+from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 
 log = logging.getLogger("tape.voter")
 _TYPE_ORIGIN_CSEQ = struct.Struct(">B56x10sQ")  # type, origin and client seq of a sequenced message
@@ -65,42 +63,6 @@ class VoteStore:
             os.close(dir_fd)
 
 
-class LogState:
-    """What a voter needs of its log without reading the journal: the term of
-    any seq (the seqs where each term starts; terms change rarely) and the
-    highest client seq sequenced per client (so that a node that becomes
-    leader dedupes at once). Kept as records reach the journal."""
-
-    def __init__(self):
-        self.client_last: dict[bytes, int] = {}
-        self.term_starts: list[tuple[int, int]] = []  # (first seq, term), ascending
-
-    def note_term(self, first_seq: int, term: int) -> None:
-        """Entries of `term` from `first_seq` on. All a leader notes of its own
-        batches: its LeaderCore keeps the client seqs, and hands them over
-        when it steps down."""
-        if not self.term_starts or term != self.term_starts[-1][1]:
-            self.term_starts.append((first_seq, term))
-
-    def note(self, records) -> None:
-        last = self.client_last
-        unpack = _TYPE_ORIGIN_CSEQ.unpack_from
-        for seq, term, raw in records:
-            self.note_term(seq, term)
-            kind, origin, cseq = unpack(raw)
-            if (kind == messages.REQUEST or kind == messages.PURCHASE) and cseq > last.get(origin, 0):
-                last[origin] = cseq
-
-    def rebuild(self, journal) -> None:
-        self.client_last = {}
-        self.term_starts = []
-        self.note(journal.read())
-
-    def term_at(self, seq: int) -> int:
-        i = bisect.bisect_right(self.term_starts, (seq, 1 << 64)) - 1
-        return self.term_starts[i][1] if seq > 0 and i >= 0 else 0
-
-
 class Voter:
     def __init__(self, cfg: Config, node: Node, journal, can_lead: bool,
                  on_action: Callable[[ElectionAction], None] | None = None, on_fatal: Callable[[str], None] = None,
@@ -113,44 +75,49 @@ class Voter:
         self.on_fatal = on_fatal or (lambda why: None)  # the node's state is impossible: it must stop
         self.store = VoteStore(Path(node.data) / "election.json")
         term, voted_for = self.store.load()
-        term = max(term, journal.last_term)
-        self.log = LogState()
-        self.log.rebuild(journal)
-        self.follower = FollowerCore(node.wire_name, journal.last_seq, journal.last_term, self.term_at, term=term)
         lo = cfg.election_ms * 1_000_000
         # Seeded by the node's name: each voter has its own jitter, the same on every run.
         rng = random.Random(zlib.crc32(node.name.encode()))
-        self.election = ElectionCore(node.wire_name, [v.wire_name for v in cfg.voters], can_lead,
-                                     lambda: (journal.last_seq, journal.last_term), rng, (lo, 2 * lo), term, voted_for,
-                                     time.monotonic_ns())
+        now = time.monotonic_ns()
+        self.core = VoterCore(node.wire_name, [v.wire_name for v in cfg.voters], can_lead, rng, (lo, 2 * lo), term,
+                              voted_for, now, journal.read())
         # The first election comes sooner: pre-votes keep a restarted node from disrupting a live leader.
-        self.election.deadline = time.monotonic_ns() + rng.randint(lo // 4, lo // 2)
+        self.election.deadline = now + rng.randint(lo // 4, lo // 2)
         self.committed = asyncio.Event()  # set and cleared whenever the commit point moves
         # Fault injection for drills: while DATA/partitioned exists, this node
         # neither accepts nor makes replication connections (both directions cut).
         self.partition_flag = Path(node.data) / "partitioned"
         self.partitioned = False
         self._conns: set[asyncio.StreamWriter] = set()
-        self._leader_conns: dict[asyncio.StreamWriter, tuple[bytes, int]] = {}  # which carried the leader's appends
-        self.appended = 0
         self.bad_frames = 0
-        self.truncations = 0
+
+    # What the sequencer and the metrics read of the core.
+    election = property(lambda self: self.core.election)
+    log = property(lambda self: self.core.log)
+    commit_seq = property(lambda self: self.core.commit_seq)
+    appended = property(lambda self: self.core.appended)
+    truncations = property(lambda self: self.core.truncations)
 
     def term_at(self, seq: int) -> int:
-        if seq > self.journal.last_seq:
-            raise InvariantViolation(f"journal has no seq {seq}")
-        return self.log.term_at(seq)
-
-    @property
-    def commit_seq(self) -> int:
-        return self.follower.commit_seq
+        return self.core.term_at(seq)
 
     def act(self, actions: list) -> None:
+        """Carry out a core's actions in order: the journal and the vote are durable before any reply."""
+        truncated = False
         for action in actions:
             if isinstance(action, Persist):
                 self.store.save(action.term, action.voted_for)
+            elif isinstance(action, Truncate):
+                log.warning("dropping uncommitted suffix after seq %d (conflicts with the leader's log)",
+                            action.after_seq)
+                self.journal.truncate_after(action.after_seq)
+                truncated = True
+            elif isinstance(action, AppendRecords):
+                self.journal.append(action.records)  # durable before the ack, per the fsync policy
             else:
                 self.on_action(action)
+        if truncated:
+            self.core.rebuild_log(self.journal.read())
 
     def tick(self) -> None:
         cut = self.partition_flag.exists()
@@ -164,11 +131,12 @@ class Voter:
             self.on_partition(cut)
         self.act(self.election.on_tick(time.monotonic_ns()))
 
-    def resync(self, commit_seq: int) -> None:
+    def note_own(self, first_seq: int, last_seq: int, term: int) -> None:
+        self.core.note_own(first_seq, last_seq, term)
+
+    def resync(self, commit_seq: int, client_last: dict[bytes, int]) -> None:
         """After leading: follow again from what the journal holds."""
-        self.follower = FollowerCore(self.node.wire_name, self.journal.last_seq, self.journal.last_term, self.term_at,
-                                     term=self.election.term)
-        self.follower.commit_seq = commit_seq
+        self.core.resync(commit_seq, client_last)
 
     # --- the replication port -------------------------------------------------------
 
@@ -179,8 +147,7 @@ class Voter:
             writer.close()
             return
         self._conns.add(writer)
-        writer.write(rep.encode_hello(self.election.term, self.node.wire_name, self.journal.last_seq,
-                                      self.journal.last_term))
+        writer.write(rep.encode_hello(*self.core.hello()))
         frames = rep.FrameReader()
         closed_by_peer = False
         try:
@@ -190,16 +157,7 @@ class Voter:
                     closed_by_peer = True
                     break
                 for fr in frames.feed(data):
-                    if isinstance(fr, rep.Append):
-                        writer.write(self.on_append(fr))
-                        if self.election.leader == fr.leader and self.election.term == fr.term:
-                            self._leader_conns[writer] = (fr.leader, fr.term)
-                    elif isinstance(fr, rep.VoteRequest):
-                        writer.write(self.on_vote_request(fr))
-                    elif isinstance(fr, rep.Fetch):
-                        writer.write(self.on_fetch(fr))
-                    else:
-                        raise ProtocolError("unexpected", f"{type(fr).__name__} frame on a voter's port", 0)
+                    writer.write(self._on_frame(fr, writer))
         except ProtocolError as e:
             self.bad_frames += 1
             log.warning("bad replication frame, closing: %s", e)
@@ -211,61 +169,45 @@ class Voter:
             pass  # shutting down
         finally:
             self._conns.discard(writer)
-            carried = self._leader_conns.pop(writer, None)
             writer.close()
-            if closed_by_peer and carried == (self.election.leader, self.election.term) and not self.partitioned \
-                    and carried not in self._leader_conns.values():
-                log.warning("leader %s closed its connection in term %d: taking it for gone",
-                            carried[0].decode(errors="replace").strip(), carried[1])
-                self.act(self.election.on_leader_lost(*carried, time.monotonic_ns()))
+            if self.core.on_closed(writer, closed_by_peer and not self.partitioned, time.monotonic_ns()):
+                log.warning("the leader's connection closed in term %d: taking it for gone", self.election.term)
 
-    def on_append(self, a: rep.Append) -> bytes:
-        ok, actions = self.election.on_append(a.term, a.leader, time.monotonic_ns())
-        self.act(actions)  # a leader seeing a higher term steps down here, before following
-        if not ok:
-            return rep.encode_ack(self.election.term, self.node.wire_name, False, self.journal.last_seq)
-        before = self.follower.commit_seq
-        self.follower.term = self.election.term
-        res = self.follower.on_append(a)
-        if res.truncate_after is not None:
-            if res.truncate_after < before:
-                raise InvariantViolation(f"asked to drop committed seq {res.truncate_after + 1}: refusing")
-            log.warning(
-                "dropping uncommitted suffix after seq %d (conflicts with the leader's log)", res.truncate_after
-            )
-            self.journal.truncate_after(res.truncate_after)
-            self.log.rebuild(self.journal)
-            self.truncations += 1
-        if res.records:
-            self.journal.append(res.records)  # durable before the ack, per the fsync policy
-            self.log.note(res.records)
-            self.appended += len(res.records)
-        if self.follower.commit_seq != before:
-            self.committed.set()
-            self.committed.clear()
-        return rep.encode_ack(self.election.term, self.node.wire_name, res.success, res.last_seq)
-
-    def on_vote_request(self, v: rep.VoteRequest) -> bytes:
-        granted, actions = self.election.on_vote_request(v.term, v.candidate, v.last_seq, v.last_term, v.pre,
-                                                         time.monotonic_ns())
-        self.act(actions)  # the vote is on disk before it is sent
-        if granted and not v.pre:
-            log.info("voted for %s in term %d", v.candidate.decode(errors="replace").strip(), v.term)
-        return rep.encode_vote(self.election.reply_term(v.term, granted, v.pre), self.node.wire_name, granted, v.pre)
+    def _on_frame(self, fr, conn) -> bytes:
+        """The reply to one frame, after its actions are carried out."""
+        now = time.monotonic_ns()
+        if isinstance(fr, rep.Append):
+            before = self.core.commit_seq
+            reply, actions = self.core.on_append(fr, conn, now)
+            self.act(actions)  # a leader seeing a higher term steps down here, before following
+            if self.core.commit_seq != before:
+                self.committed.set()
+                self.committed.clear()
+            return rep.encode_ack(*reply)
+        if isinstance(fr, rep.VoteRequest):
+            reply, actions = self.core.on_vote_request(fr, now)
+            self.act(actions)  # the vote is on disk before it is sent
+            if self.election.voted_for == fr.candidate and not fr.pre and self.election.term == fr.term:
+                log.info("voted for %s in term %d", fr.candidate.decode(errors="replace").strip(), fr.term)
+            return rep.encode_vote(*reply)
+        if isinstance(fr, rep.Fetch):
+            return self.on_fetch(fr)
+        raise ProtocolError("unexpected", f"{type(fr).__name__} frame on a voter's port", 0)
 
     def on_fetch(self, f: rep.Fetch) -> bytes:
-        """Our own log from f.from_seq, if it continues the asker's (its entry
-        before from_seq has our term there); ends with an empty append."""
-        out = []
-        prev = f.from_seq - 1
-        if 0 <= prev <= self.journal.last_seq and self.term_at(prev) == f.prev_term:
-            records = self.journal.read_batch(f.from_seq, FETCH_MAX)
-            out.append(rep.encode_runs(self.election.term, self.node.wire_name, prev, f.prev_term, self.commit_seq,
-                                       records))
-            prev = records[-1][0] if records else prev
-        out.append(rep.encode_append(self.election.term, self.node.wire_name, prev, self.term_at(prev),
-                                     self.commit_seq, self.election.term, []))
-        return b"".join(out)
+        """Our own log from f.from_seq, if it continues the asker's; ends with an empty append."""
+        start = self.core.fetch_start(f)
+        e = self.election
+        if start is None:
+            prev = min(max(f.from_seq - 1, 0), self.core.last_seq)
+            return rep.encode_append(e.term, self.node.wire_name, prev, self.term_at(prev), self.commit_seq, e.term, [])
+        prev, prev_term = start
+        records = self.journal.read_batch(f.from_seq, FETCH_MAX)
+        out = rep.encode_runs(e.term, self.node.wire_name, prev, prev_term, self.commit_seq, records)
+        if records:
+            prev = records[-1][0]
+        return out + rep.encode_append(e.term, self.node.wire_name, prev, self.term_at(prev), self.commit_seq,
+                                       e.term, [])
 
     async def fetch_from(self, voter: Node) -> int:
         """Extend our log with what `voter` holds beyond it (entries its
@@ -279,7 +221,7 @@ class Voter:
         except (OSError, asyncio.TimeoutError):
             return 0
         try:
-            writer.write(rep.encode_fetch(self.journal.last_seq + 1, self.journal.last_term))
+            writer.write(rep.encode_fetch(self.core.last_seq + 1, self.core.last_term))
             frames = rep.FrameReader()
             while True:
                 data = await asyncio.wait_for(reader.read(STREAM_READ), 2.0)
@@ -288,16 +230,10 @@ class Voter:
                 for fr in frames.feed(data):
                     if not isinstance(fr, rep.Append):
                         continue
-                    if fr.count == 0:
-                        return taken
-                    if self.election.leader is not None or fr.prev_seq != self.journal.last_seq \
-                            or self.term_at(fr.prev_seq) != fr.prev_term or fr.entries_term > self.election.term:
-                        return taken  # a leader appeared, or the logs do not line up: stop
-                    records = [(fr.prev_seq + 1 + i, fr.entries_term, m) for i, m in enumerate(fr.messages())]
+                    records = self.core.take_fetched(fr) if fr.count else None
+                    if not records:
+                        return taken  # the end, a leader appeared, or the logs do not line up
                     self.journal.append(records)
-                    self.log.note(records)
-                    self.follower = FollowerCore(self.node.wire_name, self.journal.last_seq, self.journal.last_term,
-                                                 self.term_at, term=self.election.term)
                     taken += len(records)
         except (OSError, asyncio.TimeoutError, ProtocolError):
             return taken
@@ -305,7 +241,7 @@ class Voter:
             writer.close()
             if taken:
                 log.warning("took %d entries from %s to catch up (log now ends at seq %d, term %d)", taken,
-                            voter.name, self.journal.last_seq, self.journal.last_term)
+                            voter.name, self.core.last_seq, self.core.last_term)
 
     # --- campaigning -------------------------------------------------------------------
 
@@ -334,7 +270,7 @@ class Voter:
                     if isinstance(fr, rep.Vote):
                         self.act(self.election.on_vote(fr.term, fr.voter, fr.granted, fr.pre, time.monotonic_ns()))
                         if not fr.granted and hello is not None and self.election.leader is None and \
-                                (hello.last_term, hello.last_seq) > (self.journal.last_term, self.journal.last_seq):
+                                (hello.last_term, hello.last_seq) > (self.core.last_term, self.core.last_seq):
                             await self.fetch_from(voter)  # refused for being behind: catch up for the next round
                         return
                     if isinstance(fr, rep.Hello):

@@ -27,12 +27,13 @@ from tape.ops.reference import expected_alerts
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
-from tape.protocol.election import ElectionCore, Lead, Persist, RequestVotes, StepDown
-from tape.protocol.errors import ProtocolError
-from tape.protocol.follower import FollowerCore
+from tape.protocol import replication as rep
+from tape.protocol.election import Lead, Persist, RequestVotes, StepDown
+from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.listener import Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
-from tape.protocol.replication import Ack, Append, Vote, VoteRequest
+from tape.protocol.replication import Ack, Append, Fetch, Vote, VoteRequest
+from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 from tape.replicas.audit import AuditMachine
 from tape.rewinder.gapfill import GapFillCore
 from tape.sequencer.client_core import ClientCore
@@ -78,12 +79,16 @@ class Voter:
     def position(self) -> tuple[int, int]:
         return len(self.log), (self.log[-1][0] if self.log else 0)
 
+    def records(self) -> list:
+        return [(seq, term, m) for seq, (term, m) in enumerate(self.log, 1)]
+
     def restart(self) -> None:
+        """A process (re)starting on its durable state: the log and the vote."""
         term, voted = self.vote
         rng = random.Random(self.sim.rng.random())
-        self.election = ElectionCore(self.wire, [wire(v) for v in VOTERS], self.can_lead, self.position, rng,
-                                     (150 * MS, 300 * MS), term, voted, self.sim.now)
-        self.follower = FollowerCore(self.wire, *self.position(), self.term_at, term=max(term, self.position()[1]))
+        self.core = VoterCore(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, (150 * MS, 300 * MS), term,
+                              voted, self.sim.now, self.records())
+        self.election = self.core.election
         self.leader: LeaderCore | None = None
         self.next: dict[str, int] = {}
         self.gapfill = GapFillCore(SESSION, 17, rate_per_s=5000.0)
@@ -93,12 +98,21 @@ class Voter:
 
     @property
     def commit_seq(self) -> int:
-        return self.leader.commit_seq if self.leader else self.follower.commit_seq
+        return self.leader.commit_seq if self.leader else self.core.commit_seq
 
     def act(self, actions: list) -> None:
+        """Carry out a core's actions as the voter shell does (node/voter.py)."""
+        truncated = False
         for a in actions:
             if isinstance(a, Persist):
                 self.vote = (a.term, a.voted_for)
+            elif isinstance(a, Truncate):
+                del self.log[a.after_seq:]
+                truncated = True
+            elif isinstance(a, AppendRecords):
+                if a.records[0][0] != len(self.log) + 1:
+                    raise Violation(f"{self.name} appends seq {a.records[0][0]} after {len(self.log)}")
+                self.log.extend((term, m) for _, term, m in a.records)
             elif isinstance(a, RequestVotes):
                 for v in VOTERS:
                     if v != self.name:
@@ -108,22 +122,18 @@ class Voter:
             elif isinstance(a, StepDown):
                 if self.leader is not None:
                     self.sim.close_links(self.name, self.leader.term)
-                    self.follower = FollowerCore(self.wire, *self.position(), self.term_at, term=self.election.term)
-                    self.follower.commit_seq = self.leader.commit_seq
+                    self.core.resync(self.leader.commit_seq, self.leader.sequenced_client_last())
                     self.leader = None
+        if truncated:
+            self.core.rebuild_log(self.records())
 
     def lead(self, term: int) -> None:
         known = self.sim.leaders.setdefault(term, self.name)
         if known != self.name:
             raise Violation(f"two leaders in term {term}: {known} and {self.name}")
-        client_last: dict[bytes, int] = {}
-        for _, msg in self.log:
-            m = M.SEQUENCED.unpack(msg)
-            if m[M.TYPE] in (M.REQUEST, M.PURCHASE):
-                client_last[m[M.ORIGIN]] = max(client_last.get(m[M.ORIGIN], 0), m[M.CLIENT_SEQ])
         last_seq, last_term = self.position()
         self.leader = LeaderCore(SESSION, self.wire, term, [wire(v) for v in VOTERS if v != self.name],
-                                 {wire(c): None for c in CLIENTS}, last_seq, last_term, client_last,
+                                 {wire(c): None for c in CLIENTS}, last_seq, last_term, dict(self.core.log.client_last),
                                  tick_ns=100 * MS, heartbeat_ns=50 * MS)
         self.next = {v: last_seq + 1 for v in VOTERS if v != self.name}
         self.process(self.leader.start_term(self.sim.now))
@@ -143,18 +153,22 @@ class Voter:
             self.sim.crash(self.name, self.crash_before_journal)
             return
         self.log.extend((batch.term, m) for m in batch.messages)
+        self.core.note_own(batch.first_seq, batch.last_seq, batch.term)
         self.sim.publish(self.name, c.on_journaled(batch.last_seq))
 
-    def take_fetched(self, prev: int, entries: list) -> None:
-        """Entries another voter holds beyond our log (as Voter.fetch_from):
-        taken only while no leader is known and if they continue our log."""
-        if self.leader is not None or self.election.leader is not None or prev != len(self.log):
-            return
-        for term, m in entries:
-            if term > self.election.term or (self.log and term < self.log[-1][0]):
+    def appends(self, prev: int, count: int) -> list:
+        """Our log after `prev`, as the append frames a real voter's fetch answer holds."""
+        records = self.records()[prev:prev + count]
+        frames = rep.encode_runs(self.election.term, self.wire, prev, self.term_at(prev), self.commit_seq, records)
+        return rep.FrameReader().feed(frames)
+
+    def take_fetched(self, appends: list) -> None:
+        """A fetch answer: entries another voter holds beyond our log, taken as Voter.fetch_from does."""
+        for a in appends:
+            records = self.core.take_fetched(a) if self.leader is None else None
+            if not records:
                 return
-            self.log.append((term, m))
-        self.follower = FollowerCore(self.wire, *self.position(), self.term_at, term=self.election.term)
+            self.log.extend((term, m) for _, term, m in records)
 
     def tick(self) -> None:
         self.act(self.election.on_tick(self.sim.now))
@@ -183,22 +197,9 @@ class Voter:
     def receive(self, src: str, msg) -> None:
         now = self.sim.now
         if isinstance(msg, Append):
-            ok, actions = self.election.on_append(msg.term, msg.leader, now)
+            ack, actions = self.core.on_append(msg, src, now)
             self.act(actions)
-            if not ok:
-                return self.sim.send(self.name, src, Ack(self.election.term, self.wire, False, len(self.log)))
-            self.follower.term = self.election.term
-            before = self.follower.commit_seq
-            res = self.follower.on_append(msg)
-            if res.truncate_after is not None:
-                if res.truncate_after < before:
-                    raise Violation(f"{self.name} asked to drop committed seq {res.truncate_after + 1}")
-                del self.log[res.truncate_after:]
-            for seq, term, m in res.records:
-                if seq != len(self.log) + 1:
-                    raise Violation(f"{self.name} appends seq {seq} after {len(self.log)}")
-                self.log.append((term, m))
-            self.sim.send(self.name, src, Ack(self.election.term, self.wire, res.success, res.last_seq))
+            self.sim.send(self.name, src, ack)
         elif isinstance(msg, Ack):
             self.act(self.election.on_ack(msg.follower, msg.term, now))
             if self.leader is None:
@@ -209,12 +210,10 @@ class Voter:
             if packets:
                 self.sim.publish(self.name, packets)
         elif isinstance(msg, VoteRequest):
-            granted, actions = self.election.on_vote_request(msg.term, msg.candidate, msg.last_seq, msg.last_term,
-                                                             msg.pre, now)
+            vote, actions = self.core.on_vote_request(msg, now)
             self.act(actions)
             self.sim.send(self.name, src, ("hello", *self.position()))
-            self.sim.send(self.name, src, Vote(self.election.reply_term(msg.term, granted, msg.pre), self.wire,
-                                               granted, msg.pre))
+            self.sim.send(self.name, src, vote)
         elif isinstance(msg, Vote):
             self.act(self.election.on_vote(msg.term, msg.voter, msg.granted, msg.pre, now))
             theirs = self.hellos.pop(src, None)
@@ -225,14 +224,13 @@ class Voter:
         elif msg[0] == "hello":
             self.hellos[src] = (msg[1], msg[2])
         elif msg[0] == "fetch":
-            _, from_seq, prev_term = msg
-            prev = from_seq - 1
-            if 0 <= prev <= len(self.log) and self.term_at(prev) == prev_term:
-                self.sim.send(self.name, src, ("fetched", prev, self.log[prev:prev + CATCHUP]))
+            start = self.core.fetch_start(Fetch(msg[1], msg[2]))
+            if start is not None:
+                self.sim.send(self.name, src, ("fetched", self.appends(start[0], CATCHUP)))
         elif msg[0] == "fetched":
-            self.take_fetched(msg[1], msg[2])
+            self.take_fetched(msg[1])
         elif msg[0] == "closed":
-            self.act(self.election.on_leader_lost(wire(src), msg[1], now))
+            self.core.on_closed(src, True, now)
         elif msg[0] == "inbound":
             if self.leader is not None:
                 self.leader.on_inbound(msg[1], now)  # bad input comes back as a reason: counted, dropped
@@ -354,7 +352,10 @@ class Sim:
         if dst in self.paused:
             self.paused[dst].append((src, msg))
             return
-        node.receive(src, msg)
+        try:
+            node.receive(src, msg)
+        except InvariantViolation as e:  # the process would stop with exit 4: a failed seed
+            raise Violation(f"{dst} {e}") from e
 
     def publish(self, src: str, packets: list[bytes]) -> None:
         for pkt in packets:

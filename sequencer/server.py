@@ -215,8 +215,7 @@ class Sequencer(NodeProcess):
         self._last["packets"] += c.published_packets
         for k, v in c.dropped.items():
             self._last["dropped"][k] = self._last["dropped"].get(k, 0) + v
-        self.voter.log.client_last = c.sequenced_client_last()
-        self.voter.resync(c.commit_seq)
+        self.voter.resync(c.commit_seq, c.sequenced_client_last())
 
     async def _shutdown(self) -> None:
         c = self.core
@@ -302,7 +301,7 @@ class Sequencer(NodeProcess):
                 link.live = False
                 link.wake.set()
         self.journal.append(batch.records())
-        self.voter.log.note_term(batch.first_seq, batch.term)  # no per-message work on the leader's path
+        self.voter.note_own(batch.first_seq, batch.last_seq, batch.term)  # no per-message work on this path
         self._publish(self.core.on_journaled(batch.last_seq))
 
     def _publish(self, packets: list[bytes]) -> None:

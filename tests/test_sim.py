@@ -4,7 +4,9 @@ checked against DESIGN.md section 9; and proof that it catches broken rules."""
 import re
 
 from tape.ops import sim
+from tape.protocol.election import ElectionCore
 from tape.protocol.listener import ListenerCore
+from tape.protocol.voter import VoterCore
 from tape.sequencer.client_core import ClientCore
 
 
@@ -27,9 +29,9 @@ def test_the_simulator_catches_a_leader_that_commits_alone(monkeypatch):
 
 
 def test_the_simulator_catches_votes_without_the_election_restriction(monkeypatch):
-    original = sim.ElectionCore.on_vote_request
+    original = ElectionCore.on_vote_request
     monkeypatch.setattr(
-        sim.ElectionCore,
+        ElectionCore,
         "on_vote_request",
         lambda self, term, cand, seq, lterm, pre, now: original(self, term, cand, 10**9, 10**9, pre, now),
     )
@@ -52,7 +54,7 @@ def test_without_the_fetch_a_leader_dying_mid_batch_can_stall_elections(monkeypa
     # The leader replicates a batch before journaling it; if it dies between the two, only
     # rewinders (which never lead) may hold the batch, and no sequencer can win their votes
     # until it fetches those entries (docs/failover.md#a-standby-behind-the-rewinders).
-    monkeypatch.setattr(sim.Voter, "take_fetched", lambda self, prev, entries: None)
+    monkeypatch.setattr(VoterCore, "take_fetched", lambda self, append: None)
     stalled = [s for s in range(1, 301) if "no progress" in (sim.run_seed(s)[1] or "")]
     assert len(stalled) >= 2
 

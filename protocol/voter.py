@@ -1,0 +1,204 @@
+"""Every voter's decisions (sequencers and rewinders). Pure.
+
+A voter follows the leader's log and votes. This core holds what it needs
+of its log without reading the journal (LogState: the term of every seq, the
+highest client seq per client) and combines ElectionCore (who leads) with
+FollowerCore (Raft's append rules). Events in: an append, a vote request, a
+fetch, the close of a connection, the time. Actions out, carried out by the
+shell in order, before it sends the reply the event returns:
+
+    Persist(term, voted_for)       (from the election) durably, first
+    Truncate(after_seq)            drop the journal's records after this seq;
+                                   once every action of the event is done,
+                                   call rebuild_log() with the journal's records
+    AppendRecords(records)         append (seq, term, message) to the journal
+    StepDown / Lead / RequestVotes (from the election) for the sequencer
+
+A voter never drops a committed entry: a leader asking it to is a broken
+election rule, an impossible state (InvariantViolation, exit 4).
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+from dataclasses import dataclass
+from typing import Hashable
+
+from tape.protocol import messages
+from tape.protocol import replication as rep
+from tape.protocol.election import ElectionAction, ElectionCore, Rng
+from tape.protocol.errors import InvariantViolation
+from tape.protocol.follower import FollowerCore
+
+_TYPE_ORIGIN_CSEQ = struct.Struct(">B56x10sQ")  # type, origin and client seq of a sequenced message
+
+
+@dataclass(frozen=True)
+class Truncate:
+    after_seq: int
+
+
+@dataclass(frozen=True)
+class AppendRecords:
+    records: list  # [(seq, term, message)], continuing the journal
+
+
+VoterAction = ElectionAction | Truncate | AppendRecords
+
+
+class LogState:
+    """The term of any seq (where each term starts; terms change rarely) and
+    the highest client seq sequenced per client (so that a node that becomes
+    leader dedupes at once). Kept as records reach the journal."""
+
+    def __init__(self):
+        self.client_last: dict[bytes, int] = {}
+        self.term_starts: list[tuple[int, int]] = []  # (first seq, term), ascending
+        self.last = (0, 0)  # (seq, term) of the last record noted
+
+    def note_term(self, first_seq: int, term: int) -> None:
+        """Entries of `term` from `first_seq` on. All a leader notes of its own
+        batches: its LeaderCore keeps the client seqs, and hands them over
+        when it steps down."""
+        if not self.term_starts or term != self.term_starts[-1][1]:
+            self.term_starts.append((first_seq, term))
+
+    def note(self, records) -> None:
+        last = self.client_last
+        unpack = _TYPE_ORIGIN_CSEQ.unpack_from
+        seq = None
+        for seq, term, raw in records:
+            self.note_term(seq, term)
+            kind, origin, cseq = unpack(raw)
+            if (kind == messages.REQUEST or kind == messages.PURCHASE) and cseq > last.get(origin, 0):
+                last[origin] = cseq
+        if seq is not None:
+            self.last = (seq, term)
+
+    def rebuild(self, records) -> None:
+        self.client_last = {}
+        self.term_starts = []
+        self.last = (0, 0)
+        self.note(records)
+
+    def term_at(self, seq: int) -> int:
+        i = bisect.bisect_right(self.term_starts, (seq, 1 << 64)) - 1
+        return self.term_starts[i][1] if seq > 0 and i >= 0 else 0
+
+
+class VoterCore:
+    def __init__(self, name: bytes, voters: list[bytes], can_lead: bool, rng: Rng, timeout_ns: tuple[int, int],
+                 term: int, voted_for: bytes | None, now_ns: int, records=()):
+        """`records`: the journal as it is, (seq, term, message) in order."""
+        self.name = name
+        self.log = LogState()
+        self.last_seq = self.last_term = 0
+        self.rebuild_log(records)
+        self.election = ElectionCore(name, voters, can_lead, self.position, rng, timeout_ns,
+                                     max(term, self.last_term), voted_for, now_ns)
+        self.follower = FollowerCore(name, self.last_seq, self.last_term, self.term_at, term=self.election.term)
+        self._leader_conns: dict[Hashable, tuple[bytes, int]] = {}  # connections that carried the leader's appends
+        self.appended = 0
+        self.truncations = 0
+
+    # --- the log -------------------------------------------------------------------------
+
+    def position(self) -> tuple[int, int]:
+        return self.last_seq, self.last_term
+
+    def term_at(self, seq: int) -> int:
+        if seq > self.last_seq:
+            raise InvariantViolation(f"the log has no seq {seq} (it ends at {self.last_seq})")
+        return self.log.term_at(seq)
+
+    def rebuild_log(self, records) -> None:
+        """At start, and after a Truncate: the journal's records, in order (any iterable)."""
+        self.log.rebuild(records)
+        self.last_seq, self.last_term = self.log.last
+
+    def _noted(self, records: list) -> None:
+        self.log.note(records)
+        self.last_seq, self.last_term = self.log.last
+
+    @property
+    def commit_seq(self) -> int:
+        return self.follower.commit_seq
+
+    def note_own(self, first_seq: int, last_seq: int, term: int) -> None:
+        """The leader appended its own batch: the log moves without a per-message look."""
+        self.log.note_term(first_seq, term)
+        self.last_seq, self.last_term = last_seq, term
+
+    def resync(self, commit_seq: int, client_last: dict[bytes, int]) -> None:
+        """After leading: follow again from the log as it is."""
+        self.log.client_last = client_last
+        self.follower = FollowerCore(self.name, self.last_seq, self.last_term, self.term_at, term=self.election.term)
+        self.follower.commit_seq = commit_seq
+
+    # --- events ----------------------------------------------------------------------------
+
+    def on_append(self, a: rep.Append, conn: Hashable, now_ns: int) -> tuple[rep.Ack, list[VoterAction]]:
+        """(the ack to send once the actions are done, actions)."""
+        ok, out = self.election.on_append(a.term, a.leader, now_ns)
+        if not ok:
+            return rep.Ack(self.election.term, self.name, False, self.last_seq), out
+        before = self.follower.commit_seq
+        self.follower.term = self.election.term
+        res = self.follower.on_append(a)
+        if res.truncate_after is not None:
+            if res.truncate_after < before:
+                raise InvariantViolation(f"asked to drop committed seq {res.truncate_after + 1} (committed "
+                                         f"through {before}): refusing")
+            out.append(Truncate(res.truncate_after))
+            self.truncations += 1
+            self.last_seq = res.truncate_after
+            self.last_term = self.log.term_at(res.truncate_after)
+        if res.records:
+            out.append(AppendRecords(res.records))
+            self._noted(res.records)
+            self.appended += len(res.records)
+        if self.election.leader == a.leader and self.election.term == a.term:
+            self._leader_conns[conn] = (a.leader, a.term)
+        return rep.Ack(self.election.term, self.name, res.success, res.last_seq), out
+
+    def on_vote_request(self, v: rep.VoteRequest, now_ns: int) -> tuple[rep.Vote, list[VoterAction]]:
+        """(the vote to send once the actions, its persistence first, are done; actions)."""
+        granted, out = self.election.on_vote_request(v.term, v.candidate, v.last_seq, v.last_term, v.pre, now_ns)
+        return rep.Vote(self.election.reply_term(v.term, granted, v.pre), self.name, granted, v.pre), out
+
+    def hello(self) -> rep.Hello:
+        return rep.Hello(self.election.term, self.name, self.last_seq, self.last_term)
+
+    def on_closed(self, conn: Hashable, by_peer: bool, now_ns: int) -> bool:
+        """A connection closed. If it carried the current leader's appends and the
+        peer closed it (its process most likely died), take the leader for gone
+        (and say so: True)."""
+        carried = self._leader_conns.pop(conn, None)
+        e = self.election
+        if by_peer and carried == (e.leader, e.term) and carried not in self._leader_conns.values():
+            e.on_leader_lost(carried[0], carried[1], now_ns)
+            return True
+        return False
+
+    def fetch_start(self, f: rep.Fetch) -> tuple[int, int] | None:
+        """A fetch is answered from seq f.from_seq if our entry before it has the asker's
+        term there (our log continues theirs): (prev seq, its term), else None."""
+        prev = f.from_seq - 1
+        if 0 <= prev <= self.last_seq and self.term_at(prev) == f.prev_term:
+            return prev, f.prev_term
+        return None
+
+    def take_fetched(self, a: rep.Append) -> list | None:
+        """Entries another voter's fetch answer holds beyond our log, to append
+        (what its leaders' appends would have brought), or None to stop: a
+        leader appeared, or the logs do not line up."""
+        if self.election.leader is not None or a.prev_seq != self.last_seq or self.term_at(a.prev_seq) != a.prev_term \
+                or a.entries_term > self.election.term or a.entries_term < self.last_term:
+            return None
+        records = [(a.prev_seq + 1 + i, a.entries_term, m) for i, m in enumerate(a.messages())]
+        if records:
+            self._noted(records)
+            self.follower = FollowerCore(self.name, self.last_seq, self.last_term, self.term_at,
+                                         term=self.election.term)
+        return records

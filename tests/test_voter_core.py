@@ -1,0 +1,66 @@
+"""VoterCore (protocol/voter.py), the decisions every voter's endpoint and the simulator run."""
+
+import random
+
+import pytest
+
+from tape.protocol import messages as M
+from tape.protocol import replication as rep
+from tape.protocol.election import Persist
+from tape.protocol.errors import InvariantViolation
+from tape.protocol.voter import AppendRecords, Truncate, VoterCore
+
+MS = 1_000_000
+A, B, R1, R2 = (n.ljust(10).encode() for n in ("seq-a", "seq-b", "rw-1", "rw-2"))
+
+
+def msg(i: int) -> bytes:
+    return M.stamp(M.purchase_request(i, 10, "c", "S"), i, b"c0".ljust(10), i)
+
+
+def append(term, prev, prev_term, commit, entries_term, seqs, leader=A):
+    body = [msg(i) for i in seqs]
+    return rep.Append(term, leader, prev, prev_term, commit, entries_term, len(body), b"".join(body))
+
+
+def core(records=()) -> VoterCore:
+    return VoterCore(R1, [A, B, R1, R2], False, random.Random(1), (300 * MS, 600 * MS), 0, None, 0, records)
+
+
+def test_appends_become_journal_actions_and_the_ack_follows_them():
+    c = core()
+    ack, actions = c.on_append(append(1, 0, 0, 0, 1, range(1, 6)), "conn", 0)
+    assert actions[0] == Persist(1, None) and isinstance(actions[-1], AppendRecords)
+    assert [r[0] for r in actions[-1].records] == [1, 2, 3, 4, 5]
+    assert ack == rep.Ack(1, R1, True, 5) and c.position() == (5, 1)
+    assert c.log.client_last[b"c0".ljust(10)] == 5
+
+
+def test_a_conflicting_uncommitted_suffix_is_truncated_then_replaced():
+    c = core([(s, 1, msg(s)) for s in range(1, 11)])
+    _, actions = c.on_append(append(2, 5, 1, 5, 2, range(6, 8), leader=B), "conn", 0)
+    assert Truncate(5) in actions and isinstance(actions[-1], AppendRecords)
+    assert c.position() == (7, 2) and c.truncations == 1
+
+
+def test_a_leader_asking_to_drop_committed_entries_is_an_impossible_state():
+    c = core([(s, 1, msg(s)) for s in range(1, 11)])
+    c.on_append(append(1, 10, 1, 10, 1, []), "conn", 0)  # seqs 1..10 committed
+    with pytest.raises(InvariantViolation, match="asked to drop committed seq 6"):
+        c.on_append(append(2, 5, 1, 10, 2, range(6, 8), leader=B), "conn", 0)
+
+
+def test_only_the_close_of_the_leaders_own_connection_by_its_peer_means_it_is_gone():
+    c = core()
+    c.on_append(append(1, 0, 0, 0, 1, [1]), "leader-conn", 0)
+    assert not c.on_closed("other-conn", True, 1)
+    assert not c.on_closed("leader-conn", False, 1) and not c.election.leader_gone  # we closed it
+    c.on_append(append(1, 1, 1, 0, 1, []), "leader-conn", 2)
+    assert c.on_closed("leader-conn", True, 3)
+
+
+def test_fetch_answers_only_a_log_that_continues_the_askers():
+    c = core([(s, 1, msg(s)) for s in range(1, 11)])
+    assert c.fetch_start(rep.Fetch(6, 1)) == (5, 1)
+    assert c.fetch_start(rep.Fetch(6, 2)) is None  # the asker's entry 5 is of another term
+    assert c.fetch_start(rep.Fetch(50, 1)) is None  # beyond our log
