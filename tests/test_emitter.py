@@ -119,7 +119,17 @@ def emitter_cluster(tmp_path: Path, url: str) -> LocalCluster:
 
 
 def link(cluster: LocalCluster, hello: bytes) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", cluster.cfg.node("emitter").alert_port), timeout=5)
+    """A replica's alert link. The emitter opens its alert port only after resolving
+    what was in doubt (its metrics come up first): poll for it, with a deadline."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", cluster.cfg.node("emitter").alert_port), timeout=5)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise AssertionError("the emitter's alert port did not open within 20 s") from None
+            time.sleep(0.05)
     sock.sendall(alertlink.hello(hello))
     return sock
 
