@@ -30,14 +30,16 @@ from tape.protocol import moldudp64
 from tape.protocol import replication as rep
 from tape.protocol.election import Lead, Persist, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.limits import CATCHUP_CHUNK
 from tape.protocol.listener import Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
-from tape.protocol.replication import Ack, Append, Fetch, Vote, VoteRequest
+from tape.protocol.replication import Ack, Append, Fetch, Hello, Vote, VoteRequest
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 from tape.replicas.audit import AuditMachine
 from tape.rewinder.gapfill import GapFillCore
 from tape.sequencer.client_core import ClientCore
 from tape.sequencer.core import LeaderCore
+from tape.sequencer.followers import FollowerLinks
 
 MS = 1_000_000
 SESSION = moldudp64.session_bytes("SIM")
@@ -46,16 +48,21 @@ REWINDERS = ("rw-1", "rw-2")
 VOTERS = SEQUENCERS + REWINDERS
 CLIENTS = ("c0", "c1")
 REPLICAS = ("replica-A", "replica-B")
-CATCHUP = 64  # entries per catch-up append
 FAULTS_UNTIL = 1500 * MS
 GIVE_UP = 60_000 * MS
 # The processes' defaults (node/settings.py): the simulator runs the policies as configured.
 GAP_REQUEST_NS = default_of(Config, "gap_request_ms") * MS
 RESEND_NS = default_of(Config, "client_resend_ms") * MS
+LEADER_BEAT_NS = default_of(Config, "leader_heartbeat_ms") * MS
+RECONNECT_NS = 100 * MS  # the leader's wait before it connects again to a follower it lost
 
 
 def wire(name: str) -> bytes:
     return moldudp64.session_bytes(name)
+
+
+def name_of(wire_name: bytes) -> str:
+    return moldudp64.session_name(wire_name)
 
 
 class Violation(AssertionError):
@@ -90,9 +97,9 @@ class Voter:
                               voted, self.sim.now, self.records())
         self.election = self.core.election
         self.leader: LeaderCore | None = None
-        self.next: dict[str, int] = {}
+        self.links: FollowerLinks | None = None  # while leading
+        self.invited = 0  # when the leader last tried to (re)connect its missing followers
         self.gapfill = GapFillCore(SESSION, 17, rate_per_s=5000.0)
-        self.last_beat = 0
         self.crash_before_journal: int | None = None  # a fault: crash (until then) inside the next batch
         self.hellos: dict[str, tuple[int, int]] = {}  # voter -> its log position, as its hello said
 
@@ -124,6 +131,7 @@ class Voter:
                     self.sim.close_links(self.name, self.leader.term)
                     self.core.resync(self.leader.commit_seq, self.leader.sequenced_client_last())
                     self.leader = None
+                    self.links = None
         if truncated:
             self.core.rebuild_log(self.records())
 
@@ -135,8 +143,22 @@ class Voter:
         self.leader = LeaderCore(SESSION, self.wire, term, [wire(v) for v in VOTERS if v != self.name],
                                  {wire(c): None for c in CLIENTS}, last_seq, last_term, dict(self.core.log.client_last),
                                  tick_ns=100 * MS, heartbeat_ns=50 * MS)
-        self.next = {v: last_seq + 1 for v in VOTERS if v != self.name}
+        self.links = FollowerLinks(LEADER_BEAT_NS)  # followers join as their hellos arrive
+        self.invite()
         self.process(self.leader.start_term(self.sim.now))
+
+    def invite(self) -> None:
+        """The leader's (re)connect loop: every follower it has no link to is asked for a hello."""
+        self.invited = self.sim.now
+        for v in VOTERS:
+            if v != self.name and wire(v) not in self.links.links:
+                self.sim.send(self.name, v, ("follow",))
+
+    def send_appends(self, v: str, prev: int, count: int) -> int:
+        """Our log after `prev` to voter `v`, as the real appends (one per run of a term); the last seq sent."""
+        for a in self.appends(prev, count):
+            self.sim.send(self.name, v, a)
+        return min(prev + count, len(self.log))
 
     def process(self, batch) -> None:
         """Replicate a stamped batch, journal it, publish what commits. The
@@ -144,11 +166,11 @@ class Voter:
         writes overlap): a crash between the two leaves entries that only
         followers hold."""
         c = self.leader
-        for v, nxt in self.next.items():
-            if nxt == batch.first_seq:
-                self.sim.send(self.name, v, Append(c.term, self.wire, batch.prev_seq, batch.prev_term, c.commit_seq,
-                                                   batch.term, len(batch.messages), b"".join(batch.messages)))
-                self.next[v] = batch.last_seq + 1
+        send, _ = self.links.live_for(batch.first_seq, batch.last_seq)
+        for f in send:
+            self.sim.send(self.name, name_of(f), Append(c.term, self.wire, batch.prev_seq, batch.prev_term,
+                                                        c.commit_seq, batch.term, len(batch.messages),
+                                                        b"".join(batch.messages)))
         if self.crash_before_journal is not None:
             self.sim.crash(self.name, self.crash_before_journal)
             return
@@ -180,19 +202,15 @@ class Voter:
             self.process(batch)
         if heartbeat is not None:
             self.sim.publish(self.name, [heartbeat])
-        if self.sim.now - self.last_beat >= 20 * MS:
-            self.last_beat = self.sim.now
-            for v, nxt in self.next.items():  # catch up whoever is behind; an empty append is the heartbeat
-                prev = min(nxt - 1, len(self.log))
-                term = self.term_at(prev + 1) if prev < len(self.log) else c.term
-                entries = []
-                for seq in range(prev + 1, min(len(self.log), prev + CATCHUP) + 1):
-                    if self.log[seq - 1][0] != term:
-                        break
-                    entries.append(self.log[seq - 1][1])
-                self.sim.send(self.name, v, Append(c.term, self.wire, prev, self.term_at(prev), c.commit_seq, term,
-                                                   len(entries), b"".join(entries)))
-                self.next[v] = prev + len(entries) + 1
+        if self.sim.now - self.invited >= RECONNECT_NS:
+            self.invite()
+        for f in list(self.links.links):  # one catch-up chunk per follower behind, as the feeder's drain
+            chunk = self.links.next_chunk(f, c.last_seq)
+            if chunk is not None:
+                self.links.sent(f, self.send_appends(name_of(f), chunk[0] - 1, chunk[1]))
+        for f in self.links.beat(self.sim.now, c.commit_seq):
+            self.sim.send(self.name, name_of(f), Append(c.term, self.wire, c.last_seq, c.last_term, c.commit_seq,
+                                                        c.term, 0, b""))
 
     def receive(self, src: str, msg) -> None:
         now = self.sim.now
@@ -205,8 +223,10 @@ class Voter:
             if self.leader is None:
                 return
             packets = self.leader.on_ack(msg.follower, msg.term, msg.success, msg.last_seq)
-            if not msg.success and msg.term == self.leader.term:
-                self.next[src] = msg.last_seq + 1
+            if packets is None:
+                return
+            if not msg.success:
+                self.links.refused(msg.follower, msg.last_seq)
             if packets:
                 self.sim.publish(self.name, packets)
         elif isinstance(msg, VoteRequest):
@@ -226,7 +246,16 @@ class Voter:
         elif msg[0] == "fetch":
             start = self.core.fetch_start(Fetch(msg[1], msg[2]))
             if start is not None:
-                self.sim.send(self.name, src, ("fetched", self.appends(start[0], CATCHUP)))
+                self.sim.send(self.name, src, ("fetched", self.appends(start[0], CATCHUP_CHUNK)))
+        elif msg[0] == "follow":  # a leader connects: the hello (node/voter.py's serve)
+            self.sim.send(self.name, src, self.core.hello())
+        elif isinstance(msg, Hello):
+            self.act(self.election.on_higher_term(msg.term, msg.node, now))
+            if self.leader is not None:
+                self.links.connected(msg.node, msg.last_seq, self.leader.last_seq)
+        elif msg[0] == "gone":  # a follower's connection closed
+            if self.links is not None:
+                self.links.disconnected(wire(src))
         elif msg[0] == "fetched":
             self.take_fetched(msg[1])
         elif msg[0] == "closed":
@@ -409,6 +438,9 @@ class Sim:
     def crash(self, node: str, until: int) -> None:
         v = self.voters[node]
         v.up = False
+        for other in VOTERS:  # its connections close: a leader drops its link (and reconnects later)
+            if other != node and frozenset((node, other)) not in self.cut:
+                self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, node, other, ("gone",))
         v.crash_before_journal = None
         if v.leader is not None:
             self.close_links(node, v.leader.term)

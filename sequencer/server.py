@@ -30,16 +30,15 @@ from tape.node.transport import LossInjector, multicast_sender, udp_socket
 from tape.node.voter import Voter
 from tape.protocol import replication as rep
 from tape.protocol.election import ElectionAction, Lead, RequestVotes, StepDown
-from tape.protocol.errors import ProtocolError
+from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import (
-    CATCHUP_CHUNK,
     CONTROL_READ,
     DATAGRAM_BUFFER,
     DRAIN_DATAGRAMS,
     MAX_BATCH_MESSAGES,
-    MAX_LIVE_BUFFER,
 )
 from tape.sequencer.core import Batch, LeaderCore
+from tape.sequencer.followers import FollowerLinks
 
 log = logging.getLogger("tape.sequencer")
 EOS_REPEATS = 5  # end-of-session packets published at shutdown, 20 ms apart
@@ -47,12 +46,11 @@ EOS_REPEATS = 5  # end-of-session packets published at shutdown, 20 ms apart
 
 @dataclass
 class Link:
+    """A connection to a follower; what to send on it is FollowerLinks' decision."""
+
     node: Node
     writer: asyncio.StreamWriter
-    next_seq: int
-    live: bool = False
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    rewind: int | None = None  # a follower refused an append: resend from here
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # its catch-up has work
 
 
 class Sequencer(NodeProcess):
@@ -69,6 +67,7 @@ class Sequencer(NodeProcess):
                            on_partition=self._partition)
         self.followers = [n for n in cfg.voters if n is not node]
         self.core: LeaderCore | None = None  # while leading
+        self.followers_core: FollowerLinks | None = None  # while leading
         self.links: dict[bytes, Link] = {}
         self._held: list[asyncio.StreamWriter] = []  # links a partition keeps from closing
         self._leader_tasks: list[asyncio.Task] = []
@@ -80,7 +79,6 @@ class Sequencer(NodeProcess):
         self.terms_led = 0
         self.published_seq = 0  # highest seq this process ever published, in any term
         self.published_terms: dict[int, list[int]] = {}  # term -> [first, last] seq this process published
-        self._commit_sent = -1
         self._last = {"published": 0, "accepted": 0, "packets": 0, "dropped": {}}
 
     # --- metrics -----------------------------------------------------------------
@@ -166,8 +164,9 @@ class Sequencer(NodeProcess):
     def _partition(self, cut: bool) -> None:
         """Fault injection: black-hole the links to the followers (no reads,
         no writes, no close: a cut network sends no FIN) until healed."""
+        if self.followers_core is not None:
+            self.followers_core.cut()
         for link in self.links.values():
-            link.live = False
             if cut:
                 link.writer.transport.pause_reading()
             else:
@@ -186,8 +185,8 @@ class Sequencer(NodeProcess):
             last_seq=j.last_seq, last_term=j.last_term, client_last=dict(self.voter.log.client_last),
             max_packet=self.cfg.max_packet, tick_ns=self.cfg.tick_ms * 1_000_000,
             heartbeat_ns=self.cfg.heartbeat_ms * 1_000_000)
+        self.followers_core = FollowerLinks(self.cfg.leader_heartbeat_ms * 1_000_000)
         self.terms_led += 1
-        self._commit_sent = -1
         log.warning("%s leading term %d from seq %d", self.node.name, term, j.last_seq + 1)
         self._leader_tasks = [t for t in self._leader_tasks if not t.done()]
         self._leader_tasks += [self.spawn(self._follower_link(f)) for f in self.followers]
@@ -210,6 +209,7 @@ class Sequencer(NodeProcess):
             if not self.voter.partitioned:
                 link.writer.close()  # (a partition holds them open until it heals)
         self.links = {}
+        self.followers_core = None
         self._last["accepted"] += c.accepted
         self._last["published"] += c.published_messages
         self._last["packets"] += c.published_packets
@@ -230,7 +230,7 @@ class Sequencer(NodeProcess):
                 # Followers learn the final commit point now (they serve gap fills only up to
                 # it): no later append would tell them, and a listener that lost the last
                 # packets could never fill them.
-                self._send_commit()
+                self._send_commit(force=True)
                 for link in list(self.links.values()):
                     try:
                         await asyncio.wait_for(link.writer.drain(), 0.5)
@@ -286,20 +286,17 @@ class Sequencer(NodeProcess):
         """Replicate to live followers, journal, publish what commits.
         Followers get the batch before the leader's own fsync (as Raft
         allows), so the two disk writes overlap instead of adding up."""
-        frame = None
-        for link in self.links.values():
-            if link.live and link.next_seq == batch.first_seq:
-                if frame is None:
-                    frame = rep.encode_append(self.core.term, self.node.wire_name, batch.prev_seq, batch.prev_term,
-                                              self.core.commit_seq, batch.term, batch.messages)
-                link.writer.write(frame)
-                link.next_seq = batch.last_seq + 1
-                if link.writer.transport.get_write_buffer_size() > MAX_LIVE_BUFFER:
-                    link.live = False
-                    link.wake.set()
-            elif link.live:
-                link.live = False
-                link.wake.set()
+        send, wake = self.followers_core.live_for(batch.first_seq, batch.last_seq)
+        if send:
+            frame = rep.encode_append(self.core.term, self.node.wire_name, batch.prev_seq, batch.prev_term,
+                                      self.core.commit_seq, batch.term, batch.messages)
+            for f in send:
+                writer = self.links[f].writer
+                writer.write(frame)
+                if self.followers_core.backlog(f, writer.transport.get_write_buffer_size()):
+                    wake.append(f)
+        for f in wake:
+            self.links[f].wake.set()
         self.journal.append(batch.records())
         self.voter.note_own(batch.first_seq, batch.last_seq, batch.term)  # no per-message work on this path
         self._publish(self.core.on_journaled(batch.last_seq))
@@ -326,8 +323,6 @@ class Sequencer(NodeProcess):
 
     async def _timer(self) -> None:
         period = 0.005
-        last_commit_beat = 0.0
-        beat = self.cfg.leader_heartbeat_ms / 1000
         while self.core is not None:
             await asyncio.sleep(period)
             if self.core is None:
@@ -337,20 +332,18 @@ class Sequencer(NodeProcess):
                 self._process(batch)
             if heartbeat is not None:
                 self._publish([heartbeat])
-            now = time.monotonic()
-            if self.core.commit_seq != self._commit_sent or now - last_commit_beat > beat:
-                self._send_commit()
-                last_commit_beat = now
+            self._send_commit()
             self.journal.maybe_sync()  # the "every N ms" policy while idle
 
-    def _send_commit(self) -> None:
-        """Empty appends: the followers learn the commit point (to serve gap
-        fills) and that this leader lives (their election timers restart)."""
-        self._commit_sent = self.core.commit_seq
-        for link in self.links.values():
-            if link.live:
-                link.writer.write(rep.encode_append(self.core.term, self.node.wire_name, self.core.last_seq,
-                                                    self.core.last_term, self.core.commit_seq, self.core.term, []))
+    def _send_commit(self, force: bool = False) -> None:
+        """Empty appends, when due: the followers learn the commit point (to serve
+        gap fills) and that this leader lives (their election timers restart)."""
+        c = self.core
+        beat = self.followers_core.beat(time.monotonic_ns(), c.commit_seq, force)
+        if beat:
+            frame = rep.encode_append(c.term, self.node.wire_name, c.last_seq, c.last_term, c.commit_seq, c.term, [])
+            for f in beat:
+                self.links[f].writer.write(frame)
 
     # --- followers -------------------------------------------------------------------
 
@@ -379,8 +372,9 @@ class Sequencer(NodeProcess):
                 self.voter.act(self.voter.election.on_higher_term(hello.term, hello.node, time.monotonic_ns()))
                 if self.core is None:
                     return
-                link = Link(f, writer, min(hello.last_seq, self.core.last_seq) + 1)
+                link = Link(f, writer)
                 self.links[f.wire_name] = link
+                self.followers_core.connected(f.wire_name, hello.last_seq, self.core.last_seq)
                 log.info("follower %s connected at seq %d", f.name, hello.last_seq)
                 sender = self.spawn(self._feed(link))
                 while True:
@@ -397,6 +391,8 @@ class Sequencer(NodeProcess):
                     sender.cancel()
                 if link and self.links.get(f.wire_name) is link:
                     del self.links[f.wire_name]
+                    if self.followers_core is not None:
+                        self.followers_core.disconnected(f.wire_name)
                 if self.voter.partitioned:
                     self._held.append(writer)  # closed when the partition heals
                 else:
@@ -410,36 +406,25 @@ class Sequencer(NodeProcess):
         packets = self.core.on_ack(link.node.wire_name, ack.term, ack.success, ack.last_seq)
         if packets is None:
             return
-        if not ack.success:
-            # The follower's log ends, or disagrees, before what was sent: the
-            # feeder resends from its hint (it may be mid-send: it checks).
-            hint = ack.last_seq + 1
-            link.rewind = hint if link.rewind is None else min(link.rewind, hint)
-            link.live = False
-            link.wake.set()
+        if not ack.success and self.followers_core.refused(link.node.wire_name, ack.last_seq):
+            link.wake.set()  # its log ends, or disagrees, before what was sent: caught up from its hint
         self._publish(packets)
 
     async def _feed(self, link: Link) -> None:
-        """Catch a follower up from the journal, then let it go live."""
+        """Catch a follower up from the journal whenever FollowerLinks says so."""
+        f = link.node.wire_name
         while True:
             link.wake.clear()
-            while True:
-                if link.rewind is not None:
-                    link.next_seq, link.rewind = min(link.next_seq, link.rewind), None
-                if link.next_seq > self.core.last_seq:
-                    break
+            while (chunk := self.followers_core.next_chunk(f, self.core.last_seq)) is not None:
                 while self.voter.partitioned:
                     await asyncio.sleep(0.02)
-                records = self.journal.read_batch(link.next_seq, CATCHUP_CHUNK)
+                records = self.journal.read_batch(*chunk)
                 if not records:
-                    break
-                prev = link.next_seq - 1
+                    raise InvariantViolation(f"the journal has no seq {chunk[0]}, which this leader stamped")
+                prev = chunk[0] - 1
                 link.writer.write(rep.encode_runs(self.core.term, self.node.wire_name, prev, self.voter.term_at(prev),
                                                   self.core.commit_seq, records))
-                link.next_seq = records[-1][0] + 1
+                self.followers_core.sent(f, records[-1][0])
                 await link.writer.drain()
-            if link.rewind is not None:
-                continue
-            link.live = True
             await link.wake.wait()
 

@@ -8,6 +8,7 @@ from tape.protocol.election import ElectionCore
 from tape.protocol.listener import ListenerCore
 from tape.protocol.voter import VoterCore
 from tape.sequencer.client_core import ClientCore
+from tape.sequencer.followers import FollowerLinks
 
 
 def test_two_thousand_seeds_hold_every_invariant(capsys):
@@ -90,3 +91,11 @@ def test_a_listener_that_never_asks_twice_for_a_gap_stalls(monkeypatch):
     monkeypatch.setattr(ListenerCore, "on_timer", on_timer)
     stalled = [s for s in range(1, 101) if "no progress" in (sim.run_seed(s)[1] or "")]
     assert len(stalled) >= 20
+
+
+def test_a_leader_that_ignores_refusals_never_catches_a_follower_up(monkeypatch):
+    # FollowerLinks is the leader's per-follower progress the process runs; the simulator
+    # before issue 12 modelled it (64 entries per 20 ms) instead.
+    monkeypatch.setattr(FollowerLinks, "refused", lambda self, follower, last_seq: False)
+    stalled = [s for s in range(1, 101) if "no progress" in (sim.run_seed(s)[1] or "")]
+    assert len(stalled) >= 50

@@ -1,0 +1,58 @@
+"""FollowerLinks (sequencer/followers.py): what the leader sends each follower next."""
+
+from tape.sequencer.followers import FollowerLinks
+
+F, G = b"rw-1      ", b"rw-2      "
+
+
+def test_a_follower_behind_is_caught_up_in_chunks_then_goes_live():
+    links = FollowerLinks(beat_ns=50, catchup_chunk=100)
+    links.connected(F, follower_last_seq=10, leader_last_seq=250)
+    assert links.live_for(251, 260) == ([], [])  # not live yet: the batch waits in the journal
+    assert links.next_chunk(F, 260) == (11, 100)
+    links.sent(F, 110)
+    assert links.next_chunk(F, 260) == (111, 100)
+    links.sent(F, 210)
+    assert links.next_chunk(F, 260) == (211, 50)
+    links.sent(F, 260)
+    assert links.next_chunk(F, 260) is None  # caught up: live
+    assert links.live_for(261, 270) == ([F], [])
+
+
+def test_a_refusal_during_a_catch_up_is_honoured_not_overwritten():
+    links = FollowerLinks(beat_ns=50, catchup_chunk=100)
+    links.connected(F, 0, 300)
+    assert links.next_chunk(F, 300) == (1, 100)
+    assert links.refused(F, follower_last_seq=40)  # arrives while chunk 1..100 is being sent
+    links.sent(F, 100)
+    assert links.next_chunk(F, 300) == (41, 100)
+
+
+def test_a_live_follower_that_misses_a_batch_drops_out_of_live():
+    links = FollowerLinks(beat_ns=50)
+    for f in (F, G):
+        links.connected(f, 10, 10)
+        assert links.next_chunk(f, 10) is None
+    assert links.live_for(11, 20) == ([F, G], [])
+    links.refused(G, 15)
+    assert links.live_for(21, 30) == ([F], [])
+    assert links.next_chunk(G, 30) == (16, 15)
+
+
+def test_a_slow_follower_is_caught_up_from_the_journal_instead_of_queued():
+    links = FollowerLinks(beat_ns=50, max_live_buffer=1000)
+    links.connected(F, 10, 10)
+    links.next_chunk(F, 10)
+    assert not links.backlog(F, 999) and links.backlog(F, 1001)
+    assert links.live_for(11, 20) == ([], [])
+
+
+def test_commit_beats_go_when_the_commit_moved_or_the_beat_is_due():
+    links = FollowerLinks(beat_ns=50)
+    links.connected(F, 0, 0)
+    links.next_chunk(F, 0)
+    assert links.beat(0, 5) == [F]
+    assert links.beat(10, 5) == []
+    assert links.beat(20, 6) == [F]
+    assert links.beat(71, 6) == [F]
+    assert links.beat(72, 6, force=True) == [F]
