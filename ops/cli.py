@@ -137,7 +137,7 @@ def _emitter(args) -> int:
     if args.webhook_url:
         node.webhook_url = args.webhook_url
     try:
-        emitter = Emitter(cfg, node)
+        emitter = Emitter(cfg, node, args.crash_at, args.crash_after)
     except ValueError as e:  # a sink's settings
         raise SystemExit(f"tape: emitter {node.name}: {e}") from None
     return _run_node(emitter)
@@ -302,6 +302,11 @@ def _add_emitter(sub) -> None:
     p.add_argument("--node", default="emitter", help="this node's name in the config (default emitter)")
     p.add_argument("--sinks", help="comma-separated sinks, overriding the config: jsonl,webhook,stdout")
     p.add_argument("--webhook-url", help="the webhook sink's URL, overriding the config")
+    from tape.replicas.emitter_core import CRASH_POINTS
+
+    p.add_argument("--crash-at", choices=CRASH_POINTS, help="fault injection for tests and drills: exit 99 at this "
+                   "point of the delivery step (intent, deliver, done)")
+    p.add_argument("--crash-after", type=int, default=1, help="with --crash-at: in the N-th batch (default 1)")
     p.set_defaults(func=_emitter)
 
 

@@ -55,13 +55,13 @@ class LocalCluster:
             args += ["--drop", str(drop), "--seed", str(seed)]
         return self.start(name, *args, wait_metrics=node.metrics_port, env=env)
 
-    def start_all(self, drop: float = 0.0, emitter_env: dict | None = None) -> None:
+    def start_all(self, drop: float = 0.0, emitter_args: tuple = ()) -> None:
         for i, n in enumerate(self.cfg.by_role("rewinder")):
             self.start_node(n.name, drop, seed=10 + i)
         for n in self.cfg.by_role("sequencer"):
             self.start_node(n.name, drop, seed=1)
         for n in self.cfg.by_role("emitter"):
-            self.start_node(n.name, env=emitter_env)
+            self.start_node(n.name, 0.0, 0, *emitter_args)
         for i, n in enumerate(self.cfg.by_role("replica")):
             self.start_node(n.name, drop, 20 + i, "--exit-on-end")
 

@@ -1,26 +1,22 @@
-"""`tape emitter`: delivers each alert exactly once.
+"""`tape emitter`: delivers each alert exactly once; the shell around EmitterCore.
 
 Replicas connect over TCP and send their alerts in emit-seq order. The
 emitter keeps in LMDB the highest emit seq recorded (the mark), an outbox of
-alerts in flight and every delivered alert (for divergence checks):
-
-- an alert at or below the mark is a duplicate; if its bytes differ from the
-  delivered one, that is a divergence alarm (log, metric, report);
-- a new alert is delivered as: record intent (outbox + mark, one
-  transaction) -> write to the sink -> record done. Alerts that arrive
-  together are delivered as one batch (one transaction, one sink write);
-- on start, alerts with intent but no done are in doubt: they are written
-  again to the JSON-lines sink, which checks its own tail so that it never
-  holds an alert twice, and listed in the log for the operator.
+alerts in flight and every delivered alert (for divergence checks). What to
+do with each alert is EmitterCore's decision (replicas/emitter_core.py);
+this shell carries it out: a new batch is recorded as intent (outbox +
+mark, one transaction), written to every sink, and recorded as done; a
+copy is judged against the recorded bytes; at start, alerts with intent
+and no done are in doubt: they go again to the idempotent sinks (the
+JSON-lines file checks its own tail, the webhook carries an
+Idempotency-Key) and are listed in `in_doubt.jsonl` for the operator for
+the others.
 
 Sinks (`sinks` in the emitter's [[node]]; see replicas/sinks.py): the
 JSON-lines file `alerts.jsonl` (default), an HTTP webhook and stdout. Each
 alert is delivered to every sink, one batch at a time, in emit-seq order.
-Alerts in doubt are resent only to the idempotent sinks (JSON-lines, webhook)
-and written to `in_doubt.jsonl` for the operator when a non-idempotent sink
-(stdout) may or may not have shown them. `TAPE_EMITTER_CRASH=POINT` (before_intent,
-after_intent, after_deliver, after_done) with `TAPE_EMITTER_CRASH_AFTER=N`
-makes the process die at that point of its N-th batch: the tests' crash hook.
+`--crash-at POINT --crash-after N` (tests and drills) makes the process die
+at that point of its N-th batch.
 """
 
 from __future__ import annotations
@@ -41,14 +37,16 @@ from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import CONTROL_READ
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit import Alert
+from tape.replicas.emitter_core import Crash, Deliver, EmitterCore, RecordDone, RecordIntent, Redeliver
 
 log = logging.getLogger("tape.emitter")
+CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
 
 
 class Emitter(NodeProcess):
     METRICS_PREFIX = "tape_emitter"
 
-    def __init__(self, cfg: Config, node: Node):
+    def __init__(self, cfg: Config, node: Node, crash_at: str | None = None, crash_after: int = 1):
         super().__init__(node.name, log)
         self.cfg = cfg
         self.node = node
@@ -61,59 +59,25 @@ class Emitter(NodeProcess):
         self.stopping = threading.Event()  # tells a sink retrying in its thread to give up
         self.sinks = sinklib.build(node.sinks, self.data, node.webhook_url, node.webhook_timeout_ms / 1000,
                                    self.stopping)
-        self.replicas = {n.wire_name for n in cfg.by_role("replica")}
         with self.env.begin() as txn:
             raw = txn.get(b"mark", db=self.meta)
-        self.mark = int.from_bytes(raw, "big") if raw else 0
-        self.delivered = 0
-        self.duplicates = 0
-        self.divergences = 0
-        self.in_doubt = 0
+        self.core = EmitterCore({n.wire_name for n in cfg.by_role("replica")}, int.from_bytes(raw, "big") if raw
+                                else 0, crash_at, crash_after)
         self.in_doubt_listed = 0
         self.rejected: dict[str, int] = {}
-        self.batches = 0
-        self._crash_at = os.environ.get("TAPE_EMITTER_CRASH")
-        self._crash_after = int(os.environ.get("TAPE_EMITTER_CRASH_AFTER", "1"))
         self._lock = asyncio.Lock()  # one delivery at a time, whichever replica it came from
 
-    def _crash_point(self, point: str) -> None:
-        if self._crash_at == point and self.batches >= self._crash_after:
-            log.error("crash hook: dying %s (batch %d)", point, self.batches)
-            os._exit(99)
-
-    def _records(self, alerts: list[Alert]) -> list[dict]:
-        return [a.to_dict(self.cfg.session) for a in alerts]
-
-    async def _recover(self) -> None:
-        """Alerts with intent but no done: resend to idempotent sinks, list for the operator otherwise."""
-        with self.env.begin() as txn:
-            doubt = [Alert.decode(v) for _, v in txn.cursor(db=self.outbox)]
-        if not doubt:
-            return
-        self.in_doubt = len(doubt)
-        records = self._records(doubt)
-        ids = ", ".join(r["alert_id"] for r in records[:20])
-        log.warning("%d alerts were in doubt after a crash (intent, no done): %s", len(doubt), ids)
-        for sink in self.sinks:
-            if sink.idempotent:
-                written = await asyncio.to_thread(sink.deliver, records)
-                log.warning("in doubt -> %s: %d sent again (%d already there)", sink.name, written,
-                            len(records) - written)
-            else:
-                with open(self.data / "in_doubt.jsonl", "a") as f:
-                    f.write("".join(json.dumps({**r, "sink": sink.name}) + "\n" for r in records))
-                self.in_doubt_listed += len(records)
-                log.error("in doubt -> %s may or may not have shown %d alerts; not resent (the sink is not "
-                          "idempotent); listed in %s for the operator", sink.name, len(records),
-                          self.data / "in_doubt.jsonl")
-        self._done(doubt)
+    @property
+    def mark(self) -> int:
+        return self.core.mark
 
     def report(self):
-        yield "mark", "gauge", "highest emit seq recorded", self.mark
-        yield "alerts_delivered", "counter", "alerts delivered to the sinks", self.delivered
-        yield "duplicates", "counter", "alert copies already delivered", self.duplicates
-        yield "divergences", "counter", "alert copies differing from the delivered one", self.divergences
-        yield "in_doubt", "counter", "alerts in doubt after a crash, resolved at start", self.in_doubt
+        c = self.core
+        yield "mark", "gauge", "highest emit seq recorded", c.mark
+        yield "alerts_delivered", "counter", "alerts delivered to the sinks", c.delivered
+        yield "duplicates", "counter", "alert copies already delivered", c.duplicates
+        yield "divergences", "counter", "alert copies differing from the delivered one", c.divergences
+        yield "in_doubt", "counter", "alerts in doubt after a crash, resolved at start", c.in_doubt
         yield "in_doubt_listed", "counter", "alerts in doubt listed for the operator (non-idempotent sink)", \
             self.in_doubt_listed
         yield "rejected", "counter", "connections or frames refused, by reason", self.rejected
@@ -125,7 +89,9 @@ class Emitter(NodeProcess):
     async def main(self) -> None:
         server = None
         try:
-            await self._recover()
+            with self.env.begin() as txn:
+                doubt = [Alert.decode(v) for _, v in txn.cursor(db=self.outbox)]
+            await self._carry_out(self.core.recover(doubt))
             server = await asyncio.start_server(self._on_replica, self.node.host, self.node.alert_port)
             log.info("emitter at mark %d, listening on :%d, sinks: %s", self.mark, self.node.alert_port,
                      ", ".join(s.name for s in self.sinks))
@@ -140,8 +106,9 @@ class Emitter(NodeProcess):
                 for sink in self.sinks:
                     sink.close()
                 self.env.close()
-        status = {"mark": self.mark, "delivered": self.delivered, "duplicates": self.duplicates,
-                  "divergences": self.divergences, "in_doubt": self.in_doubt, "rejected": self.rejected}
+        c = self.core
+        status = {"mark": c.mark, "delivered": c.delivered, "duplicates": c.duplicates,
+                  "divergences": c.divergences, "in_doubt": c.in_doubt, "rejected": self.rejected}
         (self.data / "status.json").write_text(json.dumps(status, indent=1))
 
     def _reject(self, reason: str, detail: str) -> None:
@@ -159,10 +126,11 @@ class Emitter(NodeProcess):
                 fresh = []
                 for kind, payload in frames.feed(data):
                     if name is None:
-                        if kind != alertlink.HELLO or payload not in self.replicas:
+                        mark = self.core.on_hello(payload) if kind == alertlink.HELLO else None
+                        if mark is None:
                             return self._reject("unknown_replica", f"hello {payload[:16]!r}")
                         name = payload
-                        writer.write(alertlink.welcome(self.mark))
+                        writer.write(alertlink.welcome(mark))
                     elif kind == alertlink.ALERT:
                         try:
                             fresh.append(Alert.decode(payload))
@@ -186,28 +154,47 @@ class Emitter(NodeProcess):
         async with self._lock:
             if self.stopping.is_set():
                 raise sinklib.SinkStopped("stopping")
-            new = []
-            for a in alerts:
-                if a.emit_seq <= self.mark or (new and a.emit_seq <= new[-1].emit_seq):
-                    self._check_copy(a)
-                else:
-                    new.append(a)
-            if not new:
-                return
-            self.batches += 1
-            self._crash_point("before_intent")
-            with self.env.begin(write=True) as txn:
-                for a in new:
-                    txn.put(a.emit_seq.to_bytes(8, "big"), a.encode(), db=self.outbox)
-                txn.put(b"mark", new[-1].emit_seq.to_bytes(8, "big"), db=self.meta)
-            self.mark = new[-1].emit_seq
-            self._crash_point("after_intent")
-            records = self._records(new)
-            await asyncio.to_thread(self._deliver_all, records)
-            self.delivered += len(new)
-            self._crash_point("after_deliver")
-            self._done(new)
-            self._crash_point("after_done")
+            new, copies = self.core.on_alerts(alerts)
+            for a in copies:
+                self._judge(a)
+            if new:
+                await self._carry_out(self.core.deliver(new))
+
+    async def _carry_out(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, RecordIntent):
+                with self.env.begin(write=True) as txn:
+                    for a in action.alerts:
+                        txn.put(a.emit_seq.to_bytes(8, "big"), a.encode(), db=self.outbox)
+                    txn.put(b"mark", action.alerts[-1].emit_seq.to_bytes(8, "big"), db=self.meta)
+            elif isinstance(action, Deliver):
+                records = [a.to_dict(self.cfg.session) for a in action.alerts]
+                await asyncio.to_thread(self._deliver_all, records)
+            elif isinstance(action, Redeliver):
+                await self._redeliver(action.alerts)
+            elif isinstance(action, RecordDone):
+                self._done(action.alerts)
+            elif isinstance(action, Crash):
+                log.error("crash hook: dying %s (batch %d)", action.point, action.batch)
+                os._exit(CRASH_EXIT)
+
+    async def _redeliver(self, doubt: list[Alert]) -> None:
+        """Alerts with intent but no done: again to idempotent sinks, listed for the operator otherwise."""
+        records = [a.to_dict(self.cfg.session) for a in doubt]
+        ids = ", ".join(r["alert_id"] for r in records[:20])
+        log.warning("%d alerts were in doubt after a crash (intent, no done): %s", len(doubt), ids)
+        for sink in self.sinks:
+            if sink.idempotent:
+                written = await asyncio.to_thread(sink.deliver, records)
+                log.warning("in doubt -> %s: %d sent again (%d already there)", sink.name, written,
+                            len(records) - written)
+            else:
+                with open(self.data / "in_doubt.jsonl", "a") as f:
+                    f.write("".join(json.dumps({**r, "sink": sink.name}) + "\n" for r in records))
+                self.in_doubt_listed += len(records)
+                log.error("in doubt -> %s may or may not have shown %d alerts; not resent (the sink is not "
+                          "idempotent); listed in %s for the operator", sink.name, len(records),
+                          self.data / "in_doubt.jsonl")
 
     def _deliver_all(self, records: list[dict]) -> None:
         for sink in self.sinks:
@@ -220,19 +207,12 @@ class Emitter(NodeProcess):
                 txn.delete(key, db=self.outbox)
                 txn.put(key, a.encode(), db=self.delivered_db)
 
-    def _check_copy(self, a: Alert) -> None:
+    def _judge(self, a: Alert) -> None:
+        key = a.emit_seq.to_bytes(8, "big")
         with self.env.begin() as txn:
-            known = txn.get(a.emit_seq.to_bytes(8, "big"), db=self.delivered_db)
-            if known is None:
-                known = txn.get(a.emit_seq.to_bytes(8, "big"), db=self.outbox)
-        if known is None:
-            # Channels are ordered and replicas deterministic: another replica
-            # would have raised it first. This one alone did.
-            self.divergences += 1
-            log.error("DIVERGENCE: alert at emit seq %d was raised by no other replica: %s", a.emit_seq, a)
-        elif bytes(known) != a.encode():
-            self.divergences += 1
-            log.error("DIVERGENCE: alert at emit seq %d differs from the one delivered: %s", a.emit_seq, a)
-        else:
-            self.duplicates += 1
-
+            recorded = txn.get(key, db=self.delivered_db)
+            if recorded is None:
+                recorded = txn.get(key, db=self.outbox)
+        if not self.core.judge_copy(a, recorded):
+            what = "was raised by no other replica" if recorded is None else "differs from the one delivered"
+            log.error("DIVERGENCE: alert at emit seq %d %s: %s", a.emit_seq, what, a)

@@ -86,7 +86,7 @@ def test_kill_9_a_replica_and_it_resumes_from_its_snapshot(tmp_path):
 def test_emitter_crash_at_each_point_delivers_every_alert_once(tmp_path, point):
     cluster = LocalCluster(tmp_path, replicas=3)
     try:
-        cluster.start_all(emitter_env={"TAPE_EMITTER_CRASH": point, "TAPE_EMITTER_CRASH_AFTER": "5"})
+        cluster.start_all(emitter_args=("--crash-at", point, "--crash-after", "5"))
         load = cluster.start("load", "load", "--rate", "8000", "--messages", "24000", "--seed", "6")
         emitter = cluster.procs["emitter"]
         assert emitter.wait(timeout=60) == 99  # died at the crash point

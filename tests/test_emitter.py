@@ -207,7 +207,7 @@ def test_emitter_crash_resends_in_doubt_alerts_to_the_webhook_and_lists_them_for
     endpoint.fail = 0
     cluster = emitter_cluster(tmp_path, endpoint.url)
     try:
-        proc = cluster.start_node("emitter", env={"TAPE_EMITTER_CRASH": "after_deliver"})
+        proc = cluster.start_node("emitter", 0.0, 0, "--crash-at", "after_deliver")
         a = link(cluster, b"replica-A ")
         frames(a, 1)
         a.sendall(alertlink.alert(alert(21).encode()))
