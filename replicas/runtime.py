@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
 from pathlib import Path
 
 from tape.node.latency import LatencySamples
@@ -25,9 +24,10 @@ from tape.node.settings import Config, Node
 from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import CONTROL_READ, REPLAY_BEHIND, STREAM_READ
+from tape.protocol.limits import CONTROL_READ, STREAM_READ
 from tape.protocol.packets import PacketBuilder
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
+from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, Snapshot
 from tape.replicas.snapshot import SnapshotStore
 
 log = logging.getLogger("tape.replica")
@@ -48,14 +48,13 @@ class Replica(NodeProcess):
         self.store.load(self.machine)
         self.resumed_from = self.machine.last_seq
         raw = self.store.outbox()
-        self.outbox: deque = deque(Alert.decode(raw[i:i + ALERT_SIZE]) for i in range(0, len(raw), ALERT_SIZE))
+        outbox = [Alert.decode(raw[i:i + ALERT_SIZE]) for i in range(0, len(raw), ALERT_SIZE)]
+        self.core = ReplicaCore(self.machine, outbox, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000, exit_on_end,
+                                time.monotonic_ns())
         self.listener = StreamListener(cfg, self._deliver, drop, seed, next_seq=self.machine.last_seq + 1,
                                        on_undecodable=self._undecodable)
         self.emitters = cfg.by_role("emitter")
-        self.acked = 0
         self._writer: asyncio.StreamWriter | None = None
-        self._since_snapshot = 0
-        self._last_snapshot = time.monotonic()
         self.replayed = 0
         # Sequencer stamp -> applied here (wall clock, same host or PTP-synced hosts):
         # for the report only, never for state.
@@ -66,7 +65,7 @@ class Replica(NodeProcess):
         yield "applied_seq", "gauge", "last seq applied", m.last_seq
         yield "messages_applied", "counter", "messages applied since start", m.applied
         yield "alerts_raised", "counter", "alerts raised", m.alerts_raised
-        yield "alerts_unacked", "gauge", "alerts not yet acknowledged by the emitter", len(self.outbox)
+        yield "alerts_unacked", "gauge", "alerts not yet acknowledged by the emitter", len(self.core.outbox)
         yield "rejects", "counter", "messages rejected, by reason", dict(m.rejects)
         yield "open_books", "gauge", "open books", len(m.books)
         yield "held_orphans", "gauge", "purchases held for their request", sum(len(h) for h in m.orphans.values())
@@ -85,7 +84,7 @@ class Replica(NodeProcess):
             "%s resuming after seq %d (snapshot), %d alerts to resend",
             self.node.name,
             self.resumed_from,
-            len(self.outbox),
+            len(self.core.outbox),
         )
         self.listener.start()
         tasks = [self.spawn(self._emitter_link()), self.spawn(self._catch_up()), self.spawn(self._housekeeping())]
@@ -110,7 +109,7 @@ class Replica(NodeProcess):
         count = int.from_bytes(pkt[18:20], "big")
         try:
             msgs = messages.decode_packet_messages(pkt, count, skip)
-            alerts = self.machine.apply_run(first, msgs)
+            actions = self.core.on_run(first, msgs)
         except (ProtocolError, InvariantViolation) as e:
             # Skipping would diverge this replica from the others: stop applying, loudly.
             self.fail(f"cannot apply seq {first}: {e}")
@@ -118,31 +117,30 @@ class Replica(NodeProcess):
         now = time.time_ns()
         trades = (messages.REQUEST, messages.PURCHASE)
         self.latency.extend([now - m[messages.STAMP] for m in msgs if m[messages.TYPE] in trades])
-        self._since_snapshot += len(msgs)
-        if alerts:
-            self.outbox.extend(alerts)
-            if self._writer is not None:
-                self._writer.write(b"".join(alertlink.alert(a.encode()) for a in alerts))
-        if self._since_snapshot >= self.cfg.snapshot_every:
-            self._snapshot()
+        self._carry_out(actions)
+
+    def _carry_out(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, SendAlerts):
+                if self._writer is not None and a.alerts:
+                    self._writer.write(b"".join(alertlink.alert(x.encode()) for x in a.alerts))
+            elif isinstance(a, Snapshot):
+                self._snapshot()
+            elif isinstance(a, Exit):
+                self.stop.set()
 
     def _undecodable(self, seq: int, error: ProtocolError) -> None:
         self.fail(f"the committed message at seq {seq} cannot be decoded ({error}); skipping it would diverge")
 
     def _snapshot(self) -> None:
         self.store.save(self.machine, {"node": self.node.name},
-                        outbox=b"".join(a.encode() for a in self.outbox))
-        self._since_snapshot = 0
-        self._last_snapshot = time.monotonic()
+                        outbox=b"".join(a.encode() for a in self.core.outbox))
+        self.core.snapshot_taken(time.monotonic_ns())
 
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(0.05)
-            if self._since_snapshot and time.monotonic() - self._last_snapshot >= self.cfg.snapshot_ms / 1000:
-                self._snapshot()
-            rx = self.listener.receiver
-            if self.exit_on_end and rx.ended and rx.missing() is None and rx.lag() == 0 and not self.outbox:
-                self.stop.set()
+            self._carry_out(self.core.on_timer(time.monotonic_ns(), self.listener.receiver))
 
     # --- catching up over TCP ------------------------------------------------------------
 
@@ -152,7 +150,7 @@ class Replica(NodeProcess):
         await asyncio.sleep(0.3)  # a heartbeat tells how far the stream is
         while True:
             rx = self.listener.receiver
-            if rx.lag() < REPLAY_BEHIND or not rewinders:
+            if not self.core.far_behind(rx) or not rewinders:
                 await asyncio.sleep(0.2)
                 continue
             rw = rewinders[which % len(rewinders)]
@@ -217,20 +215,16 @@ class Replica(NodeProcess):
                         break
                     for kind, payload in frames.feed(data):
                         mark = alertlink.MARK.unpack(payload)[0] if len(payload) == 8 else 0
-                        self._drop_acked(mark)
                         if kind == alertlink.WELCOME:  # resend everything after the emitter's mark
-                            writer.write(b"".join(alertlink.alert(a.encode()) for a in self.outbox))
                             self._writer = writer
+                            self._carry_out([self.core.on_welcome(mark)])
+                        else:
+                            self.core.on_ack(mark)
             except (OSError, ProtocolError) as e:
                 log.warning("alert link to %s lost: %s", em.name, e)
             finally:
                 self._writer = None
+                self.core.on_link_lost()
                 writer.close()
             await asyncio.sleep(0.2)
-
-    def _drop_acked(self, mark: int) -> None:
-        self.acked = max(self.acked, mark)
-        q = self.outbox
-        while q and q[0].emit_seq <= mark:
-            q.popleft()
 

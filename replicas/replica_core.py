@@ -1,0 +1,103 @@
+"""A replica's decisions around its audit state machine. Pure.
+
+Events in: an in-order run of committed messages, the emitter's welcome and
+acks on the alert channel, the channel's loss, the time, the stream's state.
+Actions out, carried out by the shell (replicas/runtime.py):
+
+    SendAlerts(alerts)   write them to the alert channel, in emit-seq order
+    Snapshot()           save the machine and the outbox to LMDB, atomically
+    Exit()               everything up to the end of session is applied and
+                         acknowledged (with --exit-on-end)
+
+The outbox holds every alert the emitter has not acknowledged: on each
+(re)connection the emitter's welcome says its mark, and what follows it is
+sent again, so an alert survives the loss of the channel, the emitter or
+this process (the outbox is in every snapshot). Snapshots are taken every
+`snapshot_every` messages or `snapshot_ns`, whichever comes first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tape.protocol.limits import REPLAY_BEHIND
+from tape.protocol.receiver import StreamReceiver
+from tape.replicas.audit import Alert, AuditMachine
+
+
+@dataclass(frozen=True)
+class SendAlerts:
+    alerts: list
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    pass
+
+
+@dataclass(frozen=True)
+class Exit:
+    pass
+
+
+ReplicaAction = SendAlerts | Snapshot | Exit
+
+
+class ReplicaCore:
+    def __init__(self, machine: AuditMachine, outbox: list[Alert], snapshot_every: int, snapshot_ns: int,
+                 exit_on_end: bool, now_ns: int):
+        self.machine = machine
+        self.outbox: deque[Alert] = deque(outbox)
+        self.snapshot_every = snapshot_every
+        self.snapshot_ns = snapshot_ns
+        self.exit_on_end = exit_on_end
+        self.acked = 0  # the emitter's mark
+        self.linked = False  # the alert channel is up (welcomed)
+        self._since_snapshot = 0
+        self._snapshot_at = now_ns
+
+    def on_run(self, first_seq: int, msgs: list) -> list[ReplicaAction]:
+        """Apply consecutive decoded messages (an impossible order raises InvariantViolation)."""
+        alerts = self.machine.apply_run(first_seq, msgs)
+        self._since_snapshot += len(msgs)
+        out: list[ReplicaAction] = []
+        if alerts:
+            self.outbox.extend(alerts)
+            if self.linked:
+                out.append(SendAlerts(alerts))
+        if self._since_snapshot >= self.snapshot_every:
+            out.append(Snapshot())
+        return out
+
+    def on_welcome(self, mark: int) -> SendAlerts:
+        """The channel is up: everything after the emitter's mark goes (again)."""
+        self.on_ack(mark)
+        self.linked = True
+        return SendAlerts(list(self.outbox))
+
+    def on_ack(self, mark: int) -> None:
+        self.acked = max(self.acked, mark)
+        q = self.outbox
+        while q and q[0].emit_seq <= mark:
+            q.popleft()
+
+    def on_link_lost(self) -> None:
+        self.linked = False
+
+    def snapshot_taken(self, now_ns: int) -> None:
+        self._since_snapshot = 0
+        self._snapshot_at = now_ns
+
+    def on_timer(self, now_ns: int, rx: StreamReceiver) -> list[ReplicaAction]:
+        out: list[ReplicaAction] = []
+        if self._since_snapshot and now_ns - self._snapshot_at >= self.snapshot_ns:
+            out.append(Snapshot())
+        if self.exit_on_end and rx.ended and rx.missing() is None and rx.lag() == 0 and not self.outbox:
+            out.append(Exit())
+        return out
+
+    @staticmethod
+    def far_behind(rx: StreamReceiver) -> bool:
+        """Behind enough to catch up over a TCP replay rather than by gap fills."""
+        return rx.lag() >= REPLAY_BEHIND

@@ -1,0 +1,62 @@
+"""ReplicaCore (replicas/replica_core.py): the outbox and the emitter's marks, snapshot timing, the exit."""
+
+from tape.protocol import messages as M
+from tape.protocol.receiver import StreamReceiver
+from tape.replicas.audit import AuditMachine
+from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, Snapshot
+
+MS = 1_000_000
+C, S = b"c".ljust(16), b"S".ljust(8)
+
+
+def msg(kind, order, shares, pid=0, stamp=1):
+    return (kind, order, shares, C, S, pid, stamp, b"o".ljust(10), 1)
+
+
+def overfill(first_order: int, n: int) -> list:
+    """n orders, each overfilled by its one purchase: an alert per order."""
+    out = []
+    for k in range(n):
+        out += [msg(M.REQUEST, first_order + k, 10), msg(M.PURCHASE, first_order + k, 11, pid=k + 1)]
+    return out
+
+
+def core(**kw) -> ReplicaCore:
+    args = dict(snapshot_every=1000, snapshot_ns=100 * MS, exit_on_end=True, now_ns=0)
+    return ReplicaCore(AuditMachine(), [], **{**args, **kw})
+
+
+def test_alerts_wait_in_the_outbox_until_the_channel_is_up_and_acknowledged():
+    c = core()
+    assert c.on_run(1, overfill(1, 2)) == []  # no channel yet: kept, not sent
+    assert len(c.outbox) == 2
+    sent = c.on_welcome(0)
+    assert [a.emit_seq for a in sent.alerts] == [2, 4]
+    actions = c.on_run(5, overfill(3, 1))
+    assert actions == [SendAlerts([c.outbox[-1]])]
+    c.on_ack(4)
+    assert [a.emit_seq for a in c.outbox] == [6]
+    c.on_link_lost()
+    assert c.on_welcome(4).alerts == list(c.outbox)  # what the emitter has not recorded goes again
+
+
+def test_snapshots_every_n_messages_or_t_nanoseconds():
+    c = core(snapshot_every=4)
+    assert Snapshot() in c.on_run(1, overfill(1, 2))
+    c.snapshot_taken(10 * MS)
+    c.on_run(5, overfill(3, 1))
+    rx = StreamReceiver(b"TAPE      ")
+    assert c.on_timer(50 * MS, rx) == []
+    assert c.on_timer(110 * MS, rx) == [Snapshot()]
+
+
+def test_exit_only_once_everything_is_applied_and_acknowledged():
+    c = core()
+    rx = StreamReceiver(b"TAPE      ")
+    rx.on_packet(b"TAPE      ", 5, 0xFFFF, b"")  # end of session: the next seq would be 5
+    assert Exit() not in c.on_timer(0, rx)  # seqs 1..4 not applied yet
+    rx.next_seq = 5
+    c.on_run(1, overfill(1, 2))
+    assert Exit() not in c.on_timer(0, rx)  # alerts not acknowledged
+    c.on_welcome(4)
+    assert Exit() in c.on_timer(0, rx)
