@@ -35,7 +35,17 @@ from tape.protocol.listener import Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.replication import Ack, Append, Fetch, Hello, Vote, VoteRequest
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
-from tape.replicas.audit import AuditMachine
+from tape.replicas.audit import Alert, AuditMachine
+from tape.replicas.emitter_core import (
+    CRASH_POINTS,
+    Crash,
+    DeliverAlerts,
+    EmitterCore,
+    RecordDone,
+    RecordIntent,
+    Redeliver,
+)
+from tape.replicas.replica_core import ReplicaCore, SendAlerts
 from tape.rewinder.gapfill import GapFillCore
 from tape.sequencer.client_core import ClientCore
 from tape.sequencer.core import LeaderCore
@@ -48,6 +58,7 @@ REWINDERS = ("rw-1", "rw-2")
 VOTERS = SEQUENCERS + REWINDERS
 CLIENTS = ("c0", "c1")
 REPLICAS = ("replica-A", "replica-B")
+EMITTER = "emitter"
 FAULTS_UNTIL = 1500 * MS
 GIVE_UP = 60_000 * MS
 # The processes' defaults (node/settings.py): the simulator runs the policies as configured.
@@ -287,6 +298,10 @@ class Listener:
         self.delivered: list[bytes] = []
         self.machine = AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS) if name in REPLICAS else None
         self.alerts: list = []
+        self.replica: ReplicaCore | None = None
+        if self.machine is not None:  # never snapshots here: replicas do not crash in the simulation (yet)
+            self.replica = ReplicaCore(self.machine, [], 1 << 62, 1 << 62, False, sim.now)
+            self.hello_at = -RECONNECT_NS
         self.client: ClientCore | None = None
         if name in CLIENTS:
             self.client = ClientCore(wire(name), None, default_of(Config, "max_packet"), RESEND_NS)
@@ -294,6 +309,12 @@ class Listener:
                                       first_id=1 + CLIENTS.index(name) * 10**9)
 
     def receive(self, src: str, msg) -> None:
+        if msg[0] == "welcome":  # the alert channel is up: what the emitter lacks goes again
+            self.send_alerts(self.replica.on_welcome(msg[1]))
+        elif msg[0] == "ack":
+            self.replica.on_ack(msg[1])
+        elif msg[0] == "link_lost":
+            self.replica.on_link_lost()
         if msg[0] != "packet":
             return
         actions = self.core.on_datagram(msg[1], committed=src in REWINDERS)
@@ -309,9 +330,15 @@ class Listener:
         if d.first_seq != len(self.delivered) + 1:
             raise Violation(f"{self.name} delivered seq {d.first_seq} after {len(self.delivered)}")
         self.delivered.extend(M.packet_message_bytes(d.packet, i) for i in range(d.skip, n))
-        if self.machine is not None:
+        if self.replica is not None:
             msgs = M.decode_packet_messages(d.packet, n, d.skip)
-            self.alerts.extend(self.machine.apply_run(d.first_seq, msgs))
+            before = self.machine.alerts_raised
+            for action in self.replica.on_run(d.first_seq, msgs):
+                if isinstance(action, SendAlerts):
+                    self.send_alerts(action)
+            raised = self.machine.alerts_raised - before  # the newest alerts, at the end of the outbox
+            if raised:
+                self.alerts.extend(list(self.replica.outbox)[-raised:])
         else:
             self.client.on_delivered(d.packet, d.skip, self.sim.now)
 
@@ -320,6 +347,9 @@ class Listener:
         ask = self.core.on_timer(now)
         if ask is not None:
             self.sim.send(self.name, REWINDERS[ask.index], ("gap", ask.request))
+        if self.replica is not None and not self.replica.linked and now - self.hello_at >= RECONNECT_NS:
+            self.hello_at = now  # the replica's (re)connect loop to the emitter
+            self.sim.send_ordered(self.name, EMITTER, ("hello",))
         if self.client is None:
             return
         c = self.client
@@ -333,6 +363,62 @@ class Listener:
     def submit(self, data: bytes) -> None:
         for s in SEQUENCERS:
             self.sim.send(self.name, s, ("inbound", data))
+
+    def send_alerts(self, action: SendAlerts) -> None:
+        if action.alerts and self.replica.linked:
+            self.sim.send_ordered(self.name, EMITTER, ("alerts", [a.encode() for a in action.alerts]))
+
+
+class Emitter:
+    """The emitter: the EmitterCore the process runs, its LMDB (mark, outbox, delivered) and
+    an idempotent JSON-lines sink as durable state; it crashes at the core's crash points."""
+
+    def __init__(self, sim: "Sim"):
+        self.sim, self.name, self.up = sim, EMITTER, True
+        self.mark = 0
+        self.outbox: dict[int, bytes] = {}  # emit seq -> alert: intent recorded, done not
+        self.recorded: dict[int, bytes] = {}  # emit seq -> alert: done
+        self.sink: list[dict] = []  # alerts.jsonl
+        self.crash_at: tuple[str, int] | None = None  # (point, until): a fault waiting for the next batch
+        self.restart()
+
+    def restart(self) -> None:
+        self.core = EmitterCore({wire(r) for r in REPLICAS}, self.mark)
+        self.carry_out(self.core.recover([Alert.decode(self.outbox[k]) for k in sorted(self.outbox)]))
+
+    def receive(self, src: str, msg) -> None:
+        if msg[0] == "hello":
+            mark = self.core.on_hello(wire(src))
+            if mark is not None:
+                self.sim.send_ordered(EMITTER, src, ("welcome", mark))
+        elif msg[0] == "alerts":
+            new, copies = self.core.on_alerts([Alert.decode(raw) for raw in msg[1]])
+            for a in copies:
+                if not self.core.judge_copy(a, self.recorded.get(a.emit_seq, self.outbox.get(a.emit_seq))):
+                    raise Violation(f"divergence: {src}'s alert at emit seq {a.emit_seq} differs")
+            if new and not self.carry_out(self.core.deliver(new)):
+                return  # crashed on the way
+            self.sim.send_ordered(EMITTER, src, ("ack", self.core.mark))
+
+    def carry_out(self, actions: list) -> bool:
+        """As the emitter shell does; False if a crash point was reached."""
+        for a in actions:
+            if isinstance(a, RecordIntent):
+                self.outbox.update((x.emit_seq, x.encode()) for x in a.alerts)
+                self.mark = a.alerts[-1].emit_seq
+            elif isinstance(a, (DeliverAlerts, Redeliver)):
+                held = {r["alert_id"] for r in self.sink}  # the sink is idempotent by alert id
+                self.sink += [r for r in (x.to_dict("SIM") for x in a.alerts) if r["alert_id"] not in held]
+            elif isinstance(a, RecordDone):
+                for x in a.alerts:
+                    self.recorded[x.emit_seq] = self.outbox.pop(x.emit_seq, x.encode())
+            elif isinstance(a, Crash):
+                self.sim.crash_emitter(self.crash_at[1])
+                return False
+        return True
+
+    def tick(self) -> None:
+        pass
 
 
 class Sim:
@@ -351,7 +437,11 @@ class Sim:
         self.dup = self.rng.choice((0.0, 0.02))
         self.voters = {n: Voter(self, n) for n in VOTERS}
         self.listeners = {n: Listener(self, n) for n in (*CLIENTS, *REPLICAS)}
-        self.nodes = {**self.voters, **self.listeners}
+        self.emitter = Emitter(self)
+        self.nodes = {**self.voters, **self.listeners, EMITTER: self.emitter}
+        self.channel_at: dict[tuple[str, str], int] = {}  # ordered channels: when the last message arrives
+        self.epochs: dict[frozenset, int] = {}  # ordered channels: the connection a message was sent on
+        self.broken: set[frozenset] = set()  # ordered channels broken until the next hello
         self.trace: list[str] = []
         self._schedule_faults()
 
@@ -366,6 +456,41 @@ class Sim:
             return
         for _ in range(2 if self.rng.random() < self.dup else 1):
             self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, src, dst, msg)
+
+    def send_ordered(self, src: str, dst: str, msg) -> None:
+        """A TCP connection (the alert channel): delayed, never reordered; a message is never
+        lost while a later one arrives. A partition or a peer down breaks the connection: nothing
+        more goes through it, the replica end learns so, and its next hello opens a new one."""
+        link = frozenset((src, dst))
+        if msg[0] == "hello":
+            self.epochs[link] = self.epochs.get(link, 0) + 1  # a new connection
+            self.broken.discard(link)
+        if link in self.cut or link in self.broken or not self.nodes[dst].up or not self.nodes[src].up:
+            self.broken.add(link)
+            replica = src if src in REPLICAS else dst
+            self.at(self.now + MS, self.deliver, EMITTER, replica, ("link_lost",))
+            return
+        when = max(self.now + self.rng.randint(100_000, 3 * MS), self.channel_at.get((src, dst), 0) + 1)
+        self.channel_at[(src, dst)] = when
+        self.at(when, self.deliver_ordered, src, dst, msg, self.epochs.get(link, 0))
+
+    def deliver_ordered(self, src: str, dst: str, msg, epoch: int) -> None:
+        if self.epochs.get(frozenset((src, dst)), 0) == epoch:  # its connection still stands
+            self.deliver(src, dst, msg)
+
+    def crash_emitter(self, until: int) -> None:
+        self.emitter.up = False
+        self.emitter.crash_at = None
+        for r in REPLICAS:  # its connections close: what is in flight on them is lost
+            link = frozenset((EMITTER, r))
+            self.epochs[link] = self.epochs.get(link, 0) + 1
+            self.broken.add(link)
+            self.at(self.now + MS, self.deliver, EMITTER, r, ("link_lost",))
+        self.at(max(until, self.now + MS), self.recover_emitter)
+
+    def recover_emitter(self) -> None:
+        self.emitter.up = True
+        self.emitter.restart()
 
     def close_links(self, src: str, term: int) -> None:
         """A leader crashed or stepped down: its connections close. A FIN is
@@ -405,7 +530,7 @@ class Sim:
         for _ in range(r.randint(1, 5)):
             start = r.randint(100 * MS, FAULTS_UNTIL - 200 * MS)
             length = r.randint(50 * MS, 700 * MS)
-            kind = r.choice(("crash", "pause", "partition", "isolate", "garbage"))
+            kind = r.choice(("crash", "pause", "partition", "isolate", "garbage", "crash-emitter"))
             self.at(start, self.fault, kind, None, start + length)
 
     def fault(self, kind: str, node: str | None, until: int) -> None:
@@ -413,7 +538,15 @@ class Sim:
             leader = next((v.name for v in self.voters.values() if v.leader is not None and v.up), None)
             node = leader if leader and self.rng.random() < 0.5 else self.rng.choice(VOTERS)
         self.trace.append(f"{self.now / MS:.0f} ms: {kind} {node} for {(until - self.now) / MS:.0f} ms")
-        if kind == "crash" and self.voters[node].up:
+        if kind == "crash-emitter":
+            e = self.emitter
+            if e.up and e.crash_at is None:  # dies at a crash point of its next batch of alerts
+                point = self.rng.choice(CRASH_POINTS)
+                e.crash_at = (point, until)
+                e.core.crash_at, e.core.crash_after = point, e.core.batches + 1
+                self.trace[-1] = f"{self.now / MS:.0f} ms: crash the emitter {point} of its next batch, " \
+                                 f"for {(until - self.now) / MS:.0f} ms"
+        elif kind == "crash" and self.voters[node].up:
             if self.voters[node].leader is not None and self.rng.random() < 0.5:
                 self.voters[node].crash_before_journal = until  # in its next batch, after replicating it
                 self.trace.append("  (between replicating its next batch and journaling it)")
@@ -470,8 +603,10 @@ class Sim:
     def settled(self) -> bool:
         if self.now < FAULTS_UNTIL + 200 * MS:
             return False
-        if self.paused or self.cut or not all(v.up for v in self.voters.values()):
+        if self.paused or self.cut or not all(v.up for v in self.voters.values()) or not self.emitter.up:
             return False  # every fault healed
+        if any(self.listeners[r].replica.outbox for r in REPLICAS):
+            return False  # alerts the emitter has not acknowledged
         if any(c.next_cseq <= self.per_client or c.unacked for c in (self.listeners[n].client for n in CLIENTS)):
             return False
         leader = self.leader()
@@ -529,8 +664,14 @@ class Sim:
         got = [(a.emit_seq, a.purchase_seq, a.cumulative) for a in replicas[0].alerts]
         if got != [(a["emit_seq"], a["purchase_seq"], a["cumulative"]) for a in want]:
             raise Violation("the replicas' alerts differ from those recomputed from the log")
+        delivered = [(r["emit_seq"], r["purchase_seq"], r["cumulative"]) for r in self.emitter.sink]
+        if sorted(delivered) != [(a["emit_seq"], a["purchase_seq"], a["cumulative"]) for a in want]:
+            missing = len(set(got) - set(delivered))
+            raise Violation(f"exactly-once alerts: {len(delivered)} delivered ({len(delivered) - len(set(delivered))} "
+                            f"twice, {missing} missing), {len(want)} expected")
         return {"seed": self.seed, "log": c, "terms": len(self.leaders), "virtual_ms": self.now // MS,
-                "faults": len(self.trace), "loss": self.loss}
+                "faults": len(self.trace), "loss": self.loss, "alerts": len(delivered),
+                "emitter_in_doubt": self.emitter.core.in_doubt}
 
 
 def run_seed(seed: int) -> tuple[int, str | None, dict | None]:

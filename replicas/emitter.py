@@ -37,7 +37,7 @@ from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import CONTROL_READ
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit import Alert
-from tape.replicas.emitter_core import Crash, Deliver, EmitterCore, RecordDone, RecordIntent, Redeliver
+from tape.replicas.emitter_core import Crash, DeliverAlerts, EmitterCore, RecordDone, RecordIntent, Redeliver
 
 log = logging.getLogger("tape.emitter")
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
@@ -167,7 +167,7 @@ class Emitter(NodeProcess):
                     for a in action.alerts:
                         txn.put(a.emit_seq.to_bytes(8, "big"), a.encode(), db=self.outbox)
                     txn.put(b"mark", action.alerts[-1].emit_seq.to_bytes(8, "big"), db=self.meta)
-            elif isinstance(action, Deliver):
+            elif isinstance(action, DeliverAlerts):
                 records = [a.to_dict(self.cfg.session) for a in action.alerts]
                 await asyncio.to_thread(self._deliver_all, records)
             elif isinstance(action, Redeliver):

@@ -6,7 +6,7 @@ found in doubt at start. Actions out, carried out in order by the shell
 (replicas/emitter.py):
 
     RecordIntent(alerts)   the outbox and the new mark, in one durable transaction
-    Deliver(alerts)        to every sink
+    DeliverAlerts(alerts)        to every sink
     Redeliver(alerts)      alerts in doubt after a crash: again to the idempotent
                            sinks, listed for the operator for the others
     RecordDone(alerts)     outbox -> delivered, in one durable transaction
@@ -33,7 +33,7 @@ class RecordIntent:
 
 
 @dataclass(frozen=True)
-class Deliver:
+class DeliverAlerts:
     alerts: list
 
 
@@ -53,7 +53,7 @@ class Crash:
     batch: int
 
 
-EmitterAction = RecordIntent | Deliver | Redeliver | RecordDone | Crash
+EmitterAction = RecordIntent | DeliverAlerts | Redeliver | RecordDone | Crash
 
 
 class EmitterCore:
@@ -90,7 +90,7 @@ class EmitterCore:
         self.batches += 1
         self.mark = new[-1].emit_seq
         self.delivered += len(new)
-        steps = [RecordIntent(new), Deliver(new), RecordDone(new)]
+        steps = [RecordIntent(new), DeliverAlerts(new), RecordDone(new)]
         out = []
         for point, step in zip(CRASH_POINTS, [*steps, None]):
             if point == self.crash_at and self.batches >= self.crash_after:

@@ -3,7 +3,7 @@
 import pytest
 
 from tape.replicas.audit import Alert
-from tape.replicas.emitter_core import Crash, Deliver, EmitterCore, RecordDone, RecordIntent, Redeliver
+from tape.replicas.emitter_core import Crash, DeliverAlerts, EmitterCore, RecordDone, RecordIntent, Redeliver
 
 A = b"replica-A "
 
@@ -20,7 +20,7 @@ def test_only_known_replicas_are_welcomed_with_the_mark():
 def test_new_alerts_go_through_intent_deliver_done_and_move_the_mark():
     core = EmitterCore({A})
     new, copies = core.on_alerts([alert(3), alert(5)])
-    assert copies == [] and core.deliver(new) == [RecordIntent(new), Deliver(new), RecordDone(new)]
+    assert copies == [] and core.deliver(new) == [RecordIntent(new), DeliverAlerts(new), RecordDone(new)]
     assert core.mark == 5 and core.delivered == 2
     new, copies = core.on_alerts([alert(5), alert(9)])  # another replica's channel: 5 is a copy
     assert [a.emit_seq for a in new] == [9] and [a.emit_seq for a in copies] == [5]

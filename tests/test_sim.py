@@ -7,6 +7,7 @@ from tape.ops import sim
 from tape.protocol.election import ElectionCore
 from tape.protocol.listener import ListenerCore
 from tape.protocol.voter import VoterCore
+from tape.replicas.emitter_core import EmitterCore, RecordDone
 from tape.sequencer.client_core import ClientCore
 from tape.sequencer.followers import FollowerLinks
 
@@ -99,3 +100,13 @@ def test_a_leader_that_ignores_refusals_never_catches_a_follower_up(monkeypatch)
     monkeypatch.setattr(FollowerLinks, "refused", lambda self, follower, last_seq: False)
     stalled = [s for s in range(1, 101) if "no progress" in (sim.run_seed(s)[1] or "")]
     assert len(stalled) >= 50
+
+
+def test_an_emitter_that_forgets_alerts_in_doubt_loses_them(monkeypatch):
+    # The emitter crashes at its core's crash points in the simulation; recovery that records
+    # alerts in doubt as done without delivering them again loses those whose intent was recorded.
+    monkeypatch.setattr(EmitterCore, "recover", lambda self, doubt: [RecordDone(doubt)] if doubt else [])
+    failures = [f for f in (sim.run_seed(s)[1] for s in range(1, 401)) if f]
+    assert len(failures) >= 5
+    assert all(re.match(r"Violation: exactly-once alerts: \d+ delivered \(0 twice, [1-9]\d* missing\)", f)
+               for f in failures)
