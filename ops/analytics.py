@@ -29,9 +29,8 @@ FILL_LABELS = ["0-25%", "25-50%", "50-75%", "75-<100%", "100% (exact)", "100-125
 def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corrupt: bool = False,
             progress=None) -> dict:
     from pyspark.sql import functions as F
-    from pyspark.sql.window import Window
 
-    from tape.ops.spark import REJECT_REASONS, alerts_df, apply_rules, journal_df
+    from tape.ops.spark import journal_df
 
     def phase(what):
         if progress is not None:
@@ -45,22 +44,57 @@ def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corr
     span = msgs.agg(F.min("seq").alias("first_seq"), F.max("seq").alias("last_seq"),
                     F.min("stamp_ns").alias("first_ns"), F.max("stamp_ns").alias("last_ns")).first().asDict()
     trades = msgs.where(F.col("type").isin("purchase_request", "purchase"))
-    is_req, is_pur = F.col("type") == "purchase_request", F.col("type") == "purchase"
-
-    def volumes(key):
-        rows = (trades.groupBy(key)
-                .agg(F.sum(is_req.cast("long")).alias("requests"),
-                     F.sum(F.when(is_req, F.col("shares")).otherwise(0)).alias("requested_shares"),
-                     F.sum(is_pur.cast("long")).alias("purchases"),
-                     F.sum(F.when(is_pur, F.col("shares")).otherwise(0)).alias("purchased_shares"))
-                .orderBy(F.desc("purchased_shares"), key).collect())
-        return [r.asDict() for r in rows]
-
     phase("volumes per stock and client")
-    per_stock, per_client = volumes("stock"), volumes("client")
-
+    per_stock, per_client = _volumes(trades, "stock"), _volumes(trades, "client")
     phase("orders by the replicas' rules")
-    book_rows, outcomes = apply_rules(trades, book_ttl_ns, orphan_ttl_ns, end_ns=span["last_ns"] or 0)
+    orders = _orders(trades, book_ttl_ns, orphan_ttl_ns, span["last_ns"] or 0)
+    phase("rate per second")
+    rate = [(r["second"], r["count"]) for r in msgs.groupBy(F.floor(F.col("stamp_ns") / 1e9).alias("second")).count()
+            .orderBy("second").collect()]
+    phase("stamp gaps")
+    gaps = _stamp_gaps(msgs)
+    df.unpersist()
+    seconds = max(1, len(rate))
+    return {
+        "journal": journal,
+        "messages": sum(v for k, v in by_type.items() if k != "corrupt"), "by_type": by_type,
+        "corrupt_records": by_type.get("corrupt", 0), "corrupt_first": corrupt,
+        "first_seq": span["first_seq"], "last_seq": span["last_seq"],
+        "first_stamp_ns": span["first_ns"], "last_stamp_ns": span["last_ns"],
+        "per_stock": per_stock, "per_client": per_client,
+        **orders,
+        "rate_per_second": {"seconds": len(rate), "mean": round(sum(c for _, c in rate) / seconds, 1),
+                            "max": max((c for _, c in rate), default=0), "series": rate},
+        "stamp_gaps_us": gaps,
+        "latency": "not in the journal: inbound messages carry no client send time. `tape up` reports "
+                   "submit-to-sequenced and inbound-to-applied percentiles measured live.",
+    }
+
+
+def _quantiles(row, key) -> list:
+    return [round(x, 3) for x in (row[key] or [])]
+
+
+def _volumes(trades, key: str) -> list[dict]:
+    from pyspark.sql import functions as F
+
+    is_req, is_pur = F.col("type") == "purchase_request", F.col("type") == "purchase"
+    rows = (trades.groupBy(key)
+            .agg(F.sum(is_req.cast("long")).alias("requests"),
+                 F.sum(F.when(is_req, F.col("shares")).otherwise(0)).alias("requested_shares"),
+                 F.sum(is_pur.cast("long")).alias("purchases"),
+                 F.sum(F.when(is_pur, F.col("shares")).otherwise(0)).alias("purchased_shares"))
+            .orderBy(F.desc("purchased_shares"), key).collect())
+    return [r.asDict() for r in rows]
+
+
+def _orders(trades, book_ttl_ns: int, orphan_ttl_ns: int, end_ns: int) -> dict:
+    """Books, fill ratios, overfill, rejects and alerts, by the replicas' rules."""
+    from pyspark.sql import functions as F
+
+    from tape.ops.spark import REJECT_REASONS, alerts_df, apply_rules
+
+    book_rows, outcomes = apply_rules(trades, book_ttl_ns, orphan_ttl_ns, end_ns=end_ns)
     outcomes = outcomes.cache()
     filled = (outcomes.where("outcome = 'fill'").groupBy("order_id", F.col("book").alias("book_seq"))
               .agg(F.sum("shares").alias("filled")))
@@ -69,74 +103,47 @@ def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corr
              .withColumn("ratio", F.col("filled") / F.col("requested")).cache())
     bucket = F.lit(len(FILL_LABELS) - 1)
     for i in reversed(range(len(FILL_LABELS))):
-        bucket = F.when((F.col("ratio") >= FILL_BUCKETS[i]) & (F.col("ratio") < FILL_BUCKETS[i + 1]), i).otherwise(
-            bucket
-        )
+        in_bucket = (F.col("ratio") >= FILL_BUCKETS[i]) & (F.col("ratio") < FILL_BUCKETS[i + 1])
+        bucket = F.when(in_bucket, i).otherwise(bucket)
     fill_counts = {r["b"]: r["count"] for r in books.withColumn("b", bucket).groupBy("b").count().collect()}
     fill = [{"bucket": label, "orders": fill_counts.get(i, 0)} for i, label in enumerate(FILL_LABELS)]
-    order_summary = books.agg(F.count("*").alias("orders"), F.avg("ratio").alias("mean_fill_ratio"),
-                              F.sum((F.col("filled") > F.col("requested")).cast("long")).alias("overfilled")).first()
+    summary = books.agg(F.count("*").alias("orders"), F.avg("ratio").alias("mean_fill_ratio"),
+                        F.sum((F.col("filled") > F.col("requested")).cast("long")).alias("overfilled")).first()
     over = books.where("filled > requested").withColumn("over", F.col("filled") - F.col("requested"))
-    over_q = over.agg(F.percentile_approx("over", [0.5, 0.9, 0.99], 1000).alias("q"), F.max("over").alias("max"),
-                      F.percentile_approx(F.col("over") / F.col("requested"), [0.5, 0.9, 0.99], 1000).alias("rq"),
-                      F.max(F.col("over") / F.col("requested")).alias("rmax")).first()
-    over_hist = [
-        (r["b"], r["count"])
-        for r in over.withColumn("b", F.floor(F.col("over") / F.col("requested") * 20) / 20)
-        .groupBy("b")
-        .count()
-        .orderBy("b")
-        .collect()
-    ]
+    ratio = F.col("over") / F.col("requested")
+    quantiles = [0.5, 0.9, 0.99]
+    over_q = over.agg(F.percentile_approx("over", quantiles, 1000).alias("q"), F.max("over").alias("max"),
+                      F.percentile_approx(ratio, quantiles, 1000).alias("rq"), F.max(ratio).alias("rmax")).first()
+    over_hist = [(r["b"], r["count"]) for r in over.withColumn("b", F.floor(ratio * 20) / 20)
+                 .groupBy("b").count().orderBy("b").collect()]
     rejects = {r["outcome"]: r["count"] for r in outcomes.where(F.col("outcome").isin(*REJECT_REASONS))
                .groupBy("outcome").count().orderBy("outcome").collect()}
     alerts = alerts_df(outcomes, "").count()
+    outcomes.unpersist()
+    books.unpersist()
+    return {
+        "orders": {"books": summary["orders"], "mean_fill_ratio": round(summary["mean_fill_ratio"] or 0, 4),
+                   "overfilled": summary["overfilled"], "alerts": alerts, "fill_ratio_buckets": fill},
+        "overfill": {"shares_p50_p90_p99": _quantiles(over_q, "q"), "shares_max": over_q["max"],
+                     "ratio_p50_p90_p99": _quantiles(over_q, "rq"), "ratio_max": over_q["rmax"],
+                     "histogram_ratio_step_0_05": over_hist},
+        "rejects": rejects,
+    }
 
-    phase("rate per second")
-    rate = [(r["second"], r["count"]) for r in msgs.groupBy(F.floor(F.col("stamp_ns") / 1e9).alias("second")).count()
-            .orderBy("second").collect()]
 
-    phase("stamp gaps")
+def _stamp_gaps(msgs) -> dict:
+    from pyspark.sql import functions as F
+    from pyspark.sql.window import Window
+
     stamps = msgs.select("stamp_ns").distinct()
     gaps = (stamps.withColumn("gap_us", (F.col("stamp_ns") - F.lag("stamp_ns").over(Window.orderBy("stamp_ns"))) / 1e3)
             .where("gap_us IS NOT NULL").cache())
-    gap_row = gaps.agg(F.count("*").alias("n"), F.percentile_approx("gap_us", [0.5, 0.9, 0.99], 1000).alias("q"),
-                       F.max("gap_us").alias("max")).first()
-    gap_hist = [
-        (r["b"], r["count"])
-        for r in gaps.withColumn("b", F.floor(F.log10(F.greatest(F.col("gap_us"), F.lit(1.0)))))
-        .groupBy("b")
-        .count()
-        .orderBy("b")
-        .collect()
-    ]
-    df.unpersist()
-    outcomes.unpersist()
-    books.unpersist()
+    row = gaps.agg(F.count("*").alias("n"), F.percentile_approx("gap_us", [0.5, 0.9, 0.99], 1000).alias("q"),
+                   F.max("gap_us").alias("max")).first()
+    decade = F.floor(F.log10(F.greatest(F.col("gap_us"), F.lit(1.0))))
+    hist = [(r["b"], r["count"]) for r in gaps.withColumn("b", decade).groupBy("b").count().orderBy("b").collect()]
     gaps.unpersist()
-
-    seconds = max(1, len(rate))
-    q = lambda row, key: [round(x, 3) for x in (row[key] or [])]  # noqa: E731
-    return {
-        "journal": journal,
-        "messages": sum(v for k, v in by_type.items() if k != "corrupt"), "by_type": by_type,
-        "corrupt_records": by_type.get("corrupt", 0), "corrupt_first": corrupt,
-        "first_seq": span["first_seq"], "last_seq": span["last_seq"],
-        "first_stamp_ns": span["first_ns"], "last_stamp_ns": span["last_ns"],
-        "per_stock": per_stock, "per_client": per_client,
-        "orders": {"books": order_summary["orders"], "mean_fill_ratio": round(order_summary["mean_fill_ratio"] or 0, 4),
-                   "overfilled": order_summary["overfilled"], "alerts": alerts, "fill_ratio_buckets": fill},
-        "overfill": {"shares_p50_p90_p99": q(over_q, "q"), "shares_max": over_q["max"],
-                     "ratio_p50_p90_p99": q(over_q, "rq"), "ratio_max": over_q["rmax"],
-                     "histogram_ratio_step_0_05": over_hist},
-        "rejects": rejects,
-        "rate_per_second": {"seconds": len(rate), "mean": round(sum(c for _, c in rate) / seconds, 1),
-                            "max": max((c for _, c in rate), default=0), "series": rate},
-        "stamp_gaps_us": {"count": gap_row["n"], "p50_p90_p99": q(gap_row, "q"), "max": gap_row["max"],
-                          "histogram_log10_us": gap_hist},
-        "latency": "not in the journal: inbound messages carry no client send time. `tape up` reports "
-                   "submit-to-sequenced and inbound-to-applied percentiles measured live.",
-    }
+    return {"count": row["n"], "p50_p90_p99": _quantiles(row, "q"), "max": row["max"], "histogram_log10_us": hist}
 
 
 # --- presentation ----------------------------------------------------------------------------

@@ -319,6 +319,36 @@ ALERT_FIELDS = ("emit_seq", "purchase_id", "order_id", "requested", "cumulative"
 REJECT_REASONS = ("duplicate_order", "bad_shares", "client_mismatch", "stock_mismatch", "orphan_expired")
 
 
+def _open_books(trades, book_ttl_ns: int):
+    """2. Books: a fold (a JVM higher-order function) over each order's requests: (order_id, books)."""
+    from pyspark.sql import functions as F
+
+    book = F.struct(F.col("seq").alias("book_seq"), F.col("stamp_ns").alias("opened"),
+                    F.col("now").alias("opened_now"), F.col("shares").alias("requested"), "client", "stock")
+    fold = (f"aggregate(reqs, named_struct('opened', CAST(NULL AS BIGINT), 'books', slice(reqs, 1, 0)), "
+            f"(acc, r) -> IF(acc.opened IS NULL OR r.opened_now >= acc.opened + {int(book_ttl_ns)}, "
+            f"named_struct('opened', r.opened, 'books', concat(acc.books, array(r))), acc)).books")
+    return (trades.where("type = 'purchase_request' AND shares > 0").groupBy("order_id")
+            .agg(F.array_sort(F.collect_list(book)).alias("reqs"))
+            .select("order_id", F.expr(fold).alias("books")))
+
+
+def _around_books(trades, opened):
+    """3. The books before (p) and after (n) each trade, from its order's few books. Both sides are
+    already partitioned by order id (the window and the fold), so the join moves no data. Most
+    orders have one book: plain element access then, the lambdas only for the rest (Spark
+    inlines p and n into every use)."""
+    from pyspark.sql import functions as F
+
+    mark = "IF(size(books) = 1, books[0].book_seq = seq, exists(books, b -> b.book_seq = seq))"
+    before = ("IF(size(books) = 1, IF(books[0].book_seq < seq, books[0], NULL), "
+              "try_element_at(filter(books, b -> b.book_seq < seq), -1))")
+    after = ("IF(size(books) = 1, IF(books[0].book_seq > seq, books[0], NULL), "
+             "try_element_at(filter(books, b -> b.book_seq > seq), 1))")
+    return (trades.join(opened, "order_id", "left").withColumn("mark", F.expr(mark))
+            .withColumn("p", F.expr(before)).withColumn("n", F.expr(after)))
+
+
 def apply_rules(trades, book_ttl_ns: int, orphan_ttl_ns: int, end_ns: int | None = None):
     """The replicas' rules (DESIGN.md sections 1 and 6) over a DataFrame of
     trades, in Spark SQL: no Python per row. Every rule is per order, so
@@ -344,42 +374,9 @@ def apply_rules(trades, book_ttl_ns: int, orphan_ttl_ns: int, end_ns: int | None
     by_order = Window.partitionBy("order_id").orderBy("seq")
     trades = trades.withColumn("now", F.max("stamp_ns").over(by_order.rowsBetween(Window.unboundedPreceding, 0)))
 
-    # 2. Books: a fold (a JVM higher-order function) over each order's requests.
-    book = F.struct(F.col("seq").alias("book_seq"), F.col("stamp_ns").alias("opened"),
-                    F.col("now").alias("opened_now"), F.col("shares").alias("requested"), "client", "stock")
-    opened = (trades.where("type = 'purchase_request' AND shares > 0").groupBy("order_id")
-              .agg(F.array_sort(F.collect_list(book)).alias("reqs"))
-              .select("order_id", F.expr(
-                  f"aggregate(reqs, named_struct('opened', CAST(NULL AS BIGINT), 'books', slice(reqs, 1, 0)), "
-                  f"(acc, r) -> IF(acc.opened IS NULL OR r.opened_now >= acc.opened + {int(book_ttl_ns)}, "
-                  f"named_struct('opened', r.opened, 'books', concat(acc.books, array(r))), acc)).books")
-                      .alias("books")))
+    opened = _open_books(trades, book_ttl_ns)
     books = opened.select("order_id", F.explode("books").alias("b")).select("order_id", "b.*")
-
-    # 3. The books before (p) and after (n) each trade, from its order's few books. Both sides are
-    # already partitioned by order id (the window and the fold), so the join moves no data. Most
-    # orders have one book: plain element access then, the lambdas only for the rest (Spark
-    # inlines p and n into every use below).
-    t = (
-        trades.join(opened, "order_id", "left")
-        .withColumn(
-            "mark", F.expr("IF(size(books) = 1, books[0].book_seq = seq, exists(books, b -> b.book_seq = seq))")
-        )
-        .withColumn(
-            "p",
-            F.expr(
-                "IF(size(books) = 1, IF(books[0].book_seq < seq, books[0], NULL), "
-                "try_element_at(filter(books, b -> b.book_seq < seq), -1))"
-            ),
-        )
-        .withColumn(
-            "n",
-            F.expr(
-                "IF(size(books) = 1, IF(books[0].book_seq > seq, books[0], NULL), "
-                "try_element_at(filter(books, b -> b.book_seq > seq), 1))"
-            ),
-        )
-    )
+    t = _around_books(trades, opened)
     book_open = F.col("p").isNotNull() & (F.col("now") < F.col("p.opened") + F.lit(book_ttl_ns))
     is_request = F.col("type") == "purchase_request"
     window_end = F.col("stamp_ns") + F.lit(orphan_ttl_ns)

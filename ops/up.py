@@ -16,7 +16,6 @@ import json
 import shutil
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 from rich.console import Console, Group
@@ -24,10 +23,8 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from tape.node.journal_store import Journal
 from tape.ops.local import LocalCluster
-from tape.ops.reference import expected_alerts
-from tape.protocol import messages as M
+from tape.ops.verdict import judge, read_run
 
 SEQUENCERS = ("seq-a", "seq-b")
 VOTERS = (*SEQUENCERS, "rw-1", "rw-2")
@@ -149,84 +146,19 @@ def _watch(console, cluster: LocalCluster, load, duration: float, drill) -> None
             time.sleep(0.25)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> dict:
-    cfg = cluster.cfg
-    load = _read_json_text(cluster.output("load"))
-    journal_records = {n: list(Journal(cluster.journal_dir(n), readonly=True).read()) for n in VOTERS}
-    records = max(journal_records.values(), key=len)
-    decoded = [(seq, M.SEQUENCED.unpack(raw)) for seq, _, raw in records]
-    trades = [(m[M.ORIGIN], m[M.CLIENT_SEQ]) for _, m in decoded if m[M.TYPE] in (M.REQUEST, M.PURCHASE)]
-    dup_trades = sum(c - 1 for c in Counter(trades).values() if c > 1)
-    journals_identical = all(journal_records[n] == records for n in VOTERS)
-    status = {r: _read_json(Path(cfg.node(r).data) / "status.json") for r in REPLICAS}
-    applied = {r: status[r].get("last_seq", 0) for r in REPLICAS}
-    digests = {r: status[r].get("digest", "") for r in REPLICAS}
-    expected, rejects = expected_alerts(decoded, int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9))
-    expected_by_id = {f"{cfg.session}:{a['purchase_seq']}": a for a in expected}
-    delivered_rows = []
-    sink = Path(cfg.node("emitter").data) / "alerts.jsonl"
-    if sink.exists():
-        delivered_rows = [json.loads(line) for line in sink.read_text().splitlines() if line.strip()]
-    ids = Counter(r["alert_id"] for r in delivered_rows)
-    duplicates = sum(c - 1 for c in ids.values() if c > 1)
-    missing = sorted(set(expected_by_id) - set(ids))
-    unexpected = sorted(set(ids) - set(expected_by_id))
-    fields = ("emit_seq", "purchase_id", "order_id", "requested", "cumulative")
-    mismatched = sorted(r["alert_id"] for r in delivered_rows if r["alert_id"] in expected_by_id
-                        and any(r[f] != expected_by_id[r["alert_id"]][f] for f in fields))
-    emitter = _read_json(Path(cfg.node("emitter").data) / "status.json")
-    lat = load.get("latency_ms", {})
+    run = read_run(cluster.cfg, VOTERS, REPLICAS, SEQUENCERS, cluster.output("load"), total)
+    checks, figures, report = judge(run)
+    lat = run.load.get("latency_ms", {})
     # Inbound (the sequencer's stamp) to applied, for the slowest of the replicas.
-    applied_lat = {q: max((status[r].get("latency_ms", {}).get(q) or 0.0) for r in REPLICAS)
+    applied_lat = {q: max((run.replicas[r].get("latency_ms", {}).get(q) or 0.0) for r in REPLICAS)
                    for q in ("p50", "p99", "max")}
-    terms = term_changes(decoded)
-    published = {s: _read_json(Path(cfg.node(s).data) / "status.json").get("published_terms", {}) for s in SEQUENCERS}
-    term_issues = term_problems(terms, published)
-    checks = {
-        "all trades acknowledged": load.get("acked") == total,
-        "no loss: every trade sequenced": len(trades) == total,
-        "no duplicates: no (client, client seq) twice": dup_trades == 0,
-        "agreement: journals identical": journals_identical,
-        "replicas applied the whole log": all(v == len(records) for v in applied.values()),
-        "replica identity: digests equal": len(set(digests.values())) == 1 and "" not in digests.values(),
-        "exactly-once alerts": not missing and not unexpected and not mismatched and duplicates == 0,
-        "no divergence alarms": emitter.get("divergences", 0) == 0,
-        "each term published only by its winner": not term_issues,
-    }
-    figures = {
-        "all trades acknowledged": f"{load.get('acked', 0):,} / {total:,}",
-        "no loss: every trade sequenced": f"{len(trades):,}",
-        "no duplicates: no (client, client seq) twice": f"{dup_trades}",
-        "agreement: journals identical": f"{len(records):,} records x {len(VOTERS)}",
-        "replicas applied the whole log": " ".join(f"{v:,}" for v in applied.values()),
-        "replica identity: digests equal": next(iter(digests.values()), "")[:16],
-        "exactly-once alerts": f"{len(delivered_rows):,} delivered, {len(expected):,} expected, "
-                               f"{len(missing)} missing, {len(unexpected)} unexpected, {len(mismatched)} mismatched, "
-                               f"{duplicates} dup.",
-        "no divergence alarms": f"{emitter.get('divergences', 0)}",
-        "each term published only by its winner": term_issues[0] if term_issues else f"{len(terms)} terms",
-    }
-    report = {
-        "submitted": load.get("submitted", 0), "acknowledged": load.get("acked", 0), "sequenced": len(trades),
-        "log_length": len(records), "applied": applied, "digests": digests,
-        "alerts_delivered": len(delivered_rows), "alerts_expected": len(expected), "duplicates": duplicates,
-        "missing": missing[:20], "unexpected": unexpected[:20], "mismatched": mismatched[:20],
-        "divergences": emitter.get("divergences", 0), "rejects": rejects,
-        "rate_msgs_per_s": load.get("rate_acked", 0.0), "rate_target": rate,
+    report.update({
+        "rate_msgs_per_s": run.load.get("rate_acked", 0.0), "rate_target": rate,
         "latency_ms": {**applied_lat, "measured": "inbound (sequencer stamp) to applied, slowest replica"},
         "submit_to_sequenced_ms": {"p50": lat.get("p50"), "p99": lat.get("p99"), "max": lat.get("max"),
                                    "measured": "client submit to seen sequenced on the stream"},
-        "terms": terms,
-        "published_terms": published,
-        "term_problems": term_issues,
-    }
+    })
     if drill:
         report["drill"] = drill.name
         for name, (ok, figure) in drill.checks(cluster, report).items():
@@ -234,7 +166,11 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
             figures[name] = figure
     report["checks"] = checks
     report["verdict"] = "pass" if all(checks.values()) else "fail"
-    title = f"drill {drill.name}" if drill else "tape up"
+    _print_verdict(console, f"drill {drill.name}" if drill else "tape up", checks, figures, report)
+    return report
+
+
+def _print_verdict(console, title: str, checks: dict, figures: dict, report: dict) -> None:
     table = Table(title=f"{title}: verdict (DESIGN.md section 9)", show_header=False)
     table.add_column("check")
     table.add_column("figures", justify="right")
@@ -242,61 +178,17 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
     for name, ok in checks.items():
         table.add_row(name, figures[name], "[green]ok[/green]" if ok else "[red]FAIL[/red]")
     table.add_row("rate achieved", f"{report['rate_msgs_per_s']:,.0f} msg/s", "")
-    table.add_row("latency p50 / p99 / max, inbound to applied",
-                  f"{applied_lat['p50']:.1f} / {applied_lat['p99']:.1f} / {applied_lat['max']:.1f} ms", "")
-    table.add_row("latency p50 / p99 / max, client submit to sequenced",
-                  f"{lat.get('p50', 0):.1f} / {lat.get('p99', 0):.1f} / {lat.get('max', 0):.1f} ms", "")
+    for label, lat in (("inbound to applied", report["latency_ms"]),
+                       ("client submit to sequenced", report["submit_to_sequenced_ms"])):
+        table.add_row(f"latency p50 / p99 / max, {label}",
+                      f"{lat.get('p50') or 0:.1f} / {lat.get('p99') or 0:.1f} / {lat.get('max') or 0:.1f} ms", "")
     if report.get("failover_ms") is not None:
-        table.add_row(
-            "failover (old leader's last stamp to new leader's term start)", f"{report['failover_ms']:.0f} ms", ""
-        )
-    table.add_row(
-        "verdict", "", "[bold green]PASS[/bold green]" if report["verdict"] == "pass" else "[bold red]FAIL[/bold red]"
-    )
+        table.add_row("failover (old leader's last stamp to new leader's term start)",
+                      f"{report['failover_ms']:.0f} ms", "")
+    verdict = "[bold green]PASS[/bold green]" if report["verdict"] == "pass" else "[bold red]FAIL[/bold red]"
+    table.add_row("verdict", "", verdict)
     console.print()
     console.print(table)
-    return report
-
-
-def term_changes(decoded: list) -> list[dict]:
-    """Each term start in the log: its seq, term, leader, and the time since
-    the previous term's last stamp (the failover time, for a change of leader)."""
-    out = []
-    last_stamp = None
-    for seq, m in decoded:
-        if m[M.TYPE] == M.TERM_START:
-            gap = (m[M.STAMP] - last_stamp) / 1e6 if last_stamp is not None else None
-            out.append({"seq": seq, "term": m[M.TERM], "leader": m[M.LEADER].decode(errors="replace").strip(),
-                        "ms_since_previous_stamp": round(gap, 1) if gap is not None else None})
-        last_stamp = m[M.STAMP]
-    return out
-
-
-def term_problems(terms: list[dict], published: dict[str, dict]) -> list[str]:
-    """Who published in which term, judged against the log: in every term at most one
-    sequencer published, none published in a term it did not win, and what it published
-    lies within that term's seqs. `terms` is term_changes() of the log; `published` maps
-    each sequencer to {term: [first seq, last seq]} of what it published."""
-    starts = {t["term"]: t for t in terms}
-    ends = {t["term"]: (nxt["seq"] - 1 if nxt else None) for t, nxt in zip(terms, [*terms[1:], None])}
-    problems = []
-    for name, spans in sorted(published.items()):
-        for term, (first, last) in sorted((int(t), s) for t, s in spans.items()):
-            won = starts.get(term)
-            if won is None or won["leader"] != name:
-                problems.append(f"{name} published seqs {first}-{last} in term {term}, which "
-                                f"{'no one' if won is None else won['leader']} won")
-            elif first < won["seq"] or (ends[term] is not None and last > ends[term]):
-                problems.append(f"{name} published seqs {first}-{last} outside term {term}'s "
-                                f"{won['seq']}-{ends[term] or 'end'}")
-    return problems
-
-
-def _read_json_text(text: str) -> dict:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return {}
 
 
 def _arrange(cluster: LocalCluster, root: Path) -> None:

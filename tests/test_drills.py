@@ -25,7 +25,7 @@ def test_the_leader_drills_pass_and_print_the_failover_time(tmp_path, drill):
 
 
 def test_the_term_check_judges_terms_not_names():
-    from tape.ops.up import term_problems
+    from tape.ops.verdict import term_problems
 
     terms = [{"seq": 1, "term": 1, "leader": "seq-a"}, {"seq": 100, "term": 2, "leader": "seq-b"},
              {"seq": 200, "term": 3, "leader": "seq-a"}]

@@ -62,3 +62,17 @@ def test_no_module_is_left_in_an_old_place():
     assert not (ROOT / "tape").exists()
     for folder in LAYER:
         assert (ROOT / folder / "__init__.py").exists(), folder
+
+
+MAX_FUNCTION_LINES = 70
+
+
+def test_every_function_fits_on_a_screen():
+    long = []
+    for folder, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{folder}/{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []

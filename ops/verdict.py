@@ -1,0 +1,149 @@
+"""The verdict of a run against DESIGN.md section 9.
+
+`read_run` gathers what a run left on disk (journals, the replicas', the
+emitter's and the sequencers' status files, the delivered alerts, the load
+report); `judge` is a pure function of that: the checks, their figures and
+the report. The expected alerts are recomputed from the journal by the
+independent reference checker (ops/reference.py), not by the replicas' code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tape.node.journal_store import Journal
+from tape.ops.reference import expected_alerts
+from tape.protocol import messages as M
+
+ALERT_FIELDS = ("emit_seq", "purchase_id", "order_id", "requested", "cumulative")
+
+
+@dataclass
+class RunFiles:
+    session: str
+    book_ttl_ns: int
+    orphan_ttl_ns: int
+    submitted: int  # trades the load was to submit
+    journals: dict[str, list]  # voter -> [(seq, term, message bytes)]
+    replicas: dict[str, dict]  # replica -> its status.json
+    alerts: list[dict]  # the JSON-lines sink, in order
+    emitter: dict = field(default_factory=dict)  # its status.json
+    load: dict = field(default_factory=dict)  # tape load's JSON report
+    sequencers: dict[str, dict] = field(default_factory=dict)  # sequencer -> its status.json
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int) -> RunFiles:
+    """What a local run left in its nodes' data directories."""
+    sink = Path(cfg.node("emitter").data) / "alerts.jsonl"
+    rows = [json.loads(line) for line in sink.read_text().splitlines() if line.strip()] if sink.exists() else []
+    try:
+        load = json.loads(load_output)
+    except ValueError:
+        load = {}
+    return RunFiles(
+        session=cfg.session, book_ttl_ns=int(cfg.book_ttl_s * 1e9), orphan_ttl_ns=int(cfg.orphan_ttl_s * 1e9),
+        submitted=submitted,
+        journals={n: list(Journal(Path(cfg.node(n).data) / "journal", readonly=True).read()) for n in voters},
+        replicas={r: _read_json(Path(cfg.node(r).data) / "status.json") for r in replicas},
+        alerts=rows, emitter=_read_json(Path(cfg.node("emitter").data) / "status.json"), load=load,
+        sequencers={s: _read_json(Path(cfg.node(s).data) / "status.json") for s in sequencers})
+
+
+def judge(run: RunFiles) -> tuple[dict, dict, dict]:
+    """(checks: name -> passed, figures: name -> text, report) of a run."""
+    records = max(run.journals.values(), key=len)
+    decoded = [(seq, M.SEQUENCED.unpack(raw)) for seq, _, raw in records]
+    trades = [(m[M.ORIGIN], m[M.CLIENT_SEQ]) for _, m in decoded if m[M.TYPE] in (M.REQUEST, M.PURCHASE)]
+    dup_trades = sum(c - 1 for c in Counter(trades).values() if c > 1)
+    applied = {r: s.get("last_seq", 0) for r, s in run.replicas.items()}
+    digests = {r: s.get("digest", "") for r, s in run.replicas.items()}
+    alerts, rejects = _alerts(run, decoded)
+    terms = term_changes(decoded)
+    published = {s: st.get("published_terms", {}) for s, st in run.sequencers.items()}
+    term_issues = term_problems(terms, published)
+    acked = run.load.get("acked", 0)
+    divergences = run.emitter.get("divergences", 0)
+    checks = {
+        "all trades acknowledged": (run.load.get("acked") == run.submitted, f"{acked:,} / {run.submitted:,}"),
+        "no loss: every trade sequenced": (len(trades) == run.submitted, f"{len(trades):,}"),
+        "no duplicates: no (client, client seq) twice": (dup_trades == 0, f"{dup_trades}"),
+        "agreement: journals identical": (all(j == records for j in run.journals.values()),
+                                          f"{len(records):,} records x {len(run.journals)}"),
+        "replicas applied the whole log": (all(v == len(records) for v in applied.values()),
+                                           " ".join(f"{v:,}" for v in applied.values())),
+        "replica identity: digests equal": (len(set(digests.values())) == 1 and "" not in digests.values(),
+                                            next(iter(digests.values()), "")[:16]),
+        "exactly-once alerts": (alerts["ok"], alerts["figure"]),
+        "no divergence alarms": (divergences == 0, f"{divergences}"),
+        "each term published only by its winner": (not term_issues,
+                                                   term_issues[0] if term_issues else f"{len(terms)} terms"),
+    }
+    report = {
+        "submitted": run.load.get("submitted", 0), "acknowledged": acked, "sequenced": len(trades),
+        "log_length": len(records), "applied": applied, "digests": digests,
+        **{k: v for k, v in alerts.items() if k not in ("ok", "figure")},
+        "divergences": divergences, "rejects": rejects, "terms": terms, "published_terms": published,
+        "term_problems": term_issues,
+    }
+    return {k: ok for k, (ok, _) in checks.items()}, {k: f for k, (_, f) in checks.items()}, report
+
+
+def _alerts(run: RunFiles, decoded: list) -> tuple[dict, dict]:
+    """Delivered alerts against those recomputed from the journal: missing, unexpected, mismatched, twice."""
+    expected, rejects = expected_alerts(decoded, run.book_ttl_ns, run.orphan_ttl_ns)
+    by_id = {f"{run.session}:{a['purchase_seq']}": a for a in expected}
+    ids = Counter(r["alert_id"] for r in run.alerts)
+    duplicates = sum(c - 1 for c in ids.values() if c > 1)
+    missing = sorted(set(by_id) - set(ids))
+    unexpected = sorted(set(ids) - set(by_id))
+    mismatched = sorted(r["alert_id"] for r in run.alerts if r["alert_id"] in by_id
+                        and any(r[f] != by_id[r["alert_id"]][f] for f in ALERT_FIELDS))
+    figure = (f"{len(run.alerts):,} delivered, {len(expected):,} expected, {len(missing)} missing, "
+              f"{len(unexpected)} unexpected, {len(mismatched)} mismatched, {duplicates} dup.")
+    return {"ok": not missing and not unexpected and not mismatched and duplicates == 0, "figure": figure,
+            "alerts_delivered": len(run.alerts), "alerts_expected": len(expected), "duplicates": duplicates,
+            "missing": missing[:20], "unexpected": unexpected[:20], "mismatched": mismatched[:20]}, rejects
+
+
+def term_changes(decoded: list) -> list[dict]:
+    """Each term start in the log: its seq, term, leader, and the time since
+    the previous term's last stamp (the failover time, for a change of leader)."""
+    out = []
+    last_stamp = None
+    for seq, m in decoded:
+        if m[M.TYPE] == M.TERM_START:
+            gap = (m[M.STAMP] - last_stamp) / 1e6 if last_stamp is not None else None
+            out.append({"seq": seq, "term": m[M.TERM], "leader": m[M.LEADER].decode(errors="replace").strip(),
+                        "ms_since_previous_stamp": round(gap, 1) if gap is not None else None})
+        last_stamp = m[M.STAMP]
+    return out
+
+
+def term_problems(terms: list[dict], published: dict[str, dict]) -> list[str]:
+    """Who published in which term, judged against the log: in every term at most one
+    sequencer published, none published in a term it did not win, and what it published
+    lies within that term's seqs. `terms` is term_changes() of the log; `published` maps
+    each sequencer to {term: [first seq, last seq]} of what it published."""
+    starts = {t["term"]: t for t in terms}
+    ends = {t["term"]: (nxt["seq"] - 1 if nxt else None) for t, nxt in zip(terms, [*terms[1:], None])}
+    problems = []
+    for name, spans in sorted(published.items()):
+        for term, (first, last) in sorted((int(t), s) for t, s in spans.items()):
+            won = starts.get(term)
+            if won is None or won["leader"] != name:
+                problems.append(f"{name} published seqs {first}-{last} in term {term}, which "
+                                f"{'no one' if won is None else won['leader']} won")
+            elif first < won["seq"] or (ends[term] is not None and last > ends[term]):
+                problems.append(f"{name} published seqs {first}-{last} outside term {term}'s "
+                                f"{won['seq']}-{ends[term] or 'end'}")
+    return problems

@@ -1,0 +1,86 @@
+"""The run verdict (ops/verdict.py) fails each of its rows on a fabricated bad run."""
+
+import copy
+
+import pytest
+
+from tape.ops.reference import expected_alerts
+from tape.ops.tradegen import TradeGenerator
+from tape.ops.verdict import RunFiles, judge
+from tape.protocol import messages as M
+
+ORIGIN = b"load0".ljust(10)
+TTL = 10**15
+
+
+def good_run(n: int = 400) -> RunFiles:
+    msgs = [M.term_start(1, b"seq-a".ljust(10), 1, "seq-a")]
+    msgs += [M.stamp(m, 1000 + i, ORIGIN, i) for i, m in enumerate(TradeGenerator(7, 0.5).take(n), 1)]
+    records = [(seq, 1, m) for seq, m in enumerate(msgs, 1)]
+    alerts, _ = expected_alerts([(s, M.SEQUENCED.unpack(m)) for s, _, m in records], TTL, TTL)
+    rows = [{"alert_id": f"TAPE:{a['purchase_seq']}", **a} for a in alerts]
+    status = {"last_seq": len(records), "digest": "ab" * 16}
+    return RunFiles(session="TAPE", book_ttl_ns=TTL, orphan_ttl_ns=TTL, submitted=n,
+                    journals={v: list(records) for v in ("seq-a", "seq-b", "rw-1", "rw-2")},
+                    replicas={r: dict(status) for r in ("replica-A", "replica-B", "replica-C")}, alerts=rows,
+                    emitter={"divergences": 0}, load={"acked": n, "submitted": n},
+                    sequencers={"seq-a": {"published_terms": {"1": [1, len(records)]}}, "seq-b": {}})
+
+
+def test_a_good_run_passes_every_row():
+    checks, _, report = judge(good_run())
+    assert all(checks.values()) and report["alerts_expected"] > 10
+
+
+def replace_record(run, voter, seq, message):
+    run.journals[voter] = [(s, t, message if s == seq else m) for s, t, m in run.journals[voter]]
+
+
+def duplicate_trade(run):
+    records = run.journals["seq-a"]
+    dup = [(len(records) + 1, 1, records[5][2])]
+    for v in run.journals:
+        run.journals[v] = records + dup
+    for r in run.replicas.values():
+        r["last_seq"] += 1
+
+
+BAD = {
+    "all trades acknowledged": lambda run: run.load.update(acked=run.submitted - 1),
+    # The load saw one more trade acknowledged than the log holds (a forged acknowledgement).
+    "no loss: every trade sequenced": lambda run: (setattr(run, "submitted", run.submitted + 1),
+                                                   run.load.update(acked=run.submitted)),
+    "no duplicates: no (client, client seq) twice": duplicate_trade,
+    "agreement: journals identical": lambda run: replace_record(
+        run, "rw-2", 50, M.stamp(M.purchase_request(99, 1, "X", "Y"), 5, ORIGIN, 999)),
+    "replicas applied the whole log": lambda run: run.replicas["replica-C"].update(last_seq=3),
+    "replica identity: digests equal": lambda run: run.replicas["replica-B"].update(digest="cd" * 16),
+    "exactly-once alerts": lambda run: run.alerts.pop(3),
+    "no divergence alarms": lambda run: run.emitter.update(divergences=1),
+    "each term published only by its winner": lambda run: run.sequencers["seq-b"].update(
+        published_terms={"1": [10, 20]}),
+}
+
+
+@pytest.mark.parametrize("row", sorted(BAD))
+def test_each_row_fails_on_its_own_bad_run(row):
+    run = copy.deepcopy(good_run())
+    BAD[row](run)
+    checks, _, _ = judge(run)
+    assert checks[row] is False
+    assert [name for name, ok in checks.items() if not ok] == [row] or row in (
+        "no duplicates: no (client, client seq) twice",)  # a trade twice is also one too many sequenced
+
+
+@pytest.mark.parametrize("kind", ["duplicate", "unexpected", "mismatched"])
+def test_exactly_once_sees_every_kind_of_wrong_alert(kind):
+    run = good_run()
+    if kind == "duplicate":
+        run.alerts.append(dict(run.alerts[0]))
+    elif kind == "unexpected":
+        run.alerts.append({**run.alerts[0], "alert_id": "TAPE:999999"})
+    else:
+        run.alerts[2] = {**run.alerts[2], "cumulative": run.alerts[2]["cumulative"] + 1}
+    checks, _, report = judge(run)
+    assert not checks["exactly-once alerts"]
+    assert report[{"duplicate": "duplicates", "unexpected": "unexpected", "mismatched": "mismatched"}[kind]]
