@@ -2,7 +2,12 @@
 `tape tail`, replicas). Receives multicast packets and rewinders' answers
 (dropping a seeded share if asked) and carries out what ListenerCore
 decides: hands each in-order run of messages to a callback as (first seq,
-packet bytes, index of the first message), and sends its gap requests."""
+packet bytes, index of the first message), and sends its gap requests.
+
+The multicast stream is the hot path: a non-blocking socket drained up to
+DRAIN_DATAGRAMS per wake-up. Gap requests and the rewinders' answers are a
+low-rate request/answer exchange (one answer per request): they use an
+asyncio-dgram stream, one await per datagram."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import asyncio
 import logging
 import time
 from typing import Callable
+
+import asyncio_dgram
 
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config
@@ -36,6 +43,7 @@ class StreamListener:
         self.badlog = RateLimitedLog(log)
         self.datagrams = 0
         self._task = None
+        self._gap_seen = asyncio.Event()  # the multicast side found a gap: ask now, not at the next tick
 
     @property
     def bad(self) -> dict[str, int]:
@@ -49,21 +57,17 @@ class StreamListener:
         loop = asyncio.get_running_loop()
         self.mcast, self.rcvbuf = multicast_receiver(self.cfg.group, self.cfg.port, self.cfg.interface)
         self.req, _ = udp_socket("127.0.0.1" if self.cfg.interface.startswith("127.") else "0.0.0.0")
-        loop.add_reader(self.mcast, self._drain, self.mcast)
-        loop.add_reader(self.req, self._drain, self.req)
-        self._task = asyncio.create_task(self._gap_timer())
+        loop.add_reader(self.mcast, self._drain)
+        self._task = asyncio.create_task(self._gap_exchange())
 
     def stop(self) -> None:
-        loop = asyncio.get_running_loop()
-        for s in (self.mcast, self.req):
-            loop.remove_reader(s)
-            s.close()
+        asyncio.get_running_loop().remove_reader(self.mcast)
+        self.mcast.close()
         if self._task:
             self._task.cancel()
 
-    def _drain(self, sock) -> None:
-        loss, on_datagram = self.loss, self.on_datagram
-        committed = sock is self.req  # unicast answers from the rewinders
+    def _drain(self) -> None:
+        loss, on_datagram, sock = self.loss, self.on_datagram, self.mcast
         for _ in range(DRAIN_DATAGRAMS):
             try:
                 data = sock.recv(DATAGRAM_BUFFER)
@@ -71,8 +75,9 @@ class StreamListener:
                 break
             self.datagrams += 1
             if not loss.drop():
-                on_datagram(data, committed)
-        self._maybe_ask()
+                on_datagram(data)
+        if self.receiver.missing() is not None:
+            self._gap_seen.set()
 
     def on_datagram(self, data: bytes, committed: bool = False) -> None:
         actions = self.core.on_datagram(data, committed)
@@ -85,15 +90,39 @@ class StreamListener:
             elif self.on_undecodable is not None:
                 self.on_undecodable(a.seq, a.error)
 
-    def _maybe_ask(self) -> None:
-        ask: AskRewinder | None = self.core.on_timer(time.monotonic_ns())
-        if ask is not None:
-            try:
-                self.req.sendto(ask.request, self.rewinders[ask.index])
-            except OSError:
-                pass  # asked again after the timeout
+    async def _gap_exchange(self) -> None:
+        """Gap requests out, the rewinders' answers (the committed log) in."""
+        stream = await asyncio_dgram.from_socket(self.req)
+        answer = asyncio.ensure_future(stream.recv())
+        seen = asyncio.ensure_future(self._gap_seen.wait())
+        try:
+            while True:
+                await asyncio.wait((answer, seen), timeout=self.cfg.gap_request_ms / 2000,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if answer.done():
+                    answer = self._on_answer(answer, stream)
+                if seen.done():
+                    self._gap_seen.clear()
+                    seen = asyncio.ensure_future(self._gap_seen.wait())
+                ask: AskRewinder | None = self.core.on_timer(time.monotonic_ns())
+                if ask is not None:
+                    try:
+                        await stream.send(ask.request, self.rewinders[ask.index])
+                    except OSError as e:  # asked again after the timeout
+                        self.badlog.warn("send_error", "gap request failed: %s", e)
+        finally:
+            answer.cancel()
+            seen.cancel()
+            stream.close()
 
-    async def _gap_timer(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.gap_request_ms / 2000)
-            self._maybe_ask()
+    def _on_answer(self, done: asyncio.Future, stream) -> asyncio.Future:
+        """Take one answer; return the wait for the next."""
+        try:
+            data, _ = done.result()
+        except OSError as e:  # an ICMP error reported for a request: asked again after the timeout
+            self.badlog.warn("send_error", "gap request failed: %s", e)
+        else:
+            self.datagrams += 1
+            if not self.loss.drop():
+                self.on_datagram(data, committed=True)
+        return asyncio.ensure_future(stream.recv())

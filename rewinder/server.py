@@ -18,6 +18,8 @@ import asyncio
 import logging
 import time
 
+import asyncio_dgram
+
 from tape.node.process import NodeProcess
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
@@ -27,13 +29,11 @@ from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import (
     CONTROL_READ,
-    GAP_REQUEST_BUFFER,
-    GAP_REQUEST_DRAIN,
-    REPLAY_CHUNK,
     REPLAY_LOGIN_FRAME,
     REPLAY_LOGIN_TIMEOUT_S,
 )
 from tape.protocol.packets import PacketBuilder, messages_per_packet
+from tape.rewinder import replay
 from tape.rewinder.gapfill import GapFillCore
 
 log = logging.getLogger("tape.rewinder")
@@ -86,11 +86,10 @@ class Rewinder(NodeProcess):
         yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
 
     async def main(self) -> None:
-        loop = asyncio.get_running_loop()
         repl = await asyncio.start_server(self.voter.serve, self.node.host, self.node.replication_port)
         replay = await asyncio.start_server(self._on_replay, self.node.host, self.node.replay_port)
-        self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
-        loop.add_reader(self.gap_sock, self._on_gap_request)
+        gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
+        gap_fills = self.spawn(self._serve_gap_fills(await asyncio_dgram.from_socket(gap_sock)))
         log.info(
             "%s at seq %d: replication :%d, gap fill :%d (rcvbuf %d), replay :%d",
             self.node.name,
@@ -101,7 +100,7 @@ class Rewinder(NodeProcess):
             self.node.replay_port,
         )
         await self.stop.wait()
-        loop.remove_reader(self.gap_sock)
+        gap_fills.cancel()
         repl.close()
         replay.close()
         self.journal.close()
@@ -109,28 +108,36 @@ class Rewinder(NodeProcess):
 
     # --- gap fill ----------------------------------------------------------------------
 
-    def _on_gap_request(self) -> None:
-        now = time.monotonic()
-        for _ in range(GAP_REQUEST_DRAIN):
-            try:
-                data, addr = self.gap_sock.recvfrom(GAP_REQUEST_BUFFER)
-            except BlockingIOError:
-                return
-            if self.loss.drop():
-                continue
-            action = self.gapfill.on_request(data, addr, now, self.commit_seq)
-            if isinstance(action, str):
-                if action != "rate_limited":
-                    self.badlog.warn(action, "dropped gap request from %s: %s", addr, action)
-                continue
-            seq, count = action
-            msgs = [m for _, _, m in self.journal.read_batch(seq, count)]
-            for pkt in PacketBuilder(self.cfg.session_bytes, seq, self.cfg.max_packet).add_sequenced(msgs):
+    async def _serve_gap_fills(self, stream) -> None:
+        """Requests in, answers out: a low-rate exchange on an asyncio-dgram stream, one await
+        a datagram (GapFillCore decides what is answered, and how much)."""
+        try:
+            while True:
                 try:
-                    self.gap_sock.sendto(pkt, addr)
-                except OSError:
-                    pass
-            self.gap_messages_sent += len(msgs)
+                    data, addr = await stream.recv()
+                except OSError as e:  # an ICMP error for an earlier answer
+                    self.badlog.warn("send_error", "gap-fill answer failed: %s", e)
+                    continue
+                if self.loss.drop():
+                    continue
+                for pkt in self._answer(data, addr):
+                    try:
+                        await stream.send(pkt, addr)
+                    except OSError:
+                        pass  # the listener asks again
+        finally:
+            stream.close()
+
+    def _answer(self, data: bytes, addr) -> list[bytes]:
+        action = self.gapfill.on_request(data, addr, time.monotonic(), self.commit_seq)
+        if isinstance(action, str):
+            if action != "rate_limited":
+                self.badlog.warn(action, "dropped gap request from %s: %s", addr, action)
+            return []
+        seq, count = action
+        msgs = [m for _, _, m in self.journal.read_batch(seq, count)]
+        self.gap_messages_sent += len(msgs)
+        return PacketBuilder(self.cfg.session_bytes, seq, self.cfg.max_packet).add_sequenced(msgs)
 
     # --- replay --------------------------------------------------------------------------
 
@@ -144,19 +151,19 @@ class Rewinder(NodeProcess):
                     return
                 for kind, payload in frames.feed(data):
                     if kind == soup.LOGIN:
-                        login = soup.parse_login(payload)
-            _user, _password, session, seq = login
-            if session and session != self.cfg.session_bytes.rstrip(b" "):
-                writer.write(soup.login_rejected(soup.REJECT_SESSION_UNAVAILABLE))
+                        login = replay.on_login(payload, self.cfg.session_bytes, self.commit_seq)
+            if isinstance(login, replay.Reject):
+                writer.write(soup.login_rejected(login.reason))
                 await writer.drain()
                 return
-            seq = seq or self.commit_seq + 1
+            seq = login.seq
             writer.write(soup.login_accepted(self.cfg.session_bytes, seq))
             self.replay_sessions += 1
             client = self.spawn(self._replay_client_frames(reader, frames))
             while not client.done():
-                if seq <= self.commit_seq:
-                    records = self.journal.read_batch(seq, min(REPLAY_CHUNK, self.commit_seq - seq + 1))
+                chunk = replay.next_chunk(seq, self.commit_seq)
+                if chunk is not None:
+                    records = self.journal.read_batch(*chunk)
                     writer.write(b"".join(soup.sequenced(m) for _, _, m in records))
                     seq += len(records)
                     self.replayed += len(records)
