@@ -11,6 +11,8 @@ from tape.protocol import messages, moldudp64, replication, soupbintcp
 # --- datagrams -------------------------------------------------------------------------
 DATAGRAM_BUFFER = 65536  # bytes read per recv(): any UDP payload fits
 DRAIN_DATAGRAMS = 512  # datagrams one wake-up of a data-plane socket reads before yielding
+GAP_REQUEST_DRAIN = 256  # gap-fill requests one wake-up of a rewinder answers
+GAP_REQUEST_BUFFER = 2048  # bytes read per gap-fill request (a request is 20)
 
 # --- the leader's batches ----------------------------------------------------------------
 # A batch is one journal append and one replication frame: the leader cuts a drain
@@ -45,6 +47,7 @@ def _check() -> None:
     assert CATCHUP_CHUNK <= MAX_BATCH_MESSAGES and FETCH_MAX * messages.SEQUENCED_SIZE <= REPLICATION_FRAME, \
         "catch-up and fetch answers must fit one append frame"
     assert DATAGRAM_BUFFER >= moldudp64.MAX_UDP_PAYLOAD, "a recv() must hold any datagram"
+    assert GAP_REQUEST_BUFFER > moldudp64.HEADER_SIZE, "a request must fit the request buffer"
     assert REPLAY_CHUNK * (messages.SEQUENCED_SIZE + 3) <= STREAM_READ
     assert soupbintcp.FRAME_LEN.size + 1 + 46 <= REPLAY_LOGIN_FRAME <= soupbintcp.MAX_FRAME, "a login must fit"
     assert REPLAY_BEHIND < RECEIVER_MAX_HELD
