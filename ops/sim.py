@@ -80,6 +80,10 @@ class Violation(AssertionError):
     pass
 
 
+class Crashed(Exception):
+    """A node died while handling an event: the rest of the event never happens."""
+
+
 class Voter:
     """A sequencer or rewinder: durable log and vote, volatile everything else."""
 
@@ -111,7 +115,7 @@ class Voter:
         self.links: FollowerLinks | None = None  # while leading
         self.invited = 0  # when the leader last tried to (re)connect its missing followers
         self.gapfill = GapFillCore(SESSION, 17, rate_per_s=5000.0)
-        self.crash_before_journal: int | None = None  # a fault: crash (until then) inside the next batch
+        self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.hellos: dict[str, tuple[int, int]] = {}  # voter -> its log position, as its hello said
 
     @property
@@ -130,6 +134,8 @@ class Voter:
             elif isinstance(a, AppendRecords):
                 if a.records[0][0] != len(self.log) + 1:
                     raise Violation(f"{self.name} appends seq {a.records[0][0]} after {len(self.log)}")
+                if self.torn_write is not None:
+                    self.tear(a.records)  # no ack: the process dies mid-write
                 self.log.extend((term, m) for _, term, m in a.records)
             elif isinstance(a, RequestVotes):
                 for v in VOTERS:
@@ -182,12 +188,20 @@ class Voter:
             self.sim.send(self.name, name_of(f), Append(c.term, self.wire, batch.prev_seq, batch.prev_term,
                                                         c.commit_seq, batch.term, len(batch.messages),
                                                         b"".join(batch.messages)))
-        if self.crash_before_journal is not None:
-            self.sim.crash(self.name, self.crash_before_journal)
-            return
+        if self.torn_write is not None:  # after replicating the batch: only followers may hold all of it
+            self.tear(batch.records())
         self.log.extend((batch.term, m) for m in batch.messages)
         self.core.note_own(batch.first_seq, batch.last_seq, batch.term)
         self.sim.publish(self.name, c.on_journaled(batch.last_seq))
+
+    def tear(self, records: list) -> None:
+        """The process dies in the middle of writing `records`: a prefix of them reached the
+        disk (the journal's recovery cuts the torn record), the rest did not, nothing was acked."""
+        kept = self.sim.rng.randrange(len(records))
+        self.log.extend((term, m) for _, term, m in records[:kept])
+        self.sim.trace.append(f"  {self.name} torn after {kept} of {len(records)} records")
+        self.sim.crash(self.name, self.torn_write)
+        raise Crashed(self.name)
 
     def appends(self, prev: int, count: int) -> list:
         """Our log after `prev`, as the append frames a real voter's fetch answer holds."""
@@ -508,6 +522,8 @@ class Sim:
             return
         try:
             node.receive(src, msg)
+        except Crashed:
+            pass
         except InvariantViolation as e:  # the process would stop with exit 4: a failed seed
             raise Violation(f"{dst} {e}") from e
 
@@ -547,9 +563,9 @@ class Sim:
                 self.trace[-1] = f"{self.now / MS:.0f} ms: crash the emitter {point} of its next batch, " \
                                  f"for {(until - self.now) / MS:.0f} ms"
         elif kind == "crash" and self.voters[node].up:
-            if self.voters[node].leader is not None and self.rng.random() < 0.5:
-                self.voters[node].crash_before_journal = until  # in its next batch, after replicating it
-                self.trace.append("  (between replicating its next batch and journaling it)")
+            if self.rng.random() < 0.5:  # in the middle of its next journal write
+                self.voters[node].torn_write = until
+                self.trace.append("  (in the middle of its next journal write)")
             else:
                 self.crash(node, until)
         elif kind == "pause" and node not in self.paused:
@@ -574,7 +590,7 @@ class Sim:
         for other in VOTERS:  # its connections close: a leader drops its link (and reconnects later)
             if other != node and frozenset((node, other)) not in self.cut:
                 self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, node, other, ("gone",))
-        v.crash_before_journal = None
+        v.torn_write = None
         if v.leader is not None:
             self.close_links(node, v.leader.term)
         self.at(max(until, self.now + MS), self.recover, node)
@@ -597,7 +613,10 @@ class Sim:
     def tick(self) -> None:
         for name, node in self.nodes.items():
             if node.up and name not in self.paused:
-                node.tick()
+                try:
+                    node.tick()
+                except Crashed:
+                    pass
         self.at(self.now + 5 * MS, self.tick)
 
     def settled(self) -> bool:
