@@ -17,6 +17,7 @@ import logging
 import signal
 from typing import Coroutine
 
+from tape.node.settings import Config, Node
 from tape.protocol.errors import InvariantViolation
 
 EXIT_OK = 0
@@ -29,8 +30,10 @@ class NodeProcess:
 
     METRICS_PREFIX = "tape_node"  # each role names its own
 
-    def __init__(self, name: str, log: logging.Logger):
-        self.name = name
+    def __init__(self, cfg: Config, node: Node, log: logging.Logger):
+        self.cfg = cfg
+        self.node = node
+        self.name = node.name
         self.log = log
         self.failed: str | None = None
         self.exit_code = EXIT_OK

@@ -92,6 +92,7 @@ class Voter:
         self.can_lead = name in SEQUENCERS
         self.log: list[tuple[int, bytes]] = []  # (term, message) at seq i + 1: durable
         self.vote = (0, None)  # (term, voted_for): durable
+        self.checked = 0  # seqs of the committed log already checked against what was published
         self.up = True
         self.restart()
 
@@ -343,7 +344,11 @@ class Listener:
         n = moldudp64.HEADER.unpack_from(d.packet)[2]
         if d.first_seq != len(self.delivered) + 1:
             raise Violation(f"{self.name} delivered seq {d.first_seq} after {len(self.delivered)}")
-        self.delivered.extend(M.packet_message_bytes(d.packet, i) for i in range(d.skip, n))
+        for seq, i in enumerate(range(d.skip, n), d.first_seq):  # prefix: what every listener gets was published
+            raw = M.packet_message_bytes(d.packet, i)
+            if self.sim.published.get(seq, raw) != raw:
+                raise Violation(f"{self.name} delivered at seq {seq} a message other than the one published")
+            self.delivered.append(raw)
         if self.replica is not None:
             msgs = M.decode_packet_messages(d.packet, n, d.skip)
             before = self.machine.alerts_raised
@@ -353,6 +358,7 @@ class Listener:
             raised = self.machine.alerts_raised - before  # the newest alerts, at the end of the outbox
             if raised:
                 self.alerts.extend(list(self.replica.outbox)[-raised:])
+            self.sim.check_digest(self.name, self.machine.last_seq, self.machine.digest())
         else:
             self.client.on_delivered(d.packet, d.skip, self.sim.now)
 
@@ -453,6 +459,7 @@ class Sim:
         self.listeners = {n: Listener(self, n) for n in (*CLIENTS, *REPLICAS)}
         self.emitter = Emitter(self)
         self.nodes = {**self.voters, **self.listeners, EMITTER: self.emitter}
+        self.digests: dict[int, tuple[str, str]] = {}  # seq -> (the first replica there, its digest)
         self.channel_at: dict[tuple[str, str], int] = {}  # ordered channels: when the last message arrives
         self.epochs: dict[frozenset, int] = {}  # ordered channels: the connection a message was sent on
         self.broken: set[frozenset] = set()  # ordered channels broken until the next hello
@@ -610,7 +617,24 @@ class Sim:
 
     # --- running -------------------------------------------------------------------------
 
+    def check_digest(self, replica: str, seq: int, digest: str) -> None:
+        """Replica identity, as it goes: replicas that applied up to the same seq have equal digests."""
+        known = self.digests.setdefault(seq, (replica, digest))
+        if known[1] != digest:
+            raise Violation(f"{replica} and {known[0]} applied up to seq {seq} with different digests")
+
+    def check_agreement(self) -> None:
+        """Agreement, as it goes: what each voter knows committed is what was published there."""
+        for v in self.voters.values():
+            upto = min(v.commit_seq, len(v.log))
+            for seq in range(v.checked + 1, upto + 1):
+                pub = self.published.get(seq)
+                if pub is not None and v.log[seq - 1][1] != pub:
+                    raise Violation(f"{v.name} holds at committed seq {seq} a message other than the one published")
+            v.checked = max(v.checked, upto)
+
     def tick(self) -> None:
+        self.check_agreement()
         for name, node in self.nodes.items():
             if node.up and name not in self.paused:
                 try:

@@ -47,9 +47,7 @@ class Emitter(NodeProcess):
     METRICS_PREFIX = "tape_emitter"
 
     def __init__(self, cfg: Config, node: Node, crash_at: str | None = None, crash_after: int = 1):
-        super().__init__(node.name, log)
-        self.cfg = cfg
-        self.node = node
+        super().__init__(cfg, node, log)
         self.data = Path(node.data)
         self.data.mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(str(self.data / "lmdb"), map_size=4 << 30, max_dbs=4)

@@ -38,9 +38,7 @@ class Replica(NodeProcess):
     METRICS_PREFIX = "tape_replica"
 
     def __init__(self, cfg: Config, node: Node, drop: float = 0.0, seed: int = 0, exit_on_end: bool = False):
-        super().__init__(node.name, log)
-        self.cfg = cfg
-        self.node = node
+        super().__init__(cfg, node, log)
         self.exit_on_end = exit_on_end
         self.data = Path(node.data)
         self.machine = AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9))

@@ -43,9 +43,7 @@ class Rewinder(NodeProcess):
     METRICS_PREFIX = "tape_rewinder"
 
     def __init__(self, cfg: Config, node: Node, drop: float = 0.0, seed: int = 0):
-        super().__init__(node.name, log)
-        self.cfg = cfg
-        self.node = node
+        super().__init__(cfg, node, log)
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
         self.journal = cfg.open_journal(node)
@@ -66,20 +64,12 @@ class Rewinder(NodeProcess):
         yield "messages_appended", "counter", "messages appended from the leader", self.voter.appended
         yield "gapfill_requests_served", "counter", "gap-fill requests answered", self.gapfill.served
         yield "gapfill_messages_sent", "counter", "messages sent in gap-fill answers", self.gap_messages_sent
-        yield (
-            "dropped_datagrams",
-            "counter",
-            "gap-fill requests dropped, by reason",
-            {**self.gapfill.dropped, "injected_loss": self.loss.dropped},
-        )
+        dropped = {**self.gapfill.dropped, "injected_loss": self.loss.dropped}
+        yield "dropped_datagrams", "counter", "gap-fill requests dropped, by reason", dropped
         yield "replay_sessions", "counter", "TCP replay sessions accepted", self.replay_sessions
         yield "replay_messages", "counter", "messages sent over TCP replay", self.replayed
-        yield (
-            "bad_frames",
-            "counter",
-            "malformed TCP frames (connection closed)",
-            self.bad_frames + self.voter.bad_frames,
-        )
+        bad = self.bad_frames + self.voter.bad_frames
+        yield "bad_frames", "counter", "malformed TCP frames (connection closed)", bad
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
         yield "term", "gauge", "current term", self.voter.election.term

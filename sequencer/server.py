@@ -57,9 +57,7 @@ class Sequencer(NodeProcess):
     METRICS_PREFIX = "tape_sequencer"
 
     def __init__(self, cfg: Config, node: Node, drop: float = 0.0, seed: int = 0):
-        super().__init__(node.name, log)
-        self.cfg = cfg
-        self.node = node
+        super().__init__(cfg, node, log)
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
         self.journal = cfg.open_journal(node)
@@ -96,12 +94,8 @@ class Sequencer(NodeProcess):
         yield "dropped_datagrams", "counter", "inbound datagrams dropped, by reason", \
             {**dropped, "injected_loss": self.loss.dropped, "not_leader": self.not_leader_drops}
         yield "sequenced_seq", "gauge", "highest seq in this node's log", self.journal.last_seq
-        yield (
-            "commit_seq",
-            "gauge",
-            "highest seq known held by a majority",
-            c.commit_seq if c else self.voter.commit_seq,
-        )
+        commit = c.commit_seq if c else self.voter.commit_seq
+        yield "commit_seq", "gauge", "highest seq known held by a majority", commit
         yield "commit_lag", "gauge", "messages stamped but not yet committed", c.last_seq - c.commit_seq if c else 0
         yield "packets_published", "counter", "packets published on the public stream", \
             self._last["packets"] + (c.published_packets if c else 0)
