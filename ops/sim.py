@@ -1,16 +1,18 @@
 """Deterministic simulation of the whole protocol (DESIGN.md section 10).
 
-The pure cores of every role (ElectionCore, LeaderCore, FollowerCore,
-GapFillCore, StreamReceiver, AuditMachine) run in one process on a seeded
-virtual network and clock: messages are delayed, dropped, duplicated and
-reordered; nodes crash (losing all but their log and vote; a leader may
-crash between replicating a batch and journaling it), pause (their
-input waits) and are cut off by partitions, all at random times chosen by
-the seed. Clients send every batch to both sequencers and resend what they
-have not seen sequenced; listeners fill gaps from the rewinders. After the
-faults, the network heals and the run goes on until every trade is
-acknowledged and every replica has applied the log; then every invariant
-of DESIGN.md section 9 is checked (and some continuously, as it runs).
+The very cores the processes run -- VoterCore (with ElectionCore and
+FollowerCore), LeaderCore, FollowerLinks, GapFillCore, ListenerCore,
+ClientCore, AuditMachine, ReplicaCore, EmitterCore -- in one process on a
+seeded virtual network and clock. This module plays only what the shells
+and the disks do: it carries out the cores' actions (a journal as a list, a
+persisted vote, the emitter's LMDB and sink) and moves their messages.
+Messages are delayed, dropped, duplicated and reordered; voters crash
+(keeping their log and vote), some in the middle of a journal write (torn),
+pause, and are cut off by partitions; the emitter crashes at its crash
+points; all at times chosen by the seed. After the faults the network heals
+and the run goes on until every trade is acknowledged, every replica has
+applied the log and every alert is delivered; DESIGN.md section 9 is
+checked as it runs and at the end.
 
     tape sim --seeds 1000            # seeds 1..1000
     tape sim --first 4711 --seeds 1 -v
@@ -46,7 +48,7 @@ from tape.replicas.emitter_core import (
     Redeliver,
 )
 from tape.replicas.replica_core import ReplicaCore, SendAlerts
-from tape.rewinder.gapfill import GapFillCore
+from tape.rewinder.gapfill import Answer, GapFillCore
 from tape.sequencer.client_core import ClientCore
 from tape.sequencer.core import LeaderCore
 from tape.sequencer.followers import FollowerLinks
@@ -294,10 +296,9 @@ class Voter:
                     self.process(batch)
         elif msg[0] == "gap" and not self.can_lead:
             answer = self.gapfill.on_request(msg[1], src, now / 1e9, self.commit_seq)
-            if not isinstance(answer, str):
-                seq, count = answer
-                builder = PacketBuilder(SESSION, seq)
-                for pkt in builder.add_sequenced([m for _, m in self.log[seq - 1:seq - 1 + count]]):
+            if isinstance(answer, Answer):
+                entries = [m for _, m in self.log[answer.seq - 1:answer.seq - 1 + answer.count]]
+                for pkt in PacketBuilder(SESSION, answer.seq).add_sequenced(entries):
                     self.sim.send(self.name, src, ("packet", pkt))
 
 

@@ -10,9 +10,21 @@ requester address.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from tape.protocol import moldudp64
 from tape.protocol.errors import ProtocolError
+
+
+@dataclass(frozen=True)
+class Answer:
+    seq: int  # the first seq to send back
+    count: int
+
+
+@dataclass(frozen=True)
+class Refuse:
+    reason: str  # counted in `dropped`
 
 
 class GapFillCore:
@@ -28,8 +40,8 @@ class GapFillCore:
         self.served = 0
         self.dropped: dict[str, int] = {}
 
-    def on_request(self, data: bytes, addr, now: float, committed_seq: int) -> tuple[int, int] | str:
-        """(first seq, count) to send back, or the reason to drop the request."""
+    def on_request(self, data: bytes, addr, now: float, committed_seq: int) -> Answer | Refuse:
+        """What to send back, or why the request is dropped."""
         try:
             session, seq, count = moldudp64.decode_request(data)
         except ProtocolError as e:
@@ -42,11 +54,11 @@ class GapFillCore:
             return self._drop("rate_limited")
         count = min(count, self.max_count, committed_seq - seq + 1)
         self.served += 1
-        return seq, count
+        return Answer(seq, count)
 
-    def _drop(self, reason: str) -> str:
+    def _drop(self, reason: str) -> Refuse:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
-        return reason
+        return Refuse(reason)
 
     def _take_token(self, addr, now: float) -> bool:
         bucket = self._buckets.get(addr)

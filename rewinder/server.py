@@ -34,7 +34,7 @@ from tape.protocol.limits import (
 )
 from tape.protocol.packets import PacketBuilder, messages_per_packet
 from tape.rewinder import replay
-from tape.rewinder.gapfill import GapFillCore
+from tape.rewinder.gapfill import GapFillCore, Refuse
 
 log = logging.getLogger("tape.rewinder")
 
@@ -118,14 +118,13 @@ class Rewinder(NodeProcess):
 
     def _answer(self, data: bytes, addr) -> list[bytes]:
         action = self.gapfill.on_request(data, addr, time.monotonic(), self.commit_seq)
-        if isinstance(action, str):
-            if action != "rate_limited":
-                self.badlog.warn(action, "dropped gap request from %s: %s", addr, action)
+        if isinstance(action, Refuse):
+            if action.reason != "rate_limited":
+                self.badlog.warn(action.reason, "dropped gap request from %s: %s", addr, action.reason)
             return []
-        seq, count = action
-        msgs = [m for _, _, m in self.journal.read_batch(seq, count)]
+        msgs = [m for _, _, m in self.journal.read_batch(action.seq, action.count)]
         self.gap_messages_sent += len(msgs)
-        return PacketBuilder(self.cfg.session_bytes, seq, self.cfg.max_packet).add_sequenced(msgs)
+        return PacketBuilder(self.cfg.session_bytes, action.seq, self.cfg.max_packet).add_sequenced(msgs)
 
     # --- replay --------------------------------------------------------------------------
 

@@ -1,27 +1,27 @@
 from tape.protocol import moldudp64 as m
-from tape.rewinder.gapfill import GapFillCore
+from tape.rewinder.gapfill import Answer, GapFillCore, Refuse
 
 S = b"TAPE      "
 
 
 def test_serves_only_committed_and_caps_the_count():
     core = GapFillCore(S, max_count=17)
-    assert core.on_request(m.encode_request(S, 5, 100), "a", 0.0, committed_seq=50) == (5, 17)
-    assert core.on_request(m.encode_request(S, 45, 100), "a", 0.0, committed_seq=50) == (45, 6)
-    assert core.on_request(m.encode_request(S, 51, 1), "a", 0.0, committed_seq=50) == "not_committed"
+    assert core.on_request(m.encode_request(S, 5, 100), "a", 0.0, committed_seq=50) == Answer(5, 17)
+    assert core.on_request(m.encode_request(S, 45, 100), "a", 0.0, committed_seq=50) == Answer(45, 6)
+    assert core.on_request(m.encode_request(S, 51, 1), "a", 0.0, committed_seq=50) == Refuse("not_committed")
 
 
 def test_drops_bad_and_foreign_requests_with_a_reason():
     core = GapFillCore(S, max_count=17)
-    assert core.on_request(b"garbage", "a", 0.0, 50) == "bad_request"
-    assert core.on_request(m.encode_request(b"OTHER     ", 1, 1), "a", 0.0, 50) == "foreign_session"
+    assert core.on_request(b"garbage", "a", 0.0, 50) == Refuse("bad_request")
+    assert core.on_request(m.encode_request(b"OTHER     ", 1, 1), "a", 0.0, 50) == Refuse("foreign_session")
     assert core.dropped == {"bad_request": 1, "foreign_session": 1}
 
 
 def test_rate_limit_per_requester_refills_with_time():
     core = GapFillCore(S, max_count=17, rate_per_s=10, burst=3)
     req = m.encode_request(S, 1, 1)
-    assert [core.on_request(req, "a", 0.0, 50) for _ in range(4)] == [(1, 1)] * 3 + ["rate_limited"]
-    assert core.on_request(req, "b", 0.0, 50) == (1, 1)  # another requester has its own bucket
-    assert core.on_request(req, "a", 0.1, 50) == (1, 1)  # 0.1 s at 10/s refills one
-    assert core.on_request(req, "a", 0.1, 50) == "rate_limited"
+    assert [core.on_request(req, "a", 0.0, 50) for _ in range(4)] == [Answer(1, 1)] * 3 + [Refuse("rate_limited")]
+    assert core.on_request(req, "b", 0.0, 50) == Answer(1, 1)  # another requester has its own bucket
+    assert core.on_request(req, "a", 0.1, 50) == Answer(1, 1)  # 0.1 s at 10/s refills one
+    assert core.on_request(req, "a", 0.1, 50) == Refuse("rate_limited")
