@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 
 import pytest
 from hypothesis import settings
@@ -11,6 +12,20 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 TAPE = [sys.executable, "-m", "tape.ops.cli"]  # the real CLI, in this venv
 
 
+def wait_for(condition, what: str, timeout: float = 30.0, every: float = 0.05):
+    """Poll `condition()` until it returns something true (returned), or fail saying what was awaited.
+    Tests wait for events with a deadline; they never sleep a fixed time and then assert."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = condition()
+        except OSError:  # a process not (yet) answering its metrics
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
 
 @pytest.fixture(scope="session")
 def spark():

@@ -54,7 +54,9 @@ def test_packets_of_messages_round_trip(seqd, first, limit):
 def test_skip_and_inbound_batches(inb, skip):
     pkt = PacketBuilder(b"S" * 10, 1, 65000).add_stamped(inb, 5, b"o" * 10, 1)[0]
     skip = min(skip, len(inb) - 1)
-    assert len(msg.decode_packet_messages(pkt, len(inb), skip)) == len(inb) - skip
+    decoded = msg.decode_packet_messages(pkt, len(inb), skip)
+    assert decoded == [msg.SEQUENCED.unpack(msg.stamp(m_, 5, b"o" * 10, cseq))
+                       for cseq, m_ in enumerate(inb[skip:], 1 + skip)]  # the right messages, stamped, in order
     batch = m.encode_packet(b"o" * 10, 1, inb)
     msg.check_inbound_batch(batch, len(inb))
     assert [msg.inbound_message_bytes(batch, i) for i in range(len(inb))] == inb

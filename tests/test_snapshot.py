@@ -95,7 +95,7 @@ def test_a_snapshot_is_all_or_nothing(tmp_path):
     apply(m, msgs[1000:2000], 1001)
     m.books[2**70] = [1, 0, b"x", b"y", 0, False, 0]  # unpackable: the transaction fails
     m.dirty.add(2**70)
-    with pytest.raises(Exception):
+    with pytest.raises(OverflowError):  # the order id does not fit its u64 key
         store.save(m)
     assert store.last_seq() == 1000  # the previous snapshot, whole
     fresh = machine()

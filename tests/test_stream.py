@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from tape.node.journal_store import Journal
 from tape.ops.journal_tool import digest as journal_digest
@@ -46,7 +47,10 @@ def test_100k_messages_with_5_percent_loss_everywhere(cluster):
     assert result["acked"] == total and result["resends"] > 0  # loss happened and was repaired
     assert tail.wait(timeout=60) == 0
     seen = json.loads(cluster.output("tail"))
-    time.sleep(0.3)  # the last commit point reaches the rewinders
+    commit = cluster.metrics("seq-a")['tape_sequencer_commit_seq{node="seq-a"}']
+    for rw in ("rw-1", "rw-2"):
+        wait_for(lambda: cluster.metrics(rw)[f'tape_rewinder_commit_seq{{node="{rw}"}}'] >= commit,
+                 f"{rw} to learn the final commit point {commit}")
     for name in ("seq-a", "rw-1", "rw-2"):
         assert cluster.stop(name) == 0
     rows = check_exactly_once(cluster, total)
@@ -64,23 +68,19 @@ def test_kill_9_a_rewinder_mid_run_and_restart_it(cluster):
     cluster.start_all()
     total = 60_000
     load = cluster.start("load", "load", "--rate", "20000", "--messages", str(total), "--seed", "5")
-    time.sleep(1.0)
-    before = cluster.metrics("seq-a")['tape_sequencer_commit_seq{node="seq-a"}']
+
+    def commit() -> float:
+        return cluster.metrics("seq-a")['tape_sequencer_commit_seq{node="seq-a"}']
+
+    before = wait_for(lambda: commit() >= 10_000 and commit(), "10,000 trades committed")
     cluster.kill("rw-2")
-    time.sleep(0.7)
-    during = cluster.metrics("seq-a")['tape_sequencer_commit_seq{node="seq-a"}']
-    assert during > before  # the stream goes on: leader + rw-1 are a majority of three
+    # The stream goes on: leader + rw-1 are a majority of three.
+    wait_for(lambda: commit() >= before + 10_000, "10,000 more committed without rw-2")
     cluster.start_node("rw-2")
     assert load.wait(timeout=120) == 0, cluster.output("load")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        m = cluster.metrics("rw-2")
-        if (
-            m['tape_rewinder_last_seq{node="rw-2"}']
-            >= cluster.metrics("seq-a")['tape_sequencer_sequenced_seq{node="seq-a"}']
-        ):
-            break
-        time.sleep(0.1)
+    sequenced = cluster.metrics("seq-a")['tape_sequencer_sequenced_seq{node="seq-a"}']
+    wait_for(lambda: cluster.metrics("rw-2")['tape_rewinder_last_seq{node="rw-2"}'] >= sequenced,
+             f"the restarted rw-2 to catch up to seq {sequenced}")
     for name in ("seq-a", "rw-1", "rw-2"):
         assert cluster.stop(name) == 0
     check_exactly_once(cluster, total)
@@ -183,7 +183,9 @@ def test_onramp_and_replay(cluster, tmp_path):
 
     load = cluster.start("load", "load", "--rate", "20000", "--messages", "5000", "--seed", "2")
     assert load.wait(timeout=60) == 0
-    time.sleep(0.3)
+    commit = cluster.metrics("seq-a")['tape_sequencer_commit_seq{node="seq-a"}']
+    wait_for(lambda: cluster.metrics("rw-1")['tape_rewinder_commit_seq{node="rw-1"}'] >= commit,
+             f"rw-1 to learn the commit point {commit}")
     port = cluster.cfg.node("rw-1").replay_port
     journal = [m for _, _, m in Journal(Path(cluster.cfg.node("rw-1").data) / "journal", readonly=True).read()]
     first, msgs = replay(port, "TAPE", 1, len(journal))
