@@ -336,7 +336,8 @@ def bench_failover(runs: int, rate: float, duration: float) -> dict:
     times, verdicts = [], []
     for i in range(runs):
         with console.status(f"kill-leader drill {i + 1}/{runs}…"):
-            report = run_up(rate, duration, 0.0, None, seed=i + 1, drill=make("kill-leader", duration), console=quiet)
+            drill = make("kill-leader", duration, int(rate * duration))
+            report = run_up(rate, duration, 0.0, None, seed=i + 1, drill=drill, console=quiet)
         verdicts.append(report["verdict"])
         if report.get("failover_ms") is not None:
             times.append(report["failover_ms"])

@@ -1,5 +1,5 @@
-"""Failover drills against real processes (issue 5), at a reduced rate and
-duration: kill -9 the leader, and SIGSTOP/SIGCONT it."""
+"""Every drill of `tape drill all` against real processes, at a reduced rate and
+duration, each judged by the verdict of DESIGN.md section 9 plus its own checks."""
 
 import json
 import subprocess
@@ -7,21 +7,28 @@ import subprocess
 import pytest
 from conftest import TAPE
 
+from tape.ops.drill import DRILLS
+
 pytestmark = pytest.mark.process
 
 
-@pytest.mark.parametrize("drill", ["kill-leader", "pause-leader"])
-def test_the_leader_drills_pass_and_print_the_failover_time(tmp_path, drill):
-    out = subprocess.run(TAPE + ["drill", drill, "--rate", "5000", "--duration", "5", "--out", str(tmp_path)],
+LEADER_DRILLS = ("kill-leader", "pause-leader", "partition-leader")
+
+
+@pytest.mark.parametrize("drill", DRILLS)
+def test_every_drill_passes_its_verdict(tmp_path, drill):
+    out = subprocess.run(TAPE + ["drill", drill, "--rate", "4000", "--duration", "5", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["verdict"] == "pass" and report["drill"] == drill
-    assert report["sequenced"] == 25_000 and report["duplicates"] == 0
-    assert report["new_leader"] != report["old_leader"]
-    assert 0 < report["failover_ms"] < 5000
-    assert "failover" in out.stdout and f"{report['failover_ms']:.0f} ms" in out.stdout
-    assert report["checks"]["each term published only by its winner"] and report["term_problems"] == []
+    assert report["verdict"] == "pass" and report["drill"] == drill and all(report["checks"].values())
+    assert report["sequenced"] == 20_000 and report["duplicates"] == 0 and report["term_problems"] == []
+    if drill in LEADER_DRILLS:
+        assert report["new_leader"] not in (None, report["old_leader"])
+        assert report["failover_ms"] > 0  # measured from the journal's stamps; no bound (tests assert no durations)
+        assert "failover" in out.stdout and f"{report['failover_ms']:.0f} ms" in out.stdout
+    elif drill != "loss":
+        assert report["checks"]["the node was killed and restarted"]
 
 
 def test_the_term_check_judges_terms_not_names():
