@@ -339,7 +339,7 @@ def _add_drill(sub) -> None:
     from tape.ops.drill import DRILLS
 
     p = sub.add_parser("drill", help="a failover or fault drill under load, with a verdict",
-                       description="Run the whole cluster under load, inject a fault at 30%% of the run and heal it "
+                       description="Run the whole cluster under load, inject a fault at 30% of the run and heal it "
                                    "once the cluster went on without the node (a new leader, or a quarter of the "
                                    "trades committed), then check DESIGN.md section 9 and the drill's own checks (a "
                                    "new leader, each term published only by its winner, failover_ms). Drills: "
