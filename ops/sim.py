@@ -27,6 +27,7 @@ from collections import Counter
 from tape.node.settings import Config, default_of
 from tape.ops.reference import expected_alerts
 from tape.ops.tradegen import TradeGenerator
+from tape.ops.verdict import RunFiles, judge
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.protocol import replication as rep
@@ -461,6 +462,7 @@ class Sim:
         self.emitter = Emitter(self)
         self.nodes = {**self.voters, **self.listeners, EMITTER: self.emitter}
         self.digests: dict[int, tuple[str, str]] = {}  # seq -> (the first replica there, its digest)
+        self.published_terms: dict[str, dict[str, list[int]]] = {}  # sequencer -> term -> [first, last] seq
         self.channel_at: dict[tuple[str, str], int] = {}  # ordered channels: when the last message arrives
         self.epochs: dict[frozenset, int] = {}  # ordered channels: the connection a message was sent on
         self.broken: set[frozenset] = set()  # ordered channels broken until the next hello
@@ -544,6 +546,9 @@ class Sim:
                     first = self.published.setdefault(seq + i, msg)
                     if first != msg:
                         raise Violation(f"{src} published a different message at seq {seq + i}")
+                span = self.published_terms.setdefault(src, {}).setdefault(str(self.voters[src].leader.term),
+                                                                           [seq, seq])
+                span[1] = seq + count - 1  # who published what in which term: the verdict judges terms
             for name in self.listeners:
                 self.send(src, name, ("packet", pkt))
 
@@ -678,6 +683,22 @@ class Sim:
                     raise Violation("no progress: the healed cluster did not finish within 60 s of virtual time")
         return self.check()
 
+    def judge_as_a_run(self, c: int) -> None:
+        """The verdict every real run gets (ops/verdict.py), on what this run left behind."""
+        clients = [self.listeners[n].client for n in CLIENTS]
+        run = RunFiles(
+            session="SIM", book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS, submitted=self.per_client * len(CLIENTS),
+            journals={v.name: [(s, t, m) for s, (t, m) in enumerate(v.log[:c], 1)] for v in self.voters.values()},
+            replicas={r: {"last_seq": self.listeners[r].machine.last_seq, "digest": self.listeners[r].machine.digest()}
+                      for r in REPLICAS},
+            alerts=self.emitter.sink, emitter={"divergences": self.emitter.core.divergences},
+            load={"acked": sum(cl.acked for cl in clients), "submitted": sum(cl.next_cseq - 1 for cl in clients)},
+            sequencers={s: {"published_terms": self.published_terms.get(s, {})} for s in SEQUENCERS})
+        checks, figures, _ = judge(run)
+        failed = [f"{name} ({figures[name]})" for name, ok in checks.items() if not ok]
+        if failed:
+            raise Violation(f"the run's verdict fails: {'; '.join(failed)}")
+
     def check(self) -> dict:
         leader = self.leader()
         c = leader.commit_seq
@@ -713,6 +734,7 @@ class Sim:
             missing = len(set(got) - set(delivered))
             raise Violation(f"exactly-once alerts: {len(delivered)} delivered ({len(delivered) - len(set(delivered))} "
                             f"twice, {missing} missing), {len(want)} expected")
+        self.judge_as_a_run(c)
         return {"seed": self.seed, "log": c, "terms": len(self.leaders), "virtual_ms": self.now // MS,
                 "faults": len(self.trace), "loss": self.loss, "alerts": len(delivered),
                 "emitter_in_doubt": self.emitter.core.in_doubt}
