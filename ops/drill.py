@@ -25,7 +25,8 @@ from rich.table import Table
 from tape.ops.local import LocalCluster
 
 DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
-          "kill-emitter", "loss")
+          "kill-emitter", "both-rewinders-down", "loss")
+STALL_S = 1.0  # nothing committed for this long: the cluster has stopped (no majority)
 
 
 def _metric(cluster: LocalCluster, node: str, name: str) -> float | None:
@@ -165,6 +166,33 @@ class LeaderFault(Drill):
         return out
 
 
+class NoMajority(Drill):
+    """both-rewinders-down: two voters of four are no majority. The cluster must stop committing
+    (the leader steps down by check-quorum; no one can be elected) and resume when they are back."""
+
+    def inject(self, cluster):
+        for rw in ("rw-1", "rw-2"):
+            cluster.kill(rw)
+        self.last_commit, self.since, self.stalled = _committed(cluster), time.monotonic(), False
+        return "kill -9 rw-1 and rw-2: no majority"
+
+    def healable(self, cluster):
+        """The event: nothing committed for STALL_S (observed, not assumed)."""
+        now, commit = time.monotonic(), _committed(cluster)
+        if commit != self.last_commit:
+            self.last_commit, self.since = commit, now
+        self.stalled = now - self.since >= STALL_S
+        return self.stalled
+
+    def heal(self, cluster):
+        for rw in ("rw-1", "rw-2"):
+            cluster.restart(rw)
+        return f"restarted rw-1 and rw-2 (commits stopped at seq {self.last_commit:,.0f})"
+
+    def checks(self, cluster, report):
+        return {"commits stopped without a majority": (self.stalled, f"at seq {self.last_commit:,.0f}")}
+
+
 def make(name: str, duration: float, trades: int) -> Drill:
     if name in ("kill-leader", "pause-leader", "partition-leader"):
         return LeaderFault(name, duration, trades)
@@ -176,6 +204,8 @@ def make(name: str, duration: float, trades: int) -> Drill:
     }
     if name in picks:
         return KillNode(name, duration, trades, picks[name])
+    if name == "both-rewinders-down":
+        return NoMajority(name, duration, trades)
     if name == "loss":
         return Drill(name, duration, trades)
     raise SystemExit(f"unknown drill {name!r}: {', '.join(DRILLS)} or all")

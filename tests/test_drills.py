@@ -27,6 +27,8 @@ def test_every_drill_passes_its_verdict(tmp_path, drill):
         assert report["new_leader"] not in (None, report["old_leader"])
         assert report["failover_ms"] > 0  # measured from the journal's stamps; no bound (tests assert no durations)
         assert "failover" in out.stdout and f"{report['failover_ms']:.0f} ms" in out.stdout
+    elif drill == "both-rewinders-down":
+        assert report["checks"]["commits stopped without a majority"]
     elif drill != "loss":
         assert report["checks"]["the node was killed and restarted"]
 
