@@ -1,5 +1,6 @@
 """The replication endpoint every voter runs (sequencers and rewinders): the
-asyncio shell around ElectionCore and FollowerCore.
+asyncio shell around VoterCore (protocol/voter.py), which decides; this
+module carries its actions out (journal, vote file) and moves the frames.
 
 A leader (or a candidate) connects to a voter's replication port. The voter
 greets with a hello (term, log position), then answers each append with an
@@ -16,7 +17,6 @@ import json
 import logging
 import os
 import random
-import struct
 import time
 import zlib
 from pathlib import Path
@@ -30,7 +30,6 @@ from tape.protocol.limits import CONTROL_READ, FETCH_MAX, STREAM_READ
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 
 log = logging.getLogger("tape.voter")
-_TYPE_ORIGIN_CSEQ = struct.Struct(">B56x10sQ")  # type, origin and client seq of a sequenced message
 
 
 class VoteStore:

@@ -1,13 +1,13 @@
 """`tape sequencer`: a voter that can lead; the asyncio shell around
-ElectionCore (through Voter), FollowerCore and LeaderCore.
+VoterCore (through node/voter.py), LeaderCore and FollowerLinks.
 
 Every sequencer starts as a follower: it serves its replication port (appends
 from the leader, vote requests) like a rewinder, and drops inbound batches.
 When its election timer fires it campaigns (pre-vote, then vote); elected,
 it leads: inbound batches are drained in one go per wake-up (natural
-batching under load), each drain is stamped into one batch, written to the
-journal with one append, sent to every live follower in one frame, and
-published once a majority holds it. A follower that is behind (new,
+batching under load), each drain is stamped into batches of at most
+MAX_BATCH_MESSAGES, each written to the journal with one append, sent to
+every live follower in one frame, and published once a majority holds it. A follower that is behind (new,
 restarted, slow) is caught up from this journal before it gets live batches.
 A leader that sees a higher term, or has not heard a majority for the
 election timeout, steps down at once and follows again.
