@@ -102,9 +102,6 @@ class Voter:
     def term_at(self, seq: int) -> int:
         return self.log[seq - 1][0] if seq > 0 else 0
 
-    def position(self) -> tuple[int, int]:
-        return len(self.log), (self.log[-1][0] if self.log else 0)
-
     def records(self) -> list:
         return [(seq, term, m) for seq, (term, m) in enumerate(self.log, 1)]
 
@@ -120,7 +117,7 @@ class Voter:
         self.invited = 0  # when the leader last tried to (re)connect its missing followers
         self.gapfill = GapFillCore(SESSION, 17, rate_per_s=5000.0)
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
-        self.hellos: dict[str, tuple[int, int]] = {}  # voter -> its log position, as its hello said
+        self.hellos: dict[str, Hello] = {}  # voter -> its hello, while campaigning
 
     @property
     def commit_seq(self) -> int:
@@ -160,7 +157,7 @@ class Voter:
         known = self.sim.leaders.setdefault(term, self.name)
         if known != self.name:
             raise Violation(f"two leaders in term {term}: {known} and {self.name}")
-        last_seq, last_term = self.position()
+        last_seq, last_term = self.core.position()
         self.leader = LeaderCore(SESSION, self.wire, term, [wire(v) for v in VOTERS if v != self.name],
                                  {wire(c): None for c in CLIENTS}, last_seq, last_term, dict(self.core.log.client_last),
                                  tick_ns=100 * MS, heartbeat_ns=50 * MS)
@@ -261,27 +258,26 @@ class Voter:
         elif isinstance(msg, VoteRequest):
             vote, actions = self.core.on_vote_request(msg, now)
             self.act(actions)
-            self.sim.send(self.name, src, ("hello", *self.position()))
+            self.sim.send(self.name, src, self.core.hello())  # as the voter's endpoint greets every connection
             self.sim.send(self.name, src, vote)
         elif isinstance(msg, Vote):
             self.act(self.election.on_vote(msg.term, msg.voter, msg.granted, msg.pre, now))
             theirs = self.hellos.pop(src, None)
             if not msg.granted and theirs and self.election.leader is None and \
-                    (theirs[1], theirs[0]) > (self.position()[1], self.position()[0]):
-                last_seq, last_term = self.position()
-                self.sim.send(self.name, src, ("fetch", last_seq + 1, last_term))  # refused for being behind
-        elif msg[0] == "hello":
-            self.hellos[src] = (msg[1], msg[2])
+                    (theirs.last_term, theirs.last_seq) > (self.core.last_term, self.core.last_seq):
+                self.sim.send(self.name, src, ("fetch", self.core.last_seq + 1, self.core.last_term))  # behind
         elif msg[0] == "fetch":
             start = self.core.fetch_start(Fetch(msg[1], msg[2]))
             if start is not None:
                 self.sim.send(self.name, src, ("fetched", self.appends(start[0], CATCHUP_CHUNK)))
         elif msg[0] == "follow":  # a leader connects: the hello (node/voter.py's serve)
             self.sim.send(self.name, src, self.core.hello())
-        elif isinstance(msg, Hello):
+        elif isinstance(msg, Hello):  # to a leader connecting, or a candidate asking for a vote
             self.act(self.election.on_higher_term(msg.term, msg.node, now))
             if self.leader is not None:
                 self.links.connected(msg.node, msg.last_seq, self.leader.last_seq)
+            else:
+                self.hellos[src] = msg
         elif msg[0] == "gone":  # a follower's connection closed
             if self.links is not None:
                 self.links.disconnected(wire(src))
@@ -310,7 +306,6 @@ class Listener:
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name = sim, name
         self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS)
-        self.rx = self.core.receiver
         self.up = True
         self.delivered: list[bytes] = []
         self.machine = AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS) if name in REPLICAS else None

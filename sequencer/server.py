@@ -7,8 +7,9 @@ When its election timer fires it campaigns (pre-vote, then vote); elected,
 it leads: inbound batches are drained in one go per wake-up (natural
 batching under load), each drain is stamped into batches of at most
 MAX_BATCH_MESSAGES, each written to the journal with one append, sent to
-every live follower in one frame, and published once a majority holds it. A follower that is behind (new,
-restarted, slow) is caught up from this journal before it gets live batches.
+every live follower in one frame, and published once a majority holds it.
+A follower that is behind (new, restarted, slow) is caught up from this
+journal before it gets live batches.
 A leader that sees a higher term, or has not heard a majority for the
 election timeout, steps down at once and follows again.
 """
