@@ -97,7 +97,11 @@ class Voter:
         self.vote = (0, None)  # (term, voted_for): durable
         self.checked = 0  # seqs of the committed log already checked against what was published
         self.up = True
+        self.clock_skew = sim.rng.randrange(-200, 201) * MS  # hosts' clocks differ: stamps must not go backwards
         self.restart()
+
+    def clock(self) -> int:
+        return self.sim.now + self.clock_skew
 
     def term_at(self, seq: int) -> int:
         return self.log[seq - 1][0] if seq > 0 else 0
@@ -160,10 +164,11 @@ class Voter:
         last_seq, last_term = self.core.position()
         self.leader = LeaderCore(SESSION, self.wire, term, [wire(v) for v in VOTERS if v != self.name],
                                  {wire(c): None for c in CLIENTS}, last_seq, last_term, dict(self.core.log.client_last),
-                                 tick_ns=100 * MS, heartbeat_ns=50 * MS)
+                                 tick_ns=100 * MS, heartbeat_ns=50 * MS,
+                                 last_stamp_ns=M.SEQUENCED.unpack(self.log[-1][1])[M.STAMP] if self.log else 0)
         self.links = FollowerLinks(LEADER_BEAT_NS)  # followers join as their hellos arrive
         self.invite()
-        self.process(self.leader.start_term(self.sim.now))
+        self.process(self.leader.start_term(self.clock()))
 
     def invite(self) -> None:
         """The leader's (re)connect loop: every follower it has no link to is asked for a hello."""
@@ -223,7 +228,7 @@ class Voter:
         c = self.leader
         if c is None:
             return
-        batch, heartbeat = c.on_timer(self.sim.now)
+        batch, heartbeat = c.on_timer(self.clock())
         if batch is not None:
             self.process(batch)
         if heartbeat is not None:
@@ -287,8 +292,8 @@ class Voter:
             self.core.on_closed(src, True, now)
         elif msg[0] == "inbound":
             if self.leader is not None:
-                self.leader.on_inbound(msg[1], now)  # bad input comes back as a reason: counted, dropped
-                batch = self.leader.flush(now)
+                self.leader.on_inbound(msg[1], self.clock())  # bad input comes back as a reason: counted, dropped
+                batch = self.leader.flush(self.clock())
                 if batch is not None:
                     self.process(batch)
         elif msg[0] == "gap" and not self.can_lead:

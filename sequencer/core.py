@@ -57,6 +57,7 @@ class LeaderCore:
         max_packet: int = moldudp64.DEFAULT_MAX_PACKET,
         tick_ns: int = 1_000_000_000,
         heartbeat_ns: int = 1_000_000_000,
+        last_stamp_ns: int = 0,
     ):
         if term <= last_term:
             raise InvariantViolation(f"new term {term} must exceed the log's last term {last_term}")
@@ -81,7 +82,7 @@ class LeaderCore:
         self._pending: list = []  # (origin, first client seq, [inbound messages]) accepted, not stamped
         self._pending_count = 0
         self._unpublished: deque = deque()  # (last seq, [packets]) stamped, not committed
-        self._last_stamp_ns = 0
+        self._last_stamp_ns = last_stamp_ns  # the log's last stamp: stamps never go backwards across terms
         self._last_sequenced_ns = 0
         self._last_published_ns = 0
         self.term_start_seq = 0

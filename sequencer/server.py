@@ -29,6 +29,7 @@ from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.node.transport import LossInjector, multicast_sender, udp_socket
 from tape.node.voter import Voter
+from tape.protocol import messages as M
 from tape.protocol import replication as rep
 from tape.protocol.election import ElectionAction, Lead, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
@@ -174,12 +175,14 @@ class Sequencer(NodeProcess):
 
     def _lead(self, term: int) -> None:
         j = self.journal
+        last = next(j.read(j.last_seq), None) if j.last_seq else None
         self.core = LeaderCore(
             self.cfg.session_bytes, self.node.wire_name, term, [f.wire_name for f in self.followers],
             {c.name.encode().ljust(10): c.key for c in self.cfg.clients},
             last_seq=j.last_seq, last_term=j.last_term, client_last=dict(self.voter.log.client_last),
             max_packet=self.cfg.max_packet, tick_ns=self.cfg.tick_ms * 1_000_000,
-            heartbeat_ns=self.cfg.heartbeat_ms * 1_000_000)
+            heartbeat_ns=self.cfg.heartbeat_ms * 1_000_000,
+            last_stamp_ns=M.SEQUENCED.unpack(last[2])[M.STAMP] if last else 0)
         self.followers_core = FollowerLinks(self.cfg.leader_heartbeat_ms * 1_000_000)
         self.terms_led += 1
         log.warning("%s leading term %d from seq %d", self.node.name, term, j.last_seq + 1)

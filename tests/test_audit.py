@@ -1,10 +1,13 @@
 """The audit state machine against the challenge, the rules, and an
 independent reference; determinism by digest."""
 
+import random
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tape.ops.reference import expected_alerts
+from tape.ops.reference import FOLD_EVERY, expected_alerts, expected_digest
 from tape.protocol import messages as M
 from tape.replicas.audit import AuditMachine
 
@@ -115,6 +118,32 @@ def test_alerts_and_rejects_equal_the_reference(stream, book_ttl, orphan_ttl):
     _, ref_end = expected_alerts(list(enumerate(stream, 1)) + [(len(stream) + 1, tick)], book_ttl, orphan_ttl)
     assert m.rejects == ref_end
     assert [a.emit_seq for a in alerts] == sorted({a.emit_seq for a in alerts})  # emit seqs strictly increase
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams(), st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]))
+def test_the_digest_equals_the_one_recomputed_from_its_definition(stream, book_ttl, orphan_ttl):
+    m = AuditMachine(book_ttl_ns=book_ttl, orphan_ttl_ns=orphan_ttl)
+    for end in sorted({len(stream) // 3, len(stream)}):  # mid-stream too: what has expired by then, no more
+        m.apply_run(m.last_seq + 1, stream[m.last_seq:end])
+        assert m.digest() == expected_digest(enumerate(stream[:end], 1), book_ttl, orphan_ttl)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_digest_equals_the_recomputed_one_across_folds(seed):
+    rng = random.Random(seed)
+    stream, stamp = [], 0
+    for i in range(3 * FOLD_EVERY + 77):  # several folds, the last block partial
+        stamp += rng.choice([0, 1, 5, 30])
+        order = rng.randrange(1, 300)
+        raw = (M.purchase_request(order, rng.choice([-1, 10, 40]), "A", "X") if rng.random() < 0.3
+               else M.purchase(i, order, rng.choice([0, 5, 20]), rng.choice("AAB"), "X"))
+        stream.append(seqd(raw, stamp, i + 1))
+    m = AuditMachine(book_ttl_ns=2000, orphan_ttl_ns=300)
+    m.apply_run(1, stream)
+    assert m.alerts_raised > 0 and m.rejects["orphan_expired"] > 0  # the records that are more than a byte
+    assert m.digest() == expected_digest(enumerate(stream, 1), 2000, 300)
+    assert m.digest() != expected_digest(enumerate(stream[:-1], 1), 2000, 300)
 
 
 @settings(max_examples=100, deadline=None)

@@ -105,6 +105,14 @@ def test_stamps_never_go_backwards():
     assert msg.decode(b2.messages[0])[msg.STAMP] >= msg.decode(b1.messages[0])[msg.STAMP]
 
 
+def test_a_new_leader_whose_clock_is_behind_stamps_no_earlier_than_the_log():
+    new = LeaderCore(S, b"seq-b     ", 2, [F1, F2], {A: None}, last_seq=8, last_term=1, last_stamp_ns=5000)
+    start = new.start_term(10)  # its host's clock is behind the old leader's
+    new.on_inbound(batch(A, 1, 1), 20)
+    b = new.flush(20)
+    assert [msg.decode(m)[msg.STAMP] for m in start.messages + b.messages] == [5000, 5000]
+
+
 def test_rebuilt_dedupe_state_drops_retransmits_of_what_the_log_holds():
     core, start = leader()
     core.on_inbound(batch(A, 1, 7), 1)

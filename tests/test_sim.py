@@ -110,3 +110,15 @@ def test_an_emitter_that_forgets_alerts_in_doubt_loses_them(monkeypatch):
     assert len(failures) >= 5
     assert all(re.match(r"Violation: exactly-once alerts: \d+ delivered \(0 twice, [1-9]\d* missing\)", f)
                for f in failures)
+
+
+def test_the_simulator_catches_a_new_leader_that_stamps_by_its_own_clock(monkeypatch):
+    # Hosts' clocks differ (±200 ms in the simulator): a new leader that ignores its log's last stamp
+    # stamps earlier than the old leader did, and the replicas' clock would run backwards.
+    original = sim.LeaderCore.__init__
+    monkeypatch.setattr(sim.LeaderCore, "__init__",
+                        lambda self, *a, **kw: original(self, *a, **{**kw, "last_stamp_ns": 0}))
+    failures = [f for f in (sim.run_seed(s)[1] for s in range(1, 101)) if f]
+    assert len(failures) >= 2
+    assert all(re.match(r"Violation: the run's verdict fails: stamps never go backwards \(\d+ backwards\)$",
+                        f.splitlines()[0]) for f in failures), failures

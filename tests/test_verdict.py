@@ -41,11 +41,25 @@ def replace_record(run, voter, seq, message):
 
 def duplicate_trade(run):
     records = run.journals["seq-a"]
-    dup = [(len(records) + 1, 1, records[5][2])]
+    m = M.SEQUENCED.unpack(records[5][2])  # sequenced again, later
+    dup = [(len(records) + 1, 1, M.stamp(records[5][2][:M.INBOUND_SIZE], 10**6, m[M.ORIGIN], m[M.CLIENT_SEQ]))]
     for v in run.journals:
         run.journals[v] = records + dup
     for r in run.replicas.values():
         r["last_seq"] += 1
+
+
+def stamp_backwards(run, seq=50):
+    """A leader that stamped with a clock behind its log's (its host's clock was behind)."""
+    raw = run.journals["seq-a"][seq - 1][2]
+    m = M.SEQUENCED.unpack(raw)
+    earlier = M.stamp(raw[:M.INBOUND_SIZE], 5, m[M.ORIGIN], m[M.CLIENT_SEQ])
+    for v in run.journals:
+        replace_record(run, v, seq, earlier)
+    machine = AuditMachine(TTL, TTL)
+    machine.apply_run(1, [M.SEQUENCED.unpack(m) for _, _, m in run.journals["seq-a"]])
+    for r in run.replicas.values():
+        r["digest"] = machine.digest()
 
 
 BAD = {
@@ -60,6 +74,7 @@ BAD = {
     "replica identity: digests equal": lambda run: run.replicas["replica-B"].update(digest="cd" * 16),
     # All three replicas agree, on a state the journal does not give (they applied a forged packet).
     "replicas' digest is the journal's": lambda run: [r.update(digest="cd" * 16) for r in run.replicas.values()],
+    "stamps never go backwards": stamp_backwards,
     "exactly-once alerts": lambda run: run.alerts.pop(3),
     "no divergence alarms": lambda run: run.emitter.update(divergences=1),
     "each term published only by its winner": lambda run: run.sequencers["seq-b"].update(
