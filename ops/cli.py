@@ -188,8 +188,8 @@ def _load(args) -> int:
     from tape.ops.load import main
 
     return main(
-        _config(args), args.client, args.rate, args.duration, args.messages, args.seed, args.drop, args.overfill
-    )
+        _config(args), args.client, args.rate, args.duration, args.messages, args.seed, args.drop, args.overfill,
+        args.resume)
 
 
 def _tail(args) -> int:
@@ -399,6 +399,9 @@ def _add_load(sub) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds to run (default 10)")
     p.add_argument("--messages", type=int, default=None, help="messages to send (instead of --duration)")
     p.add_argument("--overfill", type=float, default=0.2, help="share of orders overfilled (default 0.2)")
+    p.add_argument("--resume", action="store_true",
+                   help="a restart with the same options: read the stream up to its head and go on after the last "
+                        "trade of each client found there (each client seq is regenerated as the same trade)")
     p.set_defaults(func=_load)
 
 

@@ -25,7 +25,8 @@ from rich.table import Table
 from tape.ops.local import LocalCluster
 
 DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
-          "kill-emitter", "both-rewinders-down", "loss")
+          "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart")
+LOSSY = ("loss", "failover-under-loss")  # the drills run with --loss at every receiver
 STALL_S = 1.0  # nothing committed for this long: the cluster has stopped (no majority)
 
 
@@ -111,19 +112,24 @@ class KillNode(Drill):
 
 
 class LeaderFault(Drill):
-    """kill-leader, pause-leader, partition-leader: a new term must begin under
-    another leader. That the old one published nothing in a term it did not
-    win is the verdict's term check, as for every run."""
+    """kill-leader, pause-leader, partition-leader (and failover-under-loss: kill-leader
+    with loss at every receiver): a new term must begin under another leader. That the
+    old one published nothing in a term it did not win is the verdict's term check, as
+    for every run."""
+
+    def __init__(self, name: str, duration: float, trades: int):
+        super().__init__(name, duration, trades)
+        self.fault = "kill-leader" if name == "failover-under-loss" else name
 
     def inject(self, cluster):
         self.target = cluster.leader()
         if not self.target:
             return "no leader found"
         self.term_before = _metric(cluster, self.target, "tape_sequencer_term") or 0
-        if self.name == "kill-leader":
+        if self.fault == "kill-leader":
             cluster.kill(self.target)
             return f"kill -9 {self.target} (leader, term {self.term_before:.0f})"
-        if self.name == "pause-leader":
+        if self.fault == "pause-leader":
             os.kill(cluster.procs[self.target].pid, signal.SIGSTOP)
             return f"SIGSTOP {self.target} (leader, term {self.term_before:.0f})"
         (Path(cluster.cfg.node(self.target).data) / "partitioned").touch()
@@ -137,10 +143,10 @@ class LeaderFault(Drill):
     def heal(self, cluster):
         if not self.target:
             return None
-        if self.name == "kill-leader":
+        if self.fault == "kill-leader":
             cluster.restart(self.target)
             return f"restarted {self.target}: it rejoins as a follower"
-        if self.name == "pause-leader":
+        if self.fault == "pause-leader":
             os.kill(cluster.procs[self.target].pid, signal.SIGCONT)
             return f"SIGCONT {self.target}"
         (Path(cluster.cfg.node(self.target).data) / "partitioned").unlink(missing_ok=True)
@@ -193,8 +199,32 @@ class NoMajority(Drill):
         return {"commits stopped without a majority": (self.stalled, f"at seq {self.last_commit:,.0f}")}
 
 
+class ClientRestart(Drill):
+    """client-restart: kill -9 the load generator mid-stream and start it again with --resume,
+    once it is dead. It must find in the stream what was sequenced and submit the rest: every
+    trade once (the verdict), nothing twice although in-flight batches may still arrive."""
+
+    def inject(self, cluster):
+        cluster.kill("load")
+        self.target = "load"
+        return "kill -9 load (the client)"
+
+    def healable(self, cluster):
+        return not cluster.alive("load")
+
+    def heal(self, cluster):
+        args = cluster.started["load"][0]
+        cluster.start("load", *args, *(() if "--resume" in args else ("--resume",)))
+        return "restarted load with --resume"
+
+    def checks(self, cluster, report):
+        resumed = report.get("resumed_at") or 0
+        return {"the client restarted and resumed after what was sequenced": (
+            self.healed and 0 < resumed < report["submitted"], f"at trade {resumed:,}")}
+
+
 def make(name: str, duration: float, trades: int) -> Drill:
-    if name in ("kill-leader", "pause-leader", "partition-leader"):
+    if name in ("kill-leader", "pause-leader", "partition-leader", "failover-under-loss"):
         return LeaderFault(name, duration, trades)
     picks = {
         "kill-standby": lambda c: next((s.name for s in c.cfg.by_role("sequencer") if s.name != c.leader()), None),
@@ -208,6 +238,8 @@ def make(name: str, duration: float, trades: int) -> Drill:
         return NoMajority(name, duration, trades)
     if name == "loss":
         return Drill(name, duration, trades)
+    if name == "client-restart":
+        return ClientRestart(name, duration, trades)
     raise SystemExit(f"unknown drill {name!r}: {', '.join(DRILLS)} or all")
 
 
@@ -219,7 +251,7 @@ def run(name: str, rate: float, duration: float, loss: float, out: str | None, s
     results = {}
     for n in names:
         drill = make(n, duration, int(rate * duration))
-        drop = loss if n == "loss" else 0.0
+        drop = loss if n in LOSSY else 0.0
         where = str(Path(out) / n) if out and name == "all" else out
         results[n] = run_up(rate, duration, drop, where, seed, drill=drill, console=console)
     if name == "all":

@@ -24,9 +24,10 @@ def percentile(values: list, q: float) -> float:
 
 
 async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed: int, drop: float,
-                   overfill: float, ack_timeout: float = 60.0) -> dict:
+                   overfill: float, ack_timeout: float = 60.0, resume: bool = False) -> dict:
     clients = [Client(cfg, name, drop, seed + i) for i, name in enumerate(names)]
     gens = [TradeGenerator(seed + i, overfill, first_id=i * ID_SPACE + 1) for i in range(len(names))]
+    quotas = [total // len(names) + (i < total % len(names)) for i in range(len(names))]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -34,17 +35,25 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
     for c in clients:
         await c.start()
     await asyncio.sleep(0.05)  # joined the group before the first message
+    done = [0] * len(clients)  # trades submitted (or, resuming, found sequenced) per client
+    if resume:  # a restart: go on after what the log holds; each client seq is the same trade again
+        for i, c in enumerate(clients):
+            done[i] = min(quotas[i], await c.recover(ack_timeout))
+            for _ in range(done[i]):
+                next(gens[i])
+    resumed = sent = sum(done)
     t0 = time.monotonic()
-    sent = 0
     turn = 0
     while sent < total and not stop.is_set():
-        due = min(total, int(rate * (time.monotonic() - t0)) + 1)
+        due = min(total, resumed + int(rate * (time.monotonic() - t0)) + 1)
         while sent < due:
-            n = min(due - sent, 200)
             i = turn % len(clients)
-            await clients[i].submit(gens[i].take(n))
-            sent += n
             turn += 1
+            n = min(due - sent, 200, quotas[i] - done[i])
+            if n > 0:
+                await clients[i].submit(gens[i].take(n))
+                sent += n
+                done[i] += n
         await asyncio.sleep(0.002)
     send_secs = time.monotonic() - t0
     acked_all = all([await c.wait_acked(c.next_cseq - 1, ack_timeout) for c in clients])
@@ -52,12 +61,13 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
     lat = [x / 1e6 for c in clients for x in c.latencies_ns]
     result = {
         "submitted": sent,
+        "resumed_at": resumed,
         "acked": sum(c.acked for c in clients),
         "all_acked": acked_all,
         "resends": sum(c.resends for c in clients),
         "rate_target": rate,
-        "rate_sent": round(sent / send_secs, 1) if send_secs else 0.0,
-        "rate_acked": round(sum(c.acked for c in clients) / elapsed, 1),
+        "rate_sent": round((sent - resumed) / send_secs, 1) if send_secs else 0.0,
+        "rate_acked": round((sum(c.acked for c in clients) - resumed) / elapsed, 1),
         "latency_ms": {"p50": round(percentile(lat, 0.5), 3), "p99": round(percentile(lat, 0.99), 3),
                        "max": round(max(lat, default=0.0), 3)},
         "gap_requests": sum(c.listener.requests_sent for c in clients),
@@ -68,10 +78,14 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
 
 
 def main(cfg: Config, names: list[str] | None, rate: float, duration: float | None, messages: int | None,
-         seed: int, drop: float, overfill: float) -> int:
+         seed: int, drop: float, overfill: float, resume: bool = False) -> int:
     tune_gc()
     names = names or [c.name for c in cfg.clients]
     total = messages if messages is not None else int(rate * (duration or 10.0))
-    result = asyncio.run(run_load(cfg, names, rate, total, seed, drop, overfill))
+    try:
+        result = asyncio.run(run_load(cfg, names, rate, total, seed, drop, overfill, resume=resume))
+    except TimeoutError as e:
+        print(json.dumps({"error": str(e)}))
+        return 1
     print(json.dumps(result))
     return 0 if result["all_acked"] else 1

@@ -50,7 +50,7 @@ from tape.replicas.emitter_core import (
 )
 from tape.replicas.replica_core import ReplicaCore, SendAlerts
 from tape.rewinder.gapfill import Answer, GapFillCore
-from tape.sequencer.client_core import ClientCore
+from tape.sequencer.client_core import ClientCore, Recovery
 from tape.sequencer.core import LeaderCore
 from tape.sequencer.followers import FollowerLinks
 
@@ -320,10 +320,23 @@ class Listener:
             self.replica = ReplicaCore(self.machine, [], 1 << 62, 1 << 62, False, sim.now)
             self.hello_at = -RECONNECT_NS
         self.client: ClientCore | None = None
+        self.recovery: Recovery | None = None  # a restarted client reading the stream before it submits
         if name in CLIENTS:
-            self.client = ClientCore(wire(name), None, default_of(Config, "max_packet"), RESEND_NS)
-            self.gen = TradeGenerator(sim.rng.randrange(1 << 30), overfill_share=0.3,
-                                      first_id=1 + CLIENTS.index(name) * 10**9)
+            self.gen_seed = sim.rng.randrange(1 << 30)
+            self.start_client()
+
+    def start_client(self) -> None:
+        """A client (re)starting: it regenerates the same trades under the same client seqs."""
+        self.client = ClientCore(wire(self.name), None, default_of(Config, "max_packet"), RESEND_NS)
+        self.gen = TradeGenerator(self.gen_seed, overfill_share=0.3, first_id=1 + CLIENTS.index(self.name) * 10**9)
+
+    def restart_client(self) -> None:
+        """Everything but the generator's seed was lost: read the stream from seq 1 again."""
+        self.up = True
+        self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS)
+        self.delivered = []
+        self.start_client()
+        self.recovery = Recovery()
 
     def receive(self, src: str, msg) -> None:
         if msg[0] == "welcome":  # the alert channel is up: what the emitter lacks goes again
@@ -375,6 +388,11 @@ class Listener:
         if self.client is None:
             return
         c = self.client
+        if self.recovery is not None:
+            if not self.recovery.done(self.core.receiver):
+                return
+            self.recovery = None
+            self.gen.take(c.resume())  # what the log holds is not sent again
         if c.next_cseq <= self.sim.per_client and self.sim.rng.random() < 0.2:
             count = min(self.sim.rng.randint(1, 8), self.sim.per_client - c.next_cseq + 1)
             for data in c.submit(self.gen.take(count), now):
@@ -559,7 +577,7 @@ class Sim:
         for _ in range(r.randint(1, 5)):
             start = r.randint(100 * MS, FAULTS_UNTIL - 200 * MS)
             length = r.randint(50 * MS, 700 * MS)
-            kind = r.choice(("crash", "pause", "partition", "isolate", "garbage", "crash-emitter"))
+            kind = r.choice(("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client"))
             self.at(start, self.fault, kind, None, start + length)
 
     def fault(self, kind: str, node: str | None, until: int) -> None:
@@ -567,7 +585,13 @@ class Sim:
             leader = next((v.name for v in self.voters.values() if v.leader is not None and v.up), None)
             node = leader if leader and self.rng.random() < 0.5 else self.rng.choice(VOTERS)
         self.trace.append(f"{self.now / MS:.0f} ms: {kind} {node} for {(until - self.now) / MS:.0f} ms")
-        if kind == "crash-emitter":
+        if kind == "crash-client":
+            client = self.listeners[self.rng.choice(CLIENTS)]
+            self.trace[-1] = f"{self.now / MS:.0f} ms: crash client {client.name} for {(until - self.now) / MS:.0f} ms"
+            if client.up:
+                client.up = False
+                self.at(max(until, self.now + MS), client.restart_client)
+        elif kind == "crash-emitter":
             e = self.emitter
             if e.up and e.crash_at is None:  # dies at a crash point of its next batch of alerts
                 point = self.rng.choice(CRASH_POINTS)

@@ -51,9 +51,9 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
                       f"{cluster.cfg.group}:{cluster.cfg.port}; {total:,} trades at {rate:,.0f}/s, "
                       f"{drop:.0%} loss at every receiver; data in {root}")
         cluster.start_all(drop)
-        load = cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
+        cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
                              "--seed", str(seed))
-        _watch(console, cluster, load, duration, drill)
+        _watch(console, cluster, duration, drill)
         if drill:
             drill.finish(cluster)
         _stop_in_order(cluster)
@@ -98,7 +98,7 @@ def _scrape(cluster: LocalCluster) -> dict:
     return out
 
 
-def _watch(console, cluster: LocalCluster, load, duration: float, drill) -> None:
+def _watch(console, cluster: LocalCluster, duration: float, drill) -> None:
     progress = Progress(TextColumn("load"), BarColumn(), TimeRemainingColumn())
     task = progress.add_task("load", total=duration)
     t0 = time.monotonic()
@@ -106,7 +106,7 @@ def _watch(console, cluster: LocalCluster, load, duration: float, drill) -> None
     rate = 0.0
     events: list[str] = []
     with Live(console=console, refresh_per_second=4) as live:
-        while load.poll() is None:
+        while cluster.alive("load") or (drill and drill.injected and not drill.healed):  # a drill may restart it
             now = time.monotonic()
             if drill:
                 note = drill.step(cluster, now - t0)

@@ -93,7 +93,8 @@ def judge(run: RunFiles) -> tuple[dict, dict, dict]:
                                                    term_issues[0] if term_issues else f"{len(terms)} terms"),
     }
     report = {
-        "submitted": run.load.get("submitted", 0), "acknowledged": acked, "sequenced": len(trades),
+        "submitted": run.load.get("submitted", 0), "resumed_at": run.load.get("resumed_at", 0),
+        "acknowledged": acked, "sequenced": len(trades),
         "log_length": len(records), "applied": applied, "digests": digests,
         **{k: v for k, v in alerts.items() if k not in ("ok", "figure")},
         "divergences": divergences, "rejects": rejects, "terms": terms, "published_terms": published,

@@ -16,7 +16,7 @@ from tape.node.listener import StreamListener
 from tape.node.settings import Config
 from tape.node.transport import udp_socket
 from tape.protocol import moldudp64
-from tape.sequencer.client_core import ClientCore
+from tape.sequencer.client_core import ClientCore, Recovery
 
 
 class Client:
@@ -64,6 +64,19 @@ class Client:
                 self.sock.sendto(data, addr)
             except OSError:
                 pass  # resent after the timeout
+
+    async def recover(self, timeout: float) -> int:
+        """After a restart: read the stream up to the head it announces (the
+        listener starts at seq 1), then number on from the last client seq of
+        ours sequenced, which it returns. Raises TimeoutError."""
+        recovery, receiver = Recovery(), self.listener.receiver
+        deadline = time.monotonic() + timeout
+        while not recovery.done(receiver):
+            if time.monotonic() >= deadline:
+                what = f"read up to seq {recovery.head - 1:,}" if recovery.head else "heard (no packet or heartbeat)"
+                raise TimeoutError(f"recovering: the stream was not {what} within {timeout:.0f} s")
+            await asyncio.sleep(0.01)
+        return self.core.resume()
 
     async def wait_acked(self, cseq: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -7,6 +7,13 @@ sequenced with this client as origin acknowledges everything up to its
 client seq (the sequencer accepts each client's messages in order).
 `on_timer(now)` returns what is due to be sent again.
 
+A client seq names one trade forever: the leader sequences each client seq
+once and drops it when it comes again. A client that restarts therefore
+resubmits the same trade under the same client seq (from its own durable
+outbox, or, like `tape load`, regenerated from its seed); `resume(acked)`
+goes on after the last one it found sequenced in the stream, so that it
+does not send again what is already in the log.
+
 Resend policy: at most RESENDS_PER_ROUND batches per call, the oldest
 first. The oldest one blocks everything behind it (the leader holds what
 arrives ahead of it), so it is resent at the plain timeout; the ones behind
@@ -22,6 +29,7 @@ import struct
 from collections import deque
 
 from tape.protocol import messages, moldudp64
+from tape.protocol.errors import InvariantViolation
 from tape.protocol.limits import RESENDS_PER_ROUND
 
 MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
@@ -43,6 +51,20 @@ class Unacked:
         return self.first_cseq + self.count - 1
 
 
+class Recovery:
+    """A restarted client reads the stream (from seq 1) up to the head known when it first
+    heard the live stream (a packet or heartbeat); then it may resume numbering."""
+
+    def __init__(self):
+        self.head: int | None = None
+
+    def done(self, receiver) -> bool:
+        """`receiver`: the listener's Receiver."""
+        if self.head is None and receiver.packets:
+            self.head = receiver.high_seq
+        return self.head is not None and receiver.next_seq >= self.head
+
+
 class ClientCore:
     def __init__(self, origin: bytes, key: bytes | None, max_packet: int, resend_ns: int):
         self.origin = origin
@@ -61,11 +83,22 @@ class ClientCore:
     def in_flight(self) -> int:
         return self.next_cseq - 1 - self.acked
 
+    def resume(self) -> int:
+        """After a restart, once the stream was read up to its head: number from
+        the client seq after the last one sequenced. Returns that last one."""
+        if self.unacked or self.next_cseq != 1:
+            raise InvariantViolation("resume() after submitting")
+        self.next_cseq = self.acked + 1
+        return self.acked
+
     def submit(self, msgs: list[bytes], now_ns: int) -> list[bytes]:
         """Number and batch inbound messages; returns the datagrams to send."""
         out = []
         for start in range(0, len(msgs), self.per_batch):
             chunk = msgs[start:start + self.per_batch]
+            if self.next_cseq + len(chunk) - 1 <= self.acked:  # a restarted client's earlier run got them in
+                self.next_cseq += len(chunk)
+                continue
             data = moldudp64.encode_packet(self.origin, self.next_cseq, chunk)
             if self.key:
                 data += hmac.new(self.key, data, hashlib.sha256).digest()

@@ -12,7 +12,7 @@ from tape.ops.drill import DRILLS
 pytestmark = pytest.mark.process
 
 
-LEADER_DRILLS = ("kill-leader", "pause-leader", "partition-leader")
+LEADER_DRILLS = ("kill-leader", "pause-leader", "partition-leader", "failover-under-loss")
 
 
 @pytest.mark.parametrize("drill", DRILLS)
@@ -29,6 +29,8 @@ def test_every_drill_passes_its_verdict(tmp_path, drill):
         assert "failover" in out.stdout and f"{report['failover_ms']:.0f} ms" in out.stdout
     elif drill == "both-rewinders-down":
         assert report["checks"]["commits stopped without a majority"]
+    elif drill == "client-restart":  # the second client found what the first had sequenced
+        assert 0 < report["resumed_at"] < report["submitted"] == report["acknowledged"] == 20_000
     elif drill != "loss":
         assert report["checks"]["the node was killed and restarted"]
 

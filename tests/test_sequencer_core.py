@@ -124,6 +124,45 @@ def test_rebuilt_dedupe_state_drops_retransmits_of_what_the_log_holds():
     assert new.on_inbound(batch(A, 5, 5), 3) is None and new.pending == 2
 
 
+def test_a_restarted_client_resumes_after_what_the_stream_holds_and_nothing_is_sequenced_twice():
+    from tape.protocol.packets import PacketBuilder
+    from tape.sequencer.client_core import ClientCore
+
+    trades = [msg.purchase_request(i, 10, "X", "Y") for i in range(1, 21)]  # client seq i names trades[i - 1]
+    core, start = leader()
+    old = ClientCore(A, None, 1400, 10**9)
+    sent = old.submit(trades[:5], 0) + old.submit(trades[5:10], 0)
+    assert core.on_inbound(sent[0], 1) is None
+    log = start.messages + core.flush(2).messages  # the second batch is still on its way when the client dies
+    new = ClientCore(A, None, 1400, 10**9)
+    for p in PacketBuilder(S, 1).add_sequenced(log):
+        new.on_delivered(p, 0, 3)
+    assert new.resume() == 5 and new.next_cseq == 6
+    again = new.submit(trades[5:20], 4)
+    assert core.on_inbound(sent[1], 5) is None  # the old incarnation's batch arrives after all
+    assert core.on_inbound(again[0], 5) is None  # 6-10 again (the same trades): only 11-20 are new
+    log += core.flush(6).messages
+    sequenced = [(d[msg.CLIENT_SEQ], d[msg.ORDER_ID]) for d in map(msg.decode, log) if d[msg.TYPE] == msg.REQUEST]
+    assert sequenced == [(i, i) for i in range(1, 21)]  # each trade once, under its own client seq
+    with pytest.raises(InvariantViolation):
+        new.resume()  # only before submitting
+
+
+def test_a_resumed_client_does_not_wait_for_trades_its_earlier_run_got_in():
+    from tape.protocol.packets import PacketBuilder
+    from tape.sequencer.client_core import ClientCore
+
+    trades = [msg.purchase_request(i, 10, "X", "Y") for i in range(1, 11)]
+    core, start = leader()
+    sent = ClientCore(A, None, 1400, 10**9).submit(trades, 0)
+    new = ClientCore(A, None, 1400, 10**9)
+    assert new.resume() == 0  # the stream held nothing of ours yet
+    core.on_inbound(sent[0], 1)  # then the dead run's batch is sequenced, before the new one submits
+    for p in PacketBuilder(S, 1).add_sequenced(start.messages + core.flush(2).messages):
+        new.on_delivered(p, 0, 3)
+    assert new.submit(trades, 4) == [] and not new.unacked and new.in_flight == 0  # nothing left to wait for
+
+
 # --- follower ---------------------------------------------------------------------
 
 class Log:
