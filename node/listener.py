@@ -38,7 +38,8 @@ class StreamListener:
         self.on_undecodable = on_undecodable
         self.loss = LossInjector(drop, seed)
         self.rewinders = [(n.host, n.gapfill_port) for n in cfg.by_role("rewinder")]
-        self.core = ListenerCore(cfg.session_bytes, len(self.rewinders), cfg.gap_request_ms * 1_000_000, next_seq)
+        self.core = ListenerCore(cfg.session_bytes, len(self.rewinders), cfg.gap_request_ms * 1_000_000, next_seq,
+                                 cfg.stream_auth)
         self.receiver = self.core.receiver
         self.badlog = RateLimitedLog(log)
         self.datagrams = 0

@@ -67,8 +67,18 @@ class Config:
     orphan_ttl_s: float = 10.0
     snapshot_every: int = 100_000
     snapshot_ms: int = 1000
+    # [keys]: the first of each list signs, any verifies (rotation); empty: that link is not authenticated
+    stream_keys: list[bytes] = field(default_factory=list)  # the public stream, gap fill, replay logins
+    cluster_keys: list[bytes] = field(default_factory=list)  # replication between voters, alerts to the emitter
     nodes: list[Node] = field(default_factory=list)
     clients: list[Client] = field(default_factory=list)
+
+    @property
+    def stream_auth(self):
+        """The stream's StreamKeys, or None without a stream key."""
+        from tape.protocol.streamauth import StreamKeys
+
+        return StreamKeys(self.stream_keys) if self.stream_keys else None
 
     @property
     def session_bytes(self) -> bytes:

@@ -130,8 +130,8 @@ class Voter:
             self.on_partition(cut)
         self.act(self.election.on_tick(time.monotonic_ns()))
 
-    def note_own(self, first_seq: int, last_seq: int, term: int) -> None:
-        self.core.note_own(first_seq, last_seq, term)
+    def note_own(self, first_seq: int, last_seq: int, term: int, sealed: bool = False) -> None:
+        self.core.note_own(first_seq, last_seq, term, sealed)
 
     def resync(self, commit_seq: int, client_last: dict[bytes, int]) -> None:
         """After leading: follow again from what the journal holds."""

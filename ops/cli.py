@@ -206,9 +206,10 @@ def _onramp(args) -> int:
 
 
 def _config_default(args) -> int:
-    from tape.ops.config import default_toml
+    from tape.ops.config import default_toml, new_keys
 
-    sys.stdout.write(default_toml(args.data, args.rewinders, args.clients, free=args.free_ports))
+    keys = None if args.no_keys else new_keys(args.clients)
+    sys.stdout.write(default_toml(args.data, args.rewinders, args.clients, free=args.free_ports, keys=keys))
     return 0
 
 
@@ -436,6 +437,8 @@ def _add_config(sub) -> None:
     p.add_argument(
         "--free-ports", action="store_true", help="pick free ports and a random group instead of the fixed ones"
     )
+    p.add_argument("--no-keys", action="store_true",
+                   help="leave every link unauthenticated (default: fresh random keys; docs/security.md)")
     p.set_defaults(func=_config_default)
 
 

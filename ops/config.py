@@ -12,6 +12,9 @@
                 replication_port; rewinder: replication_port, gapfill_port,
                 replay_port; emitter: alert_port, sinks (["jsonl", "webhook",
                 "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms
+    [keys]      stream, cluster: a hex key, or a list of up to two during a
+                rotation (the first signs, either verifies); absent: that
+                link is not authenticated (docs/security.md)
     [[client]]  name, key (hex HMAC-SHA256 key, optional)
 
 Every problem raises ConfigError naming the key.
@@ -20,15 +23,21 @@ Every problem raises ConfigError naming the key.
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 import random
+import secrets
 import tomllib
 from pathlib import Path
 
 from tape.node.settings import ROLES, SINKS, VOTER_ROLES, Client, Config, Node, default_of
 from tape.node.transport import free_port
 from tape.protocol import moldudp64
+from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
 
 MIN_PACKET = 120  # a header and one sequenced block, with room to spare
+MIN_KEY_BYTES = 16
+KEY_BYTES = 32  # what `tape config` generates
 
 __all__ = ["Client", "Config", "ConfigError", "Node", "default", "default_toml", "load", "parse"]
 
@@ -63,7 +72,7 @@ def _port(table, key, where, required=False) -> int:
 
 
 def parse(doc: dict, base: Path | None = None) -> Config:
-    known = {"session", "stream", "journal", "timeouts", "audit", "node", "client"}
+    known = {"session", "stream", "journal", "timeouts", "audit", "keys", "node", "client"}
     for key in doc:
         if key not in known:
             raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(known))})")
@@ -76,6 +85,9 @@ def parse(doc: dict, base: Path | None = None) -> Config:
     _parse_journal(cfg, _get(doc, "journal", dict, "", {}))
     _parse_timeouts(cfg, _get(doc, "timeouts", dict, "", {}))
     _parse_audit(cfg, _get(doc, "audit", dict, "", {}))
+    _parse_keys(cfg, _get(doc, "keys", dict, "", {}))
+    if cfg.stream_keys and cfg.max_packet < MIN_PACKET + SEQUENCED_BLOCK_SIZE:
+        raise ConfigError(f"stream.max_packet: {cfg.max_packet} holds no message and its seal")
     names = set()
     for i, n in enumerate(_get(doc, "node", list, "", [])):
         node = _parse_node(n, f"node[{i}].", base)
@@ -136,6 +148,28 @@ def _parse_audit(cfg: Config, audit: dict) -> None:
     cfg.snapshot_ms = _opt(audit, "snapshot_ms", int, "audit.")
     if cfg.book_ttl_s <= 0 or cfg.orphan_ttl_s <= 0:
         raise ConfigError("audit.book_ttl_s / audit.orphan_ttl_s: must be positive")
+
+
+def _parse_keys(cfg: Config, keys: dict) -> None:
+    for name in keys:
+        if name not in ("stream", "cluster"):
+            raise ConfigError(f"keys.{name}: unknown key (known: cluster, stream)")
+    cfg.stream_keys = _key_list(keys.get("stream"), "keys.stream")
+    cfg.cluster_keys = _key_list(keys.get("cluster"), "keys.cluster")
+
+
+def _key_list(value, where: str) -> list[bytes]:
+    """One hex key, or a list of one or two (a rotation: the first signs)."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    try:
+        keys = [bytes.fromhex(v) for v in values]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {value!r}: a hex key or a list of one or two") from None
+    if not 1 <= len(keys) <= 2 or any(len(k) < MIN_KEY_BYTES for k in keys):
+        raise ConfigError(f"{where}: one or two keys of at least {MIN_KEY_BYTES} bytes ({2 * MIN_KEY_BYTES} hex)")
+    return keys
 
 
 def _parse_node(n: dict, where: str, base: Path | None) -> Node:
@@ -200,11 +234,17 @@ DEFAULT_GROUP = "239.77.0.1"
 DEFAULT_BASE_PORT = 31400
 
 
+def new_keys(clients: int) -> dict:
+    """Fresh random keys (hex): the stream's, the cluster's and one per client."""
+    return {"stream": secrets.token_hex(KEY_BYTES), "cluster": secrets.token_hex(KEY_BYTES),
+            "clients": [secrets.token_hex(KEY_BYTES) for _ in range(clients)]}
+
+
 def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 2, free: bool = False,
-                 seed: int | None = None, replicas: int = 0, sequencers: int = 1) -> str:
+                 seed: int | None = None, replicas: int = 0, sequencers: int = 1, keys: dict | None = None) -> str:
     """The embedded default: `sequencers` sequencers (seq-a, and seq-b as the
     standby) and `rewinders` rewinders on loopback. Fixed ports and group, so that separate processes agree; with
-    `free`, free ports and a random group (tests, parallel runs)."""
+    `free`, free ports and a random group (tests, parallel runs). `keys` (from new_keys): every link authenticated."""
     if free:
         rng = random.Random(seed)
         group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
@@ -225,6 +265,8 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         f'[stream]\ngroup = "{group}"\nport = {port()}\ninterface = "127.0.0.1"\nheartbeat_ms = 200\ntick_ms = 1000',
         '[journal]\nfsync = "batch"',
     ]
+    if keys:
+        lines.append(f'[keys]\nstream = "{keys["stream"]}"\ncluster = "{keys["cluster"]}"')
     for name in ("seq-a", "seq-b", "seq-c")[:sequencers]:
         lines.append(f'[[node]]\nname = "{name}"\nrole = "sequencer"\ndata = "{data / name}"\n'
                      f'inbound_port = {port()}\nreplication_port = {port()}\nmetrics_port = {port()}')
@@ -240,9 +282,28 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         lines.append(f'[[node]]\nname = "emitter"\nrole = "emitter"\ndata = "{data / "emitter"}"\n'
                      f'alert_port = {port()}\nmetrics_port = {port()}')
     for i in range(clients):
-        lines.append(f'[[client]]\nname = "load{i}"')
+        key = f'\nkey = "{keys["clients"][i]}"' if keys else ""
+        lines.append(f'[[client]]\nname = "load{i}"{key}')
     return "\n\n".join(lines) + "\n"
 
 
 def default(data_dir: str | Path = ".") -> Config:
-    return parse(tomllib.loads(default_toml(data_dir, sequencers=2)))
+    """The embedded loopback cluster, with the keys every process using `data_dir` shares."""
+    return parse(tomllib.loads(default_toml(data_dir, sequencers=2, keys=shared_keys(Path(data_dir)))))
+
+
+def shared_keys(data_dir: Path, clients: int = 2) -> dict:
+    """`data_dir/keys.json`: made once (by whichever process comes first), then read."""
+    path = data_dir / "keys.json"
+    if not path.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = data_dir / f".keys.{os.getpid()}.json"
+        tmp.write_text(json.dumps(new_keys(clients)))
+        os.chmod(tmp, 0o600)
+        try:
+            os.link(tmp, path)  # atomic: the first one made stays
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return json.loads(path.read_text())

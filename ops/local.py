@@ -14,17 +14,18 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tape.ops.config import default_toml, load
+from tape.ops.config import default_toml, load, new_keys
 
 TAPE = [sys.executable, "-m", "tape.ops.cli"]
 
 
 class LocalCluster:
     def __init__(self, root: Path, rewinders: int = 2, clients: int = 2, extra: str = "", replicas: int = 0,
-                 sequencers: int = 1):
+                 sequencers: int = 1, keys: bool = True):
         self.root = root
         self.config_path = root / "cluster.toml"
-        text = default_toml(root / "data", rewinders, clients, free=True, replicas=replicas, sequencers=sequencers)
+        text = default_toml(root / "data", rewinders, clients, free=True, replicas=replicas, sequencers=sequencers,
+                            keys=new_keys(clients) if keys else None)
         text = text.replace("[journal]", extra + "\n[journal]") if extra else text
         self.config_path.write_text(text)
         self.cfg = load(self.config_path)

@@ -37,6 +37,7 @@ from tape.protocol.limits import CATCHUP_CHUNK
 from tape.protocol.listener import Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.replication import Ack, Append, Fetch, Hello, Vote, VoteRequest
+from tape.protocol.streamauth import StreamKeys
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 from tape.replicas.audit import Alert, AuditMachine
 from tape.replicas.emitter_core import (
@@ -56,6 +57,7 @@ from tape.sequencer.followers import FollowerLinks
 
 MS = 1_000_000
 SESSION = moldudp64.session_bytes("SIM")
+STREAM_KEYS = StreamKeys([b"sim stream key, 32 bytes long..."])
 SEQUENCERS = ("seq-a", "seq-b")
 REWINDERS = ("rw-1", "rw-2")
 VOTERS = SEQUENCERS + REWINDERS
@@ -165,10 +167,16 @@ class Voter:
         self.leader = LeaderCore(SESSION, self.wire, term, [wire(v) for v in VOTERS if v != self.name],
                                  {wire(c): None for c in CLIENTS}, last_seq, last_term, dict(self.core.log.client_last),
                                  tick_ns=100 * MS, heartbeat_ns=50 * MS,
-                                 last_stamp_ns=M.SEQUENCED.unpack(self.log[-1][1])[M.STAMP] if self.log else 0)
+                                 last_stamp_ns=M.SEQUENCED.unpack(self.log[-1][1])[M.STAMP] if self.log else 0,
+                                 stream_keys=STREAM_KEYS, open_range=self.open_range())
         self.links = FollowerLinks(LEADER_BEAT_NS)  # followers join as their hellos arrive
         self.invite()
         self.process(self.leader.start_term(self.clock()))
+
+    def open_range(self) -> tuple[int, list[bytes]] | None:
+        """The entries after the log's last seal (a range cut short), which a new leader seals first."""
+        first = self.core.open_range()
+        return None if first is None else (first, [m for _, m in self.log[first - 1:]])
 
     def invite(self) -> None:
         """The leader's (re)connect loop: every follower it has no link to is asked for a hello."""
@@ -197,7 +205,7 @@ class Voter:
         if self.torn_write is not None:  # after replicating the batch: only followers may hold all of it
             self.tear(batch.records())
         self.log.extend((batch.term, m) for m in batch.messages)
-        self.core.note_own(batch.first_seq, batch.last_seq, batch.term)
+        self.core.note_own(batch.first_seq, batch.last_seq, batch.term, batch.messages[-1][0] == M.AUTH)
         self.sim.publish(self.name, c.on_journaled(batch.last_seq))
 
     def tear(self, records: list) -> None:
@@ -299,8 +307,9 @@ class Voter:
         elif msg[0] == "gap" and not self.can_lead:
             answer = self.gapfill.on_request(msg[1], src, now / 1e9, self.commit_seq)
             if isinstance(answer, Answer):
-                entries = [m for _, m in self.log[answer.seq - 1:answer.seq - 1 + answer.count]]
-                for pkt in PacketBuilder(SESSION, answer.seq).add_sequenced(entries):
+                read = lambda first, n: [m for _, m in self.log[first - 1:first - 1 + n]]  # noqa: E731
+                first, entries = self.gapfill.entries(answer, read, True, self.commit_seq)
+                for pkt in PacketBuilder(SESSION, first).add_sequenced(entries):
                     self.sim.send(self.name, src, ("packet", pkt))
 
 
@@ -310,7 +319,7 @@ class Listener:
 
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name = sim, name
-        self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS)
+        self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS, keys=STREAM_KEYS)
         self.up = True
         self.delivered: list[bytes] = []
         self.machine = AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS) if name in REPLICAS else None
@@ -333,7 +342,7 @@ class Listener:
     def restart_client(self) -> None:
         """Everything but the generator's seed was lost: read the stream from seq 1 again."""
         self.up = True
-        self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS)
+        self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS, keys=STREAM_KEYS)
         self.delivered = []
         self.start_client()
         self.recovery = Recovery()
@@ -620,6 +629,16 @@ class Sim:
                 for blob in (b"", b"\x00" * 7, bytes(self.rng.randrange(256) for _ in range(60)),
                              SESSION + b"\x00" * 8 + b"\x00\x05" + b"junk"):
                     self.send("mallory", dst, ("packet", blob) if dst in self.listeners else ("inbound", blob))
+            for name, listener in self.listeners.items():  # well-formed forgeries at the seqs it needs next
+                for pkt in self.forgeries(listener.core.receiver.next_seq):
+                    self.send("mallory", name, ("packet", pkt))
+
+    def forgeries(self, seq: int) -> list[bytes]:
+        """Packets at `seq` that are valid MoldUDP64 of valid messages: unsealed, and sealed with another key."""
+        fake = [M.stamp(M.purchase(7, 7, 10**6, "MALLORY", "EVIL"), self.now, wire("c0"), 1)]
+        sealed = StreamKeys([b"not the cluster's key, 32 bytes!"]).seal_packet(SESSION, seq, fake, self.now,
+                                                                             wire("seq-a"))[1]
+        return PacketBuilder(SESSION, seq).add_sequenced(fake) + [sealed]
 
     def crash(self, node: str, until: int) -> None:
         v = self.voters[node]

@@ -18,7 +18,7 @@ from tape.protocol import messages
 async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, seed: int, summary: bool,
                    idle_exit: float | None = None) -> dict:
     digest = hashlib.blake2b(digest_size=16)
-    state = {"count": 0, "first": None, "last": 0, "last_change": time.monotonic()}
+    state = {"count": 0, "first": None, "last": 0, "last_change": time.monotonic(), "ended": False}
     done = asyncio.Event()
     out = sys.stdout
     quiet = stats or summary
@@ -30,6 +30,9 @@ async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, see
         for i in range(skip, count):
             raw = messages.packet_message_bytes(pkt, i)
             digest.update(raw)
+            if raw[0] == messages.SESSION_END:
+                state["ended"] = True
+                done.set()
             if not quiet:
                 lines.append(json.dumps(record_dict(seq, 0, raw) | {"term": None}, separators=(",", ":")))
             seq += 1
@@ -56,7 +59,7 @@ async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, see
         except asyncio.TimeoutError:
             pass
         rx = listener.receiver
-        if rx.ended and rx.missing() is None:
+        if state["ended"]:
             break
         now = time.monotonic()
         if idle_exit is not None and now - state["last_change"] > idle_exit:
@@ -76,7 +79,7 @@ async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, see
         "messages": state["count"], "first_seq": state["first"], "last_seq": state["last"],
         "digest": digest.hexdigest(), "gaps_detected": rx.gaps_detected, "requests_sent": listener.requests_sent,
         "duplicates": rx.duplicates, "injected_loss": listener.loss.dropped, "bad_datagrams": listener.bad,
-        "ended": rx.ended, "seconds": round(time.monotonic() - t0, 3),
+        "ended": state["ended"], "seconds": round(time.monotonic() - t0, 3),
     }
 
 

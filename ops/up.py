@@ -73,11 +73,11 @@ def _stop_in_order(cluster: LocalCluster) -> None:
     if cluster.alive("load"):
         cluster.procs["load"].wait(timeout=120)
     leader = cluster.leader()
-    for s in SEQUENCERS:  # the standby first: the leader then ends the session with a majority still up
+    if leader:  # it ends the session: an entry every live voter journals (the standby too, which then
+        cluster.stop(leader)  # campaigns no more), and the replicas finish where they apply it
+    for s in SEQUENCERS:
         if s != leader:
             cluster.stop(s)
-    if leader:
-        cluster.stop(leader)  # end of session: the replicas finish and exit
     deadline = time.monotonic() + 60
     for r in REPLICAS:
         proc = cluster.procs[r]

@@ -61,7 +61,10 @@ def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int
 
 def judge(run: RunFiles) -> tuple[dict, dict, dict]:
     """(checks: name -> passed, figures: name -> text, report) of a run."""
-    records = max(run.journals.values(), key=len)
+    longest = max(run.journals.values(), key=len)
+    # The committed log: what a majority of the voters hold. A leader stopped before its last
+    # batch committed holds more (never acknowledged, never published): agreement still holds.
+    records = longest[:sorted(map(len, run.journals.values()), reverse=True)[len(run.journals) // 2]]
     decoded = [(seq, M.SEQUENCED.unpack(raw)) for seq, _, raw in records]
     trades = [(m[M.ORIGIN], m[M.CLIENT_SEQ]) for _, m in decoded if m[M.TYPE] in (M.REQUEST, M.PURCHASE)]
     dup_trades = sum(c - 1 for c in Counter(trades).values() if c > 1)
@@ -79,8 +82,8 @@ def judge(run: RunFiles) -> tuple[dict, dict, dict]:
         "all trades acknowledged": (run.load.get("acked") == run.submitted, f"{acked:,} / {run.submitted:,}"),
         "no loss: every trade sequenced": (len(trades) == run.submitted, f"{len(trades):,}"),
         "no duplicates: no (client, client seq) twice": (dup_trades == 0, f"{dup_trades}"),
-        "agreement: journals identical": (all(j == records for j in run.journals.values()),
-                                          f"{len(records):,} records x {len(run.journals)}"),
+        "agreement: every journal a prefix of the log": (all(j == longest[:len(j)] for j in run.journals.values()),
+                                                          " ".join(f"{len(j):,}" for j in run.journals.values())),
         "replicas applied the whole log": (all(v == len(records) for v in applied.values()),
                                            " ".join(f"{v:,}" for v in applied.values())),
         "replica identity: digests equal": (len(set(digests.values())) == 1 and "" not in digests.values(),

@@ -34,6 +34,8 @@ REPLAY_LOGIN_TIMEOUT_S = 5.0
 # --- listeners ---------------------------------------------------------------------------
 REPLAY_BEHIND = 2_000  # messages a replica is behind the stream before it catches up over TCP
 RECEIVER_MAX_HELD = 1_000_000  # out-of-order messages a receiver holds before dropping the furthest
+MAX_HINT_AHEAD = 1 << 24  # a heartbeat further ahead of the stream than this is far-fetched
+HINT_TRIES = 8  # with keys: gap requests a heartbeat's hint is worth while the stream does not move
 RESENDS_PER_ROUND = 16  # unacknowledged batches a client resends per round
 
 

@@ -13,9 +13,11 @@ The sequencer *stamps* it by appending the 26-byte envelope, giving a
 
     inbound (49) | stamp_ns u64 | origin 10 | client_seq u64
 
-Types: 'R' purchase request (purchase_id 0), 'P' purchase, and two control
+Types: 'R' purchase request (purchase_id 0), 'P' purchase, and three control
 messages only the sequencer emits: 'T' term start (term in the order_id
-slot, leader name in the client slot) and 'K' time tick (body all zero).
+slot, leader name in the client slot), 'K' time tick (body all zero), 'E'
+the end of the session (body all zero; listeners finish there) and, with a
+stream key, 'A' the seal that ends every packet (protocol/streamauth.py).
 Text fields are ASCII, left-justified, space-padded. Shares are signed: a
 non-positive count is a business reject, not a framing error.
 
@@ -34,9 +36,12 @@ REQUEST = ord("R")
 PURCHASE = ord("P")
 TERM_START = ord("T")
 TIME_TICK = ord("K")
-TYPE_NAMES = {REQUEST: "purchase_request", PURCHASE: "purchase", TERM_START: "term_start", TIME_TICK: "time_tick"}
+AUTH = ord("A")
+SESSION_END = ord("E")
+TYPE_NAMES = {REQUEST: "purchase_request", PURCHASE: "purchase", TERM_START: "term_start", TIME_TICK: "time_tick",
+              AUTH: "seal", SESSION_END: "session_end"}
 CLIENT_TYPES = bytes((REQUEST, PURCHASE))  # what a client may submit
-ALL_TYPES = bytes((REQUEST, PURCHASE, TERM_START, TIME_TICK))
+ALL_TYPES = bytes((REQUEST, PURCHASE, TERM_START, TIME_TICK, AUTH, SESSION_END))
 
 # Field positions in a decoded message.
 TYPE, ORDER_ID, SHARES, CLIENT, STOCK, PURCHASE_ID, STAMP, ORIGIN, CLIENT_SEQ = range(9)
@@ -85,6 +90,10 @@ def term_start(stamp_ns: int, origin: bytes, term: int, leader: str | bytes) -> 
 
 def time_tick(stamp_ns: int, origin: bytes) -> bytes:
     return SEQUENCED.pack(TIME_TICK, 0, 0, b" " * 16, b" " * 8, 0, stamp_ns, origin, 0)
+
+
+def session_end(stamp_ns: int, origin: bytes) -> bytes:
+    return SEQUENCED.pack(SESSION_END, 0, 0, b" " * 16, b" " * 8, 0, stamp_ns, origin, 0)
 
 
 # --- checking and decoding ----------------------------------------------------

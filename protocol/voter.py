@@ -56,6 +56,8 @@ class LogState:
         self.client_last: dict[bytes, int] = {}
         self.term_starts: list[tuple[int, int]] = []  # (first seq, term), ascending
         self.last = (0, 0)  # (seq, term) of the last record noted
+        self.last_seal = 0  # seq of the last seal (protocol/streamauth.py): what follows is an open range
+        self.ended = False  # the log holds the session's end: no new term may follow it
 
     def note_term(self, first_seq: int, term: int) -> None:
         """Entries of `term` from `first_seq` on. All a leader notes of its own
@@ -73,6 +75,10 @@ class LogState:
             kind, origin, cseq = unpack(raw)
             if (kind == messages.REQUEST or kind == messages.PURCHASE) and cseq > last.get(origin, 0):
                 last[origin] = cseq
+            elif kind == messages.AUTH:
+                self.last_seal = seq
+            elif kind == messages.SESSION_END:
+                self.ended = True
         if seq is not None:
             self.last = (seq, term)
 
@@ -80,6 +86,8 @@ class LogState:
         self.client_last = {}
         self.term_starts = []
         self.last = (0, 0)
+        self.last_seal = 0
+        self.ended = False
         self.note(records)
 
     def term_at(self, seq: int) -> int:
@@ -92,10 +100,11 @@ class VoterCore:
                  term: int, voted_for: bytes | None, now_ns: int, records=()):
         """`records`: the journal as it is, (seq, term, message) in order."""
         self.name = name
+        self.can_lead = can_lead
         self.log = LogState()
-        self.last_seq = self.last_term = 0
-        self.rebuild_log(records)
-        self.election = ElectionCore(name, voters, can_lead, self.position, rng, timeout_ns,
+        self.log.rebuild(records)
+        self.last_seq, self.last_term = self.log.last
+        self.election = ElectionCore(name, voters, can_lead and not self.log.ended, self.position, rng, timeout_ns,
                                      max(term, self.last_term), voted_for, now_ns)
         self.follower = FollowerCore(name, self.last_seq, self.last_term, self.term_at, term=self.election.term)
         self._leader_conns: dict[Hashable, tuple[bytes, int]] = {}  # connections that carried the leader's appends
@@ -116,19 +125,32 @@ class VoterCore:
         """At start, and after a Truncate: the journal's records, in order (any iterable)."""
         self.log.rebuild(records)
         self.last_seq, self.last_term = self.log.last
+        self._may_lead()
 
     def _noted(self, records: list) -> None:
         self.log.note(records)
         self.last_seq, self.last_term = self.log.last
+        self._may_lead()
+
+    def _may_lead(self) -> None:
+        """A sequencer whose log holds the session's end campaigns no more: nothing follows the end."""
+        self.election.can_lead = self.can_lead and not self.log.ended
 
     @property
     def commit_seq(self) -> int:
         return self.follower.commit_seq
 
-    def note_own(self, first_seq: int, last_seq: int, term: int) -> None:
-        """The leader appended its own batch: the log moves without a per-message look."""
+    def note_own(self, first_seq: int, last_seq: int, term: int, sealed: bool = False) -> None:
+        """The leader appended its own batch (`sealed`: it ends with a seal): the log moves
+        without a per-message look."""
         self.log.note_term(first_seq, term)
         self.last_seq, self.last_term = last_seq, term
+        if sealed:
+            self.log.last_seal = last_seq
+
+    def open_range(self) -> int | None:
+        """The first seq after the last seal, if entries follow it (a range cut short)."""
+        return self.log.last_seal + 1 if self.log.last_seal < self.last_seq else None
 
     def resync(self, commit_seq: int, client_last: dict[bytes, int]) -> None:
         """After leading: follow again from the log as it is."""

@@ -6,8 +6,9 @@ Actions out, carried out by the shell (replicas/runtime.py):
 
     SendAlerts(alerts)   write them to the alert channel, in emit-seq order
     Snapshot()           save the machine and the outbox to LMDB, atomically
-    Exit()               everything up to the end of session is applied and
-                         acknowledged (with --exit-on-end)
+    Exit()               the session's end entry is applied and every alert
+                         acknowledged (with --exit-on-end); an end-of-session
+                         packet is only a hint (it cannot be sealed)
 
 The outbox holds every alert the emitter has not acknowledged: on each
 (re)connection the emitter's welcome says its mark, and what follows it is
@@ -22,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tape.protocol.limits import REPLAY_BEHIND
+from tape.protocol.messages import SESSION_END
 from tape.protocol.receiver import StreamReceiver
 from tape.replicas.audit import Alert, AuditMachine
 
@@ -54,6 +56,7 @@ class ReplicaCore:
         self.exit_on_end = exit_on_end
         self.acked = 0  # the emitter's mark
         self.linked = False  # the alert channel is up (welcomed)
+        self.session_ended = False  # the session's end entry was applied
         self._since_snapshot = 0
         self._snapshot_at = now_ns
 
@@ -61,6 +64,8 @@ class ReplicaCore:
         """Apply consecutive decoded messages (an impossible order raises InvariantViolation)."""
         alerts = self.machine.apply_run(first_seq, msgs)
         self._since_snapshot += len(msgs)
+        if any(m[0] == SESSION_END for m in msgs[-2:]):  # only its seal may follow it
+            self.session_ended = True
         out: list[ReplicaAction] = []
         if alerts:
             self.outbox.extend(alerts)
@@ -93,7 +98,7 @@ class ReplicaCore:
         out: list[ReplicaAction] = []
         if self._since_snapshot and now_ns - self._snapshot_at >= self.snapshot_ns:
             out.append(Snapshot())
-        if self.exit_on_end and rx.ended and rx.missing() is None and rx.lag() == 0 and not self.outbox:
+        if self.exit_on_end and self.session_ended and not self.outbox:
             out.append(Exit())
         return out
 

@@ -68,6 +68,8 @@ class Replica(NodeProcess):
         yield "open_books", "gauge", "open books", len(m.books)
         yield "held_orphans", "gauge", "purchases held for their request", sum(len(h) for h in m.orphans.values())
         yield "lag", "gauge", "messages known to exist but not applied", self.listener.receiver.lag()
+        yield "bad_datagrams", "counter", "stream datagrams dropped, by reason (unsealed, bad_tag, ...)", \
+            dict(self.listener.bad)
         yield "replayed_messages", "counter", "messages caught up over TCP replay", self.replayed
         yield "snapshots", "counter", "LMDB snapshots written", self.store.saves
         yield "resumed_from_seq", "gauge", "seq of the snapshot this process started from", self.resumed_from

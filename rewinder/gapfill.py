@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tape.protocol import moldudp64
 from tape.protocol.errors import ProtocolError
+from tape.protocol.streamauth import seal_covers
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,18 @@ class GapFillCore:
         count = min(count, self.max_count, committed_seq - seq + 1)
         self.served += 1
         return Answer(seq, count)
+
+    def entries(self, answer: Answer, read, sealed: bool, committed_seq: int) -> tuple[int, list[bytes]]:
+        """(first seq, log entries) to send for `answer`; `read(first, count)` reads the log.
+        With a sealed stream, the whole sealed range that holds the seq asked for (it verifies
+        as it is), or nothing while that range is open or not all committed (asked again)."""
+        msgs = read(answer.seq, answer.count)
+        if not sealed:
+            return answer.seq, msgs
+        cover = next(filter(None, map(seal_covers, msgs)), None)
+        if cover is None or cover[0] + cover[1] > committed_seq:
+            return answer.seq, []
+        return cover[0], read(cover[0], cover[1] + 1)
 
     def _drop(self, reason: str) -> Refuse:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1

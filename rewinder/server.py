@@ -49,6 +49,7 @@ class Rewinder(NodeProcess):
         self.journal = cfg.open_journal(node)
         self.voter = Voter(cfg, node, self.journal, can_lead=False, on_fatal=self.fail)  # votes, never leads
         self.gapfill = GapFillCore(cfg.session_bytes, messages_per_packet(cfg.max_packet))
+        self.sealed = bool(cfg.stream_keys)  # the log's packets are sealed ranges
         self.replay_sessions = 0
         self.replayed = 0
         self.gap_messages_sent = 0
@@ -122,9 +123,14 @@ class Rewinder(NodeProcess):
             if action.reason != "rate_limited":
                 self.badlog.warn(action.reason, "dropped gap request from %s: %s", addr, action.reason)
             return []
-        msgs = [m for _, _, m in self.journal.read_batch(action.seq, action.count)]
+        first, msgs = self.gapfill.entries(action, self._read, self.sealed, self.commit_seq)
+        if not msgs:
+            return []
         self.gap_messages_sent += len(msgs)
-        return PacketBuilder(self.cfg.session_bytes, action.seq, self.cfg.max_packet).add_sequenced(msgs)
+        return PacketBuilder(self.cfg.session_bytes, first, self.cfg.max_packet).add_sequenced(msgs)
+
+    def _read(self, first: int, count: int) -> list[bytes]:
+        return [m for _, _, m in self.journal.read_batch(first, count)]
 
     # --- replay --------------------------------------------------------------------------
 

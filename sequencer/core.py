@@ -22,6 +22,7 @@ from tape.protocol import messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import MAX_HELD_BATCHES
 from tape.protocol.packets import PacketBuilder
+from tape.protocol.streamauth import StreamKeys
 
 
 @dataclass
@@ -58,7 +59,11 @@ class LeaderCore:
         tick_ns: int = 1_000_000_000,
         heartbeat_ns: int = 1_000_000_000,
         last_stamp_ns: int = 0,
+        stream_keys: StreamKeys | None = None,
+        open_range: tuple[int, list[bytes]] | None = None,
     ):
+        """`stream_keys`: seal every packet (protocol/streamauth.py). `open_range`: (first seq,
+        entries) after the log's last seal, which this leader's first entry seals."""
         if term <= last_term:
             raise InvariantViolation(f"new term {term} must exceed the log's last term {last_term}")
         self.session = session
@@ -78,6 +83,12 @@ class LeaderCore:
         self.tick_ns = tick_ns
         self.heartbeat_ns = heartbeat_ns
         self._builder = PacketBuilder(session, last_seq + 1, max_packet)
+        self.keys = stream_keys
+        self._open_range = open_range
+        if open_range is not None and (stream_keys is None or len(open_range[1]) >= self._builder.per_packet
+                                       or open_range[0] + len(open_range[1]) != last_seq + 1):
+            raise InvariantViolation(f"the log ends with {last_seq - open_range[0] + 1:,} unsealed entries (a packet "
+                                     "holds fewer): keys apply from a new session (docs/security.md)")
         self._held: dict[bytes, dict[int, tuple[int, bytes]]] = {}  # client -> first cseq -> (count, batch)
         self._pending: list = []  # (origin, first client seq, [inbound messages]) accepted, not stamped
         self._pending_count = 0
@@ -95,11 +106,21 @@ class LeaderCore:
     # --- inbound ---------------------------------------------------------------
 
     def start_term(self, now_ns: int) -> Batch:
-        """A new leader's first entry: the term start, committed before anything new."""
+        """A new leader's first entry: the term start, committed before anything new. A range
+        the log ends with, cut short (the old leader died mid-catch-up), is sealed first: it is
+        not published (it is an earlier term's); listeners fill it from the rewinders."""
+        prev_seq, prev_term = self.last_seq, self.last_term
+        closing = []
+        if self._open_range is not None:
+            first, entries = self._open_range
+            closing = [self.keys.seal_packet(self.session, first, entries, self._stamp(now_ns), self.name)[0]]
+            self.last_seq += 1
+            self.published_seq = self.last_seq  # heartbeats announce it: listeners ask the rewinders
+            self._builder.next_seq = self.last_seq + 1
         self._sequence_control(messages.term_start(self._stamp(now_ns), self.name, self.term, self.name))
         batch = self.flush(now_ns)
         self.term_start_seq = batch.first_seq
-        return batch
+        return Batch(prev_seq + 1, prev_seq, prev_term, self.term, closing + batch.messages)
 
     def on_inbound(self, data: bytes, now_ns: int) -> str | None:
         """Accept an inbound batch; returns the drop reason, or None."""
@@ -191,13 +212,31 @@ class LeaderCore:
                 out.extend([m + head + cseq.to_bytes(8, "big") for cseq, m in enumerate(msgs, first_cseq)])
         self._pending = []
         self._pending_count = 0
+        if self.keys is not None:
+            out, packets = self._seal(out, stamp)
+        else:
+            packets = self._builder.add_sequenced(out)
         batch = Batch(self.last_seq + 1, self.last_seq, self.last_term, self.term, out)
-        packets = self._builder.add_sequenced(out)
         self._unpublished.append((batch.last_seq, packets))
         self.last_seq = batch.last_seq
         self.last_term = self.term
         self._last_sequenced_ns = stamp
         return batch
+
+    def _seal(self, entries: list[bytes], stamp: int) -> tuple[list[bytes], list[bytes]]:
+        """The entries with a seal ending every packet's worth, and those packets."""
+        per = self._builder.per_packet - 1
+        seq = self._builder.next_seq
+        sealed, packets = [], []
+        for i in range(0, len(entries), per):
+            chunk = entries[i:i + per]
+            seal, packet = self.keys.seal_packet(self.session, seq, chunk, stamp, self.name)
+            sealed += chunk
+            sealed.append(seal)
+            packets.append(packet)
+            seq += len(chunk) + 1
+        self._builder.next_seq = seq
+        return sealed, packets
 
     # --- replication -----------------------------------------------------------
 
@@ -269,6 +308,12 @@ class LeaderCore:
             if origin is not None and out.get(origin, 0) >= first_cseq:
                 out[origin] = first_cseq - 1
         return out
+
+    def end_session(self, now_ns: int) -> Batch:
+        """What is pending, then the session's last entry: listeners finish where it is applied
+        (an end-of-session packet cannot be sealed, so it is only a hint)."""
+        self._sequence_control(messages.session_end(self._stamp(now_ns), self.name))
+        return self.flush(now_ns)
 
     def end_of_session(self) -> bytes:
         return moldudp64.encode_end_of_session(self.session, self.published_seq + 1)

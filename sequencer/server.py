@@ -39,11 +39,13 @@ from tape.protocol.limits import (
     DRAIN_DATAGRAMS,
     MAX_BATCH_MESSAGES,
 )
+from tape.protocol.packets import messages_per_packet
 from tape.sequencer.core import Batch, LeaderCore
 from tape.sequencer.followers import FollowerLinks
 
 log = logging.getLogger("tape.sequencer")
 EOS_REPEATS = 5  # end-of-session packets published at shutdown, 20 ms apart
+END_COMMIT_WAIT_S = 5.0  # at shutdown, how long the session's end may take to commit (a loaded host is slow)
 
 
 @dataclass
@@ -176,13 +178,19 @@ class Sequencer(NodeProcess):
     def _lead(self, term: int) -> None:
         j = self.journal
         last = next(j.read(j.last_seq), None) if j.last_seq else None
+        keys, open_from = self.cfg.stream_auth, self.voter.core.open_range()
+        open_range = None
+        if keys is not None and open_from is not None:  # read at most a packet's worth: more is refused
+            per_packet = messages_per_packet(self.cfg.max_packet)
+            open_range = (open_from, [m for _, _, m in j.read_batch(open_from, per_packet)])
         self.core = LeaderCore(
             self.cfg.session_bytes, self.node.wire_name, term, [f.wire_name for f in self.followers],
             {c.name.encode().ljust(10): c.key for c in self.cfg.clients},
             last_seq=j.last_seq, last_term=j.last_term, client_last=dict(self.voter.log.client_last),
             max_packet=self.cfg.max_packet, tick_ns=self.cfg.tick_ms * 1_000_000,
             heartbeat_ns=self.cfg.heartbeat_ms * 1_000_000,
-            last_stamp_ns=M.SEQUENCED.unpack(last[2])[M.STAMP] if last else 0)
+            last_stamp_ns=M.SEQUENCED.unpack(last[2])[M.STAMP] if last else 0, stream_keys=keys,
+            open_range=open_range)
         self.followers_core = FollowerLinks(self.cfg.leader_heartbeat_ms * 1_000_000)
         self.terms_led += 1
         log.warning("%s leading term %d from seq %d", self.node.name, term, j.last_seq + 1)
@@ -218,10 +226,8 @@ class Sequencer(NodeProcess):
     async def _shutdown(self) -> None:
         c = self.core
         if c is not None:
-            batch = c.flush(time.time_ns())
-            if batch:
-                self._process(batch)
-            deadline = time.monotonic() + 1.0
+            self._process(c.end_session(time.time_ns()))
+            deadline = time.monotonic() + END_COMMIT_WAIT_S
             while self.core is c and c.commit_seq < c.last_seq and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             if self.core is c:
@@ -296,7 +302,7 @@ class Sequencer(NodeProcess):
         for f in wake:
             self.links[f].wake.set()
         self.journal.append(batch.records())
-        self.voter.note_own(batch.first_seq, batch.last_seq, batch.term)  # no per-message work on this path
+        self.voter.note_own(batch.first_seq, batch.last_seq, batch.term, batch.messages[-1][0] == M.AUTH)
         self._publish(self.core.on_journaled(batch.last_seq))
 
     def _publish(self, packets: list[bytes]) -> None:

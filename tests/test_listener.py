@@ -1,33 +1,58 @@
-"""The listener drops malformed multicast, but reports an undecodable
-message in the committed log (a rewinder's answer) instead of waiting."""
+"""The listener drops malformed and unauthenticated datagrams, but reports an
+undecodable message in authenticated committed data instead of waiting;
+without keys nothing it receives can stop it."""
+
+import dataclasses
+import tomllib
 
 from tape.node.listener import StreamListener
-from tape.ops.config import default
+from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.protocol.packets import PacketBuilder
+from tape.protocol.streamauth import StreamKeys
+
+SESSION = moldudp64.session_bytes("TAPE")
+KEY = b"k" * 32
 
 
-def packet(seq, raw_messages):
-    return PacketBuilder(moldudp64.session_bytes("TAPE"), seq).add_sequenced(raw_messages)[0]
+def config(keys: bool):
+    cfg = parse(tomllib.loads(default_toml("/nonexistent")))
+    return dataclasses.replace(cfg, stream_keys=[KEY] if keys else [])
 
 
-def good(n):
-    return [M.stamp(M.purchase_request(i, 10, "C", "S"), 1, b"o" * 10, i) for i in range(1, n + 1)]
+def good(n, first=1):
+    return [M.stamp(M.purchase_request(i, 10, "C", "S"), 1, b"o" * 10, i) for i in range(first, first + n)]
 
 
-def test_undecodable_committed_message_is_reported_at_its_seq():
-    cfg = default("/tmp/none")
+def sealed(seq, raw_messages):
+    return StreamKeys([KEY]).seal_packet(SESSION, seq, raw_messages, 1, b"seq-a     ")[1]
+
+
+def listener(keys: bool):
     delivered, failures = [], []
-    listener = StreamListener(
-        cfg, lambda f, p, s: delivered.append(f), on_undecodable=lambda seq, e: failures.append((seq, e.reason))
-    )
-    listener.on_datagram(packet(1, good(3)))
-    bad = good(2)
-    bad[1] = b"Z" + bad[1][1:]  # a type this version does not know, at seq 5
-    forged = packet(4, bad)
-    listener.on_datagram(forged)  # from the multicast group: dropped, counted, not fatal
-    assert failures == [] and listener.bad == {"unknown_type": 1}
-    listener.on_datagram(forged, committed=True)  # the same bytes from a rewinder: the log itself
-    assert failures == [(5, "unknown_type")]
-    assert delivered == [1]
+    lst = StreamListener(config(keys), lambda f, p, s: delivered.append(f),
+                         on_undecodable=lambda seq, e: failures.append((seq, e.reason)))
+    return lst, delivered, failures
+
+
+def test_with_keys_an_undecodable_message_in_a_sealed_range_is_reported_at_its_seq():
+    lst, delivered, failures = listener(keys=True)
+    lst.on_datagram(sealed(1, good(3)))  # seqs 1-4 (the seal is 4)
+    bad = good(2, 5)
+    bad[1] = b"Z" + bad[1][1:]  # a type this version does not know, at seq 6
+    lst.on_datagram(PacketBuilder(SESSION, 5).add_sequenced(bad)[0])  # unsealed: dropped, not fatal
+    assert failures == [] and lst.bad == {"unsealed": 1}
+    lst.on_datagram(sealed(5, bad), committed=True)  # sealed by the leader: the log itself
+    assert failures == [(6, "unknown_type")] and delivered == [1]
+
+
+def test_without_keys_nothing_received_is_fatal():
+    lst, delivered, failures = listener(keys=False)
+    lst.on_datagram(PacketBuilder(SESSION, 1).add_sequenced(good(3))[0])
+    bad = good(2, 4)
+    bad[1] = b"Z" + bad[1][1:]
+    forged = PacketBuilder(SESSION, 4).add_sequenced(bad)[0]
+    lst.on_datagram(forged)
+    lst.on_datagram(forged, committed=True)  # "from a rewinder": anyone can send that
+    assert failures == [] and lst.bad == {"unknown_type": 2} and delivered == [1]

@@ -50,13 +50,14 @@ def test_snapshots_every_n_messages_or_t_nanoseconds():
     assert c.on_timer(110 * MS, rx) == [Snapshot()]
 
 
-def test_exit_only_once_everything_is_applied_and_acknowledged():
+def test_exit_only_once_the_end_entry_is_applied_and_every_alert_acknowledged():
     c = core()
     rx = StreamReceiver(b"TAPE      ")
-    rx.on_packet(b"TAPE      ", 5, 0xFFFF, b"")  # end of session: the next seq would be 5
-    assert Exit() not in c.on_timer(0, rx)  # seqs 1..4 not applied yet
-    rx.next_seq = 5
+    rx.on_packet(b"TAPE      ", 5, 0xFFFF, b"")  # an end-of-session packet: a hint, not the end
     c.on_run(1, overfill(1, 2))
+    assert Exit() not in c.on_timer(0, rx)
+    end = M.decode(M.session_end(9, b"seq-a     "))
+    c.on_run(5, [end, M.decode(M.time_tick(9, b"seq-a     "))])  # the end entry, then (say) its seal
     assert Exit() not in c.on_timer(0, rx)  # alerts not acknowledged
     c.on_welcome(4)
     assert Exit() in c.on_timer(0, rx)

@@ -122,3 +122,16 @@ def test_the_simulator_catches_a_new_leader_that_stamps_by_its_own_clock(monkeyp
     assert len(failures) >= 2
     assert all(re.match(r"Violation: the run's verdict fails: stamps never go backwards \(\d+ backwards\)$",
                         f.splitlines()[0]) for f in failures), failures
+
+
+def test_the_simulator_catches_listeners_that_take_unsealed_packets(monkeypatch):
+    # The garbage fault sends every listener well-formed packets at the seqs it needs next, unsealed
+    # and sealed with another key: a listener without the stream key takes them.
+    original = sim.ListenerCore.__init__
+    monkeypatch.setattr(sim.ListenerCore, "__init__", lambda self, *a, **kw: original(self, *a, **{**kw, "keys": None}))
+    failures = [f for f in (sim.run_seed(s)[1] for s in range(1, 101)) if f]
+    assert len(failures) >= 5
+    assert all(re.match(r"Violation: ((c\d|replica-[AB]) delivered (at seq \d+ a message other than the one published"
+                        r"|a stream that is not the committed log)"
+                        r"|replica-[AB] and replica-[AB] applied up to seq \d+ with different digests)$",
+                        f.splitlines()[0]) for f in failures), failures

@@ -100,8 +100,8 @@ def test_garbage_flood_at_every_port_harms_nothing(cluster):
     samples = [
         b"", b"x", bytes(19), rng.randbytes(1400), bytes(70000)[:65000],
         moldudp64.encode_packet(b"STRANGER  ", 1, [bytes(49)]),               # unknown client / foreign session
-        moldudp64.encode_packet(b"load0     ", 1, [b"T" + bytes(48)]),         # control type from a client
-        moldudp64.encode_packet(b"load0     ", 1, [b"R" + bytes(47)]),         # wrong length
+        moldudp64.encode_packet(b"load0     ", 1, [b"T" + bytes(48)]),         # a client's name, without its key
+        moldudp64.encode_packet(b"load0     ", 1, [b"R" + bytes(47)]),
         moldudp64.encode_request(sess, 10**12, 5),                              # not committed
         moldudp64.encode_request(b"OTHER     ", 1, 5),
         moldudp64.HEADER.pack(sess, 1, 3) + b"\x00\x4b" + bytes(10),            # truncated on the stream
@@ -127,7 +127,7 @@ def test_garbage_flood_at_every_port_harms_nothing(cluster):
         assert cluster.procs[name].poll() is None, f"{name} died"
     seq = cluster.metrics("seq-a")
     dropped = {k: v for k, v in seq.items() if k.startswith("tape_sequencer_dropped_datagrams_total")}
-    for reason in ("unknown_client", "truncated", "unknown_type"):
+    for reason in ("unknown_client", "truncated", "unauthenticated"):
         assert dropped.get(f'tape_sequencer_dropped_datagrams_total{{node="seq-a",reason="{reason}"}}', 0) > 0, dropped
     rw = cluster.metrics("rw-1")
     assert rw['tape_rewinder_dropped_datagrams_total{node="rw-1",reason="not_committed"}'] > 0

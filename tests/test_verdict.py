@@ -68,7 +68,7 @@ BAD = {
     "no loss: every trade sequenced": lambda run: (setattr(run, "submitted", run.submitted + 1),
                                                    run.load.update(acked=run.submitted)),
     "no duplicates: no (client, client seq) twice": duplicate_trade,
-    "agreement: journals identical": lambda run: replace_record(
+    "agreement: every journal a prefix of the log": lambda run: replace_record(
         run, "rw-2", 50, M.stamp(M.purchase_request(99, 1, "X", "Y"), 5, ORIGIN, 999)),
     "replicas applied the whole log": lambda run: run.replicas["replica-C"].update(last_seq=3),
     "replica identity: digests equal": lambda run: run.replicas["replica-B"].update(digest="cd" * 16),
@@ -109,3 +109,18 @@ def test_exactly_once_sees_every_kind_of_wrong_alert(kind):
     checks, _, report = judge(run)
     assert not checks["exactly-once alerts"]
     assert report[{"duplicate": "duplicates", "unexpected": "unexpected", "mismatched": "mismatched"}[kind]]
+
+
+def test_the_log_is_what_a_majority_holds():
+    # The leader stopped before its last batch committed: its journal holds more, never published.
+    run = good_run()
+    extra = M.stamp(M.purchase_request(10**6, 1, "X", "Y"), 10**7, ORIGIN, 10**6)
+    run.journals["seq-a"] = run.journals["seq-a"] + [(len(run.journals["seq-a"]) + 1, 1, extra)]
+    checks, _, report = judge(run)
+    assert all(checks.values()) and report["log_length"] == len(run.journals["rw-1"])
+    # Two of four voters lost the last entry, which the replicas applied: it was committed, and lost.
+    run = good_run()
+    for v in ("seq-b", "rw-2"):
+        run.journals[v] = run.journals[v][:-1]
+    checks, _, _ = judge(run)
+    assert not checks["replicas applied the whole log"]

@@ -12,6 +12,8 @@ from tape.node.transport import free_port, multicast_sender
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol.packets import PacketBuilder
+from tape.protocol.streamauth import StreamKeys
+from tape.sequencer.core import LeaderCore
 
 pytestmark = [
     pytest.mark.process,
@@ -25,7 +27,13 @@ def test_tshark_decodes_our_packets():
     session = m.session_bytes("TAPE")
     inbound = [msg.purchase_request(i, 100, "Sendence", "AAPL") for i in range(1, 41)]
     packets = PacketBuilder(session, 1).add_stamped(inbound, time.time_ns(), m.session_bytes("client1"), 1)
-    packets += [m.encode_heartbeat(session, 41), m.encode_end_of_session(session, 41)]
+    # Sealed packets (a stream key): the seal is a counted log entry, so they stay plain MoldUDP64.
+    core = LeaderCore(session, m.session_bytes("seq-a"), 1, [], {m.session_bytes("client1"): None},
+                      last_seq=40, stream_keys=StreamKeys([b"k" * 32]))
+    core.on_inbound(m.encode_packet(m.session_bytes("client1"), 1, inbound), 0)
+    packets += core.on_journaled(core.flush(time.time_ns()).last_seq)
+    end = m.decode_packet(packets[-1]).seq + m.decode_packet(packets[-1]).count
+    packets += [m.encode_heartbeat(session, end), m.encode_end_of_session(session, end)]
     cmd = ["tshark", "-i", "lo", "-l", "-f", f"udp port {port}", "-c", str(len(packets)), "-a", "duration:30",
            "-d", f"udp.port=={port},moldudp64", "-T", "fields", "-E", "occurrence=a", "-E", "aggregator=,",
            "-e", "moldudp64.session", "-e", "moldudp64.sequence", "-e", "moldudp64.count",

@@ -1,0 +1,102 @@
+"""The public stream's authentication: seals in the log. Pure.
+
+With a stream key, the leader ends every packet it cuts with a *seal*: a
+sequenced control message ('A') that is a log entry like any other (it has
+its seq, is journaled, replicated and replayed) and carries a keyed
+BLAKE2b-128 tag over the whole packet that holds it:
+
+    'A' | first seq covered u64 | entries covered i64 | tag 16 | key id 8 |
+    0 u64 | stamp u64 | origin (the leader) 10 | 0 u64
+
+The tag is computed over the packet's bytes (MoldUDP64 header and every
+block) with the tag field zeroed. A packet sealed so is exactly one *range*:
+the entries from its first seq through the seal. Whoever sends that range
+again (a rewinder's gap fill, from its journal) sends the same bytes, so
+the tag verifies whatever the path; a packet that is not one whole sealed
+range, or whose tag does not verify, changes nothing. Every counted block
+is a real log entry, so the packets stay plain MoldUDP64 (Wireshark's
+dissector and any decoder of the spec read them as such).
+
+Keys: the first of a list signs, any verifies (rotation); a seal names its
+key by an 8-byte id (a hash of the key), never the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from .messages import AUTH, BLOCK_PREFIX, SEQUENCED, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE
+from .moldudp64 import HEADER, HEADER_SIZE
+
+TAG_SIZE = 16
+_TAG_AT = 1 + 8 + 8  # offset of the tag inside a seal
+_ZERO_TAG = bytes(TAG_SIZE)
+
+
+def key_id(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=8, person=b"tape-key-id").digest()
+
+
+class StreamKeys:
+    """The stream keys of a node: `keys[0]` signs; any verifies."""
+
+    def __init__(self, keys: list[bytes]):
+        if not keys:
+            raise ValueError("no stream key")
+        self.signing = keys[0]
+        self.signing_id = key_id(keys[0])
+        self.by_id = {key_id(k): k for k in keys}
+
+    def tag(self, key: bytes, packet: bytes) -> bytes:
+        return hashlib.blake2b(packet, key=key, digest_size=TAG_SIZE).digest()
+
+    def seal_packet(self, session: bytes, first_seq: int, entries: list[bytes], stamp_ns: int,
+                    origin: bytes) -> tuple[bytes, bytes]:
+        """(the seal entry, the packet of `entries` and the seal) for one range from `first_seq`."""
+        unsigned = SEQUENCED.pack(AUTH, first_seq, len(entries), _ZERO_TAG, self.signing_id, 0, stamp_ns, origin, 0)
+        body = b"".join(BLOCK_PREFIX + e for e in entries)
+        head = HEADER.pack(session, first_seq, len(entries) + 1)
+        tag = self.tag(self.signing, head + body + BLOCK_PREFIX + unsigned)
+        seal = unsigned[:_TAG_AT] + tag + unsigned[_TAG_AT + TAG_SIZE:]
+        return seal, head + body + BLOCK_PREFIX + seal
+
+    def verify(self, data: bytes) -> str | None:
+        """None if `data` is one whole sealed range whose tag verifies, else the reason."""
+        if len(data) < HEADER_SIZE + SEQUENCED_BLOCK_SIZE:
+            return "unsealed"
+        _, seq, count = HEADER.unpack_from(data)
+        if len(data) != HEADER_SIZE + count * SEQUENCED_BLOCK_SIZE or data[-SEQUENCED_SIZE] != AUTH:
+            return "unsealed"
+        seal = SEQUENCED.unpack_from(data, len(data) - SEQUENCED_SIZE)
+        if seal[1] != seq or seal[2] != count - 1:
+            return "unsealed"
+        key = self.by_id.get(seal[4])
+        if key is None:
+            return "unknown_key"
+        at = len(data) - SEQUENCED_SIZE + _TAG_AT
+        if self.tag(key, data[:at] + _ZERO_TAG + data[at + TAG_SIZE:]) != data[at:at + TAG_SIZE]:
+            return "bad_tag"
+        return None
+
+
+def sealed_ranges(first_seq: int, entries: list[bytes]) -> list[tuple[int, list[bytes]]]:
+    """The whole sealed ranges in consecutive log entries from `first_seq`:
+    (first seq, entries through the seal). Entries before the first range
+    start or after the last seal are left out."""
+    out = []
+    start = 0
+    for i, e in enumerate(entries):
+        if e[0] == AUTH:
+            covered_from = SEQUENCED.unpack_from(e)[1]
+            if covered_from == first_seq + start:
+                out.append((covered_from, entries[start:i + 1]))
+            start = i + 1
+    return out
+
+
+def seal_covers(entry: bytes) -> tuple[int, int] | None:
+    """(first seq, entries) a seal covers, or None if `entry` is no seal."""
+    if entry[0] != AUTH:
+        return None
+    m = SEQUENCED.unpack(entry)
+    return m[1], m[2]

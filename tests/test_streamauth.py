@@ -1,0 +1,132 @@
+"""The public stream's seals (protocol/streamauth.py): what verifies, what does not, and the
+leader, listener and rewinder rules built on them."""
+
+import pytest
+
+from tape.protocol import messages as M
+from tape.protocol import moldudp64
+from tape.protocol.limits import HINT_TRIES
+from tape.protocol.listener import Deliver, ListenerCore
+from tape.protocol.packets import PacketBuilder, messages_per_packet
+from tape.protocol.streamauth import StreamKeys, sealed_ranges
+from tape.rewinder.gapfill import Answer, GapFillCore
+from tape.sequencer.core import InvariantViolation, LeaderCore
+
+S = moldudp64.session_bytes("TAPE")
+LEADER = moldudp64.session_bytes("seq-a")
+K1, K2 = b"1" * 32, b"2" * 32
+CLIENT = b"clientA   "
+
+
+def trades(n, first=1):
+    return [M.stamp(M.purchase_request(i, 10, "X", "Y"), 1000 + i, CLIENT, i) for i in range(first, first + n)]
+
+
+def test_a_sealed_packet_verifies_and_any_changed_byte_does_not():
+    keys = StreamKeys([K1])
+    seal, packet = keys.seal_packet(S, 5, trades(3), 2000, LEADER)
+    assert keys.verify(packet) is None and packet.endswith(seal)
+    assert moldudp64.decode_header(packet) == (S, 5, 4)  # every block is counted: plain MoldUDP64
+    for i in range(len(packet)):
+        forged = packet[:i] + bytes([packet[i] ^ 1]) + packet[i + 1:]
+        assert keys.verify(forged) is not None, f"byte {i}"
+
+
+def test_keys_rotate_the_first_signs_either_verifies():
+    old, both, new = StreamKeys([K1]), StreamKeys([K2, K1]), StreamKeys([K2])
+    _, by_old = old.seal_packet(S, 1, trades(2), 1, LEADER)
+    _, by_both = both.seal_packet(S, 1, trades(2), 1, LEADER)
+    assert both.verify(by_old) is None and new.verify(by_both) is None
+    assert new.verify(by_old) == "unknown_key" and old.verify(by_both) == "unknown_key"
+
+
+@pytest.mark.parametrize("case", ["unsealed", "seal_not_last", "seal_covers_other_seqs", "half_a_range"])
+def test_what_is_not_one_whole_sealed_range_is_refused(case):
+    keys = StreamKeys([K1])
+    seal, packet = keys.seal_packet(S, 5, trades(3), 2000, LEADER)
+    blocks = trades(3) + [seal]
+    if case == "unsealed":
+        packet = PacketBuilder(S, 5).add_sequenced(trades(3))[0]
+    elif case == "seal_not_last":
+        packet = PacketBuilder(S, 5).add_sequenced([seal] + trades(3))[0]
+    elif case == "seal_covers_other_seqs":
+        packet = PacketBuilder(S, 6).add_sequenced(blocks)[0]
+    else:
+        packet = PacketBuilder(S, 6).add_sequenced(blocks[1:])[0]
+    assert keys.verify(packet) == "unsealed"
+
+
+def sealed_leader(term=1, **kw):
+    core = LeaderCore(S, LEADER, term, [b"rw-1      "], {CLIENT: None}, stream_keys=StreamKeys([K1]), **kw)
+    return core, core.start_term(100)
+
+
+def inbound(cseq, n):
+    return moldudp64.encode_packet(CLIENT, cseq, [M.purchase_request(i, 10, "X", "Y") for i in range(cseq, cseq + n)])
+
+
+def test_the_leader_ends_every_packet_with_a_seal_and_journals_what_it_publishes():
+    core, start = sealed_leader()
+    core.on_inbound(inbound(1, 60), 200)
+    batch = core.flush(300)
+    per = messages_per_packet()
+    packets = core.on_journaled(batch.last_seq) + core.on_ack(b"rw-1      ", 1, True, batch.last_seq)
+    assert len(packets) == 1 + -(-60 // (per - 1))  # the term start's packet, then 60 trades
+    log = start.messages + batch.messages
+    blocks = [M.packet_message_bytes(p, i) for p in packets for i in range(moldudp64.decode_header(p)[2])]
+    assert blocks == log  # each packet is exactly its range of the log
+    assert all(StreamKeys([K1]).verify(p) is None for p in packets)
+    assert [len(r) for _, r in sealed_ranges(1, log)] == [moldudp64.decode_header(p)[2] for p in packets]
+
+
+def test_a_new_leader_seals_the_range_its_log_ends_with_first():
+    tail = trades(4, first=7)  # seqs 7-10: the old leader's range, cut short by a catch-up chunk
+    core, start = sealed_leader(2, last_seq=10, last_term=1, open_range=(7, tail))
+    closing = start.messages[0]
+    assert start.first_seq == 11 and M.decode(closing)[M.TYPE] == M.AUTH
+    assert StreamKeys([K1]).verify(PacketBuilder(S, 7).add_sequenced(tail + [closing])[0]) is None
+    assert M.decode(start.messages[1])[M.TYPE] == M.TERM_START and core.term_start_seq == 12
+    assert core.published_seq == 11  # the sealed range is an earlier term's: listeners fill it
+
+
+def test_a_log_with_more_unsealed_entries_than_a_packet_is_refused():
+    with pytest.raises(InvariantViolation, match="keys apply from a new session"):
+        sealed_leader(2, last_seq=100, last_term=1, open_range=(1, trades(messages_per_packet())))
+
+
+def test_a_listener_with_the_key_delivers_sealed_ranges_only():
+    keys = StreamKeys([K1])
+    lc = ListenerCore(S, 2, 10**9, keys=keys)
+    forged = PacketBuilder(S, 1).add_sequenced(trades(2))[0]
+    assert lc.on_datagram(forged).reason == "unsealed" and lc.receiver.next_seq == 1
+    assert lc.on_datagram(StreamKeys([K2]).seal_packet(S, 1, trades(2), 1, LEADER)[1]).reason == "unknown_key"
+    _, real = keys.seal_packet(S, 1, trades(2), 1, LEADER)
+    assert lc.on_datagram(real) == [Deliver(1, real, 0)] and lc.bad == {"unsealed": 1, "unknown_key": 1}
+
+
+def test_with_keys_heartbeats_are_hints_that_claim_nothing():
+    lc = ListenerCore(S, 2, 10**9, keys=StreamKeys([K1]))
+    assert lc.on_datagram(moldudp64.encode_heartbeat(S, 2**62)) == []
+    assert lc.receiver.lag() == 0  # nothing believed to exist
+    asks = [lc.on_timer(t * 10**9) for t in range(20)]  # but what follows is asked for, a few times
+    assert [moldudp64.decode_request(a.request)[1] for a in asks if a] == [1] * HINT_TRIES
+
+
+def test_without_keys_a_far_fetched_heartbeat_is_dropped():
+    lc = ListenerCore(S, 2, 10**9)
+    lc.on_datagram(moldudp64.encode_heartbeat(S, 5))
+    assert lc.on_datagram(moldudp64.encode_heartbeat(S, 2**62)).reason == "far_future"
+    assert lc.receiver.lag() == 4
+
+
+def test_a_rewinder_answers_the_whole_sealed_range_that_holds_the_seq_asked_for():
+    keys = StreamKeys([K1])
+    log = []
+    for first, n in ((1, 5), (7, 3)):  # ranges 1-6 and 7-10
+        log += trades(n, first) + [keys.seal_packet(S, first, trades(n, first), 1, LEADER)[0]]
+    read = lambda first, n: log[first - 1:first - 1 + n]  # noqa: E731
+    core = GapFillCore(S, messages_per_packet())
+    assert core.entries(Answer(8, 20), read, True, 10) == (7, log[6:10])
+    assert core.entries(Answer(3, 20), read, True, 10) == (1, log[0:6])
+    assert core.entries(Answer(8, 20), read, True, 9) == (8, [])  # the range is not all committed
+    assert core.entries(Answer(8, 2), read, False, 10) == (8, log[7:9])  # unsealed stream: as asked
