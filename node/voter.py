@@ -22,9 +22,10 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
+from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import replication as rep
-from tape.protocol.election import ElectionAction, Persist, RequestVotes
+from tape.protocol.election import ElectionAction, Persist, Refused, RequestVotes
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CONTROL_READ, FETCH_MAX, STREAM_READ
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
@@ -89,6 +90,8 @@ class Voter:
         self.partitioned = False
         self._conns: set[asyncio.StreamWriter] = set()
         self.bad_frames = 0
+        self.refused: dict[str, int] = {}  # peers' messages contradicting this node's state, by reason
+        self.refusal_log = RateLimitedLog(log)
 
     # What the sequencer and the metrics read of the core.
     election = property(lambda self: self.core.election)
@@ -113,6 +116,9 @@ class Voter:
                 truncated = True
             elif isinstance(action, AppendRecords):
                 self.journal.append(action.records)  # durable before the ack, per the fsync policy
+            elif isinstance(action, Refused):
+                self.refused[action.reason] = self.refused.get(action.reason, 0) + 1
+                self.refusal_log.warn(action.reason, "refused: %s", action.detail)
             else:
                 self.on_action(action)
         if truncated:

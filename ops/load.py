@@ -65,6 +65,7 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
         "acked": sum(c.acked for c in clients),
         "all_acked": acked_all,
         "resends": sum(c.resends for c in clients),
+        "rejected": sum(len(c.core.rejected) for c in clients),
         "rate_target": rate,
         "rate_sent": round((sent - resumed) / send_secs, 1) if send_secs else 0.0,
         "rate_acked": round((sum(c.acked for c in clients) - resumed) / elapsed, 1),

@@ -31,7 +31,7 @@ from tape.ops.verdict import RunFiles, judge
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.protocol import replication as rep
-from tape.protocol.election import Lead, Persist, RequestVotes, StepDown
+from tape.protocol.election import Lead, Persist, Refused, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CATCHUP_CHUNK
 from tape.protocol.listener import Deliver, ListenerCore, Undecodable
@@ -150,6 +150,8 @@ class Voter:
                         self.sim.send(self.name, v, VoteRequest(a.term, self.wire, a.last_seq, a.last_term, a.pre))
             elif isinstance(a, Lead):
                 self.lead(a.term)
+            elif isinstance(a, Refused):  # the simulated peers are honest: this is a broken rule
+                raise Violation(f"{self.name} refused: {a.detail}")
             elif isinstance(a, StepDown):
                 if self.leader is not None:
                     self.sim.close_links(self.name, self.leader.term)
@@ -398,7 +400,7 @@ class Listener:
             return
         c = self.client
         if self.recovery is not None:
-            if not self.recovery.done(self.core.receiver):
+            if not self.recovery.done(self.core):
                 return
             self.recovery = None
             self.gen.take(c.resume())  # what the log holds is not sent again
@@ -756,7 +758,7 @@ class Sim:
             if listener.delivered != log[:len(listener.delivered)]:
                 raise Violation(f"{name} delivered a stream that is not the committed log")
         trades = [(m[M.ORIGIN], m[M.CLIENT_SEQ]) for m in map(M.SEQUENCED.unpack, log)
-                  if m[M.TYPE] in (M.REQUEST, M.PURCHASE)]
+                  if m[M.TYPE] in M.CLIENT_SEQ_TYPES]
         dups = [k for k, n in Counter(trades).items() if n > 1]
         if dups:
             raise Violation(f"sequenced twice: {dups[:3]}")

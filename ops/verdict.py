@@ -66,7 +66,8 @@ def judge(run: RunFiles) -> tuple[dict, dict, dict]:
     # batch committed holds more (never acknowledged, never published): agreement still holds.
     records = longest[:sorted(map(len, run.journals.values()), reverse=True)[len(run.journals) // 2]]
     decoded = [(seq, M.SEQUENCED.unpack(raw)) for seq, _, raw in records]
-    trades = [(m[M.ORIGIN], m[M.CLIENT_SEQ]) for _, m in decoded if m[M.TYPE] in (M.REQUEST, M.PURCHASE)]
+    # Every client seq sequenced: trades, and those the sequencer rejected at ingress (in their place).
+    trades = [(m[M.ORIGIN], m[M.CLIENT_SEQ]) for _, m in decoded if m[M.TYPE] in M.CLIENT_SEQ_TYPES]
     dup_trades = sum(c - 1 for c in Counter(trades).values() if c > 1)
     applied = {r: s.get("last_seq", 0) for r, s in run.replicas.items()}
     digests = {r: s.get("digest", "") for r, s in run.replicas.items()}

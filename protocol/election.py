@@ -35,8 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from tape.protocol.errors import InvariantViolation
-
 FOLLOWER, PRE_CANDIDATE, CANDIDATE, LEADER = "follower", "pre-candidate", "candidate", "leader"
 
 
@@ -66,7 +64,18 @@ class StepDown:
     reason: str
 
 
-ElectionAction = Persist | RequestVotes | Lead | StepDown
+@dataclass(frozen=True)
+class Refused:
+    """A peer's message that contradicts this node's own state (two leaders in a term, an
+    append that would drop a committed entry): what the network sends is input, never a reason
+    to stop. The shell counts it by reason and logs it; the simulator, whose peers are honest,
+    fails the seed."""
+
+    reason: str
+    detail: str
+
+
+ElectionAction = Persist | RequestVotes | Lead | StepDown | Refused
 
 
 class Rng(Protocol):
@@ -183,7 +192,7 @@ class ElectionCore:
         if term > self.term:
             out = self._adopt(term, now_ns, f"{leader.decode(errors='replace').strip()} leads term {term}")
         elif self.role == LEADER:
-            raise InvariantViolation(f"two leaders in term {term}: this node and {leader!r}")
+            return False, [Refused("two_leaders", f"two leaders in term {term}: this node and {leader!r}")]
         elif self.role in (CANDIDATE, PRE_CANDIDATE):
             self.role = FOLLOWER
             out.append(StepDown(f"{leader.decode(errors='replace').strip()} won term {term}"))

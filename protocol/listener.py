@@ -109,6 +109,10 @@ class ListenerCore:
             self._hint_tries = 0
         return []
 
+    def hinted_head(self) -> int:
+        """One past the furthest seq a hint announced (0: none)."""
+        return self._hint_seq
+
     def _hinted_gap(self) -> tuple[int, int] | None:
         """What a hint says may follow the stream, while it is worth asking again."""
         nxt = self.receiver.next_seq

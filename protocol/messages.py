@@ -38,10 +38,16 @@ TERM_START = ord("T")
 TIME_TICK = ord("K")
 AUTH = ord("A")
 SESSION_END = ord("E")
+REJECTED = ord("J")
 TYPE_NAMES = {REQUEST: "purchase_request", PURCHASE: "purchase", TERM_START: "term_start", TIME_TICK: "time_tick",
-              AUTH: "seal", SESSION_END: "session_end"}
+              AUTH: "seal", SESSION_END: "session_end", REJECTED: "rejected"}
 CLIENT_TYPES = bytes((REQUEST, PURCHASE))  # what a client may submit
-ALL_TYPES = bytes((REQUEST, PURCHASE, TERM_START, TIME_TICK, AUTH, SESSION_END))
+ALL_TYPES = bytes((REQUEST, PURCHASE, TERM_START, TIME_TICK, AUTH, SESSION_END, REJECTED))
+CLIENT_SEQ_TYPES = (REQUEST, PURCHASE, REJECTED)  # entries that carry (and use up) a client's seq
+# Why the sequencer rejected a client's message at ingress (the code, from 1, in a 'J' entry's shares slot).
+INGRESS_REJECTS = ("shares_out_of_range", "bad_text")
+SHARES_LIMIT = 1 << 24  # |shares| below this: a cumulative sum stays far inside i64 (docs/security.md)
+_PRINTABLE = bytes(range(0x20, 0x7F))
 
 # Field positions in a decoded message.
 TYPE, ORDER_ID, SHARES, CLIENT, STOCK, PURCHASE_ID, STAMP, ORIGIN, CLIENT_SEQ = range(9)
@@ -157,6 +163,33 @@ def check_packet_messages(data, count: int) -> None:
 def check_inbound_batch(data, count: int) -> None:
     """Validate an inbound batch's blocks: only client message types."""
     _check_blocks(data, count, INBOUND_BLOCK_SIZE, INBOUND_SIZE, CLIENT_TYPES)
+
+
+def invalid_inbound(data, count: int) -> list[tuple[int, int]]:
+    """(index, reject code) of the messages of a checked inbound batch that the rules cannot
+    apply: |shares| >= SHARES_LIMIT, or client or stock not printable ASCII. Stride slices: the
+    common batch (small non-negative shares, plain text) costs a few C calls."""
+    base = HEADER_SIZE + 2  # the first message's type byte
+    high = b"".join(data[base + k::INBOUND_BLOCK_SIZE] for k in range(9, 14))  # shares' top 5 bytes
+    text = b"".join(data[base + k::INBOUND_BLOCK_SIZE] for k in range(17, 41))  # client and stock
+    if high.count(0) == len(high) and not text.translate(None, _PRINTABLE):
+        return []
+    out = []
+    for i in range(count):
+        msg = data[base + i * INBOUND_BLOCK_SIZE:base + i * INBOUND_BLOCK_SIZE + INBOUND_SIZE]
+        shares = int.from_bytes(msg[9:17], "big", signed=True)
+        if not -SHARES_LIMIT < shares < SHARES_LIMIT:
+            out.append((i, 1))
+        elif bytes(msg[17:41]).translate(None, _PRINTABLE):
+            out.append((i, 2))
+    return out
+
+
+def rejected(inbound: bytes, code: int) -> bytes:
+    """A client's message the sequencer rejects at ingress, as the entry that takes its place:
+    type 'J', the reject code in the shares slot, the rest as sent (text fields blanked if bad)."""
+    text = inbound[17:41] if code != 2 else b" " * 24
+    return bytes((REJECTED,)) + inbound[1:9] + code.to_bytes(8, "big") + text + inbound[41:49]
 
 
 def packet_message_bytes(data, index: int) -> bytes:

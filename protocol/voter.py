@@ -27,7 +27,7 @@ from typing import Hashable
 
 from tape.protocol import messages
 from tape.protocol import replication as rep
-from tape.protocol.election import ElectionAction, ElectionCore, Rng
+from tape.protocol.election import ElectionAction, ElectionCore, Refused, Rng
 from tape.protocol.errors import InvariantViolation
 from tape.protocol.follower import FollowerCore
 
@@ -73,7 +73,7 @@ class LogState:
         for seq, term, raw in records:
             self.note_term(seq, term)
             kind, origin, cseq = unpack(raw)
-            if (kind == messages.REQUEST or kind == messages.PURCHASE) and cseq > last.get(origin, 0):
+            if kind in messages.CLIENT_SEQ_TYPES and cseq > last.get(origin, 0):
                 last[origin] = cseq
             elif kind == messages.AUTH:
                 self.last_seal = seq
@@ -163,15 +163,20 @@ class VoterCore:
     def on_append(self, a: rep.Append, conn: Hashable, now_ns: int) -> tuple[rep.Ack, list[VoterAction]]:
         """(the ack to send once the actions are done, actions)."""
         ok, out = self.election.on_append(a.term, a.leader, now_ns)
+        if ok and self._drops_committed(a):
+            ok = False
+            out.append(Refused("drop_committed", f"{a.leader!r} (term {a.term}) sends entries from seq "
+                                                 f"{a.prev_seq + 1} that differ from those committed through "
+                                                 f"{self.follower.commit_seq}"))
         if not ok:
             return rep.Ack(self.election.term, self.name, False, self.last_seq), out
         before = self.follower.commit_seq
         self.follower.term = self.election.term
         res = self.follower.on_append(a)
         if res.truncate_after is not None:
-            if res.truncate_after < before:
-                raise InvariantViolation(f"asked to drop committed seq {res.truncate_after + 1} (committed "
-                                         f"through {before}): refusing")
+            if res.truncate_after < before:  # _drops_committed refused these: this log is impossible
+                raise InvariantViolation(f"truncating committed seq {res.truncate_after + 1} (committed "
+                                         f"through {before})")
             out.append(Truncate(res.truncate_after))
             self.truncations += 1
             self.last_seq = res.truncate_after
@@ -183,6 +188,15 @@ class VoterCore:
         if self.election.leader == a.leader and self.election.term == a.term:
             self._leader_conns[conn] = (a.leader, a.term)
         return rep.Ack(self.election.term, self.name, res.success, res.last_seq), out
+
+    def _drops_committed(self, a: rep.Append) -> bool:
+        """Would `a` replace a committed entry? Terms only grow along a log, so comparing the
+        overlap's two ends with the entries' term is enough."""
+        first = a.prev_seq + 1
+        last = min(self.follower.commit_seq, self.last_seq, a.prev_seq + a.count)
+        if a.term < self.election.term or a.prev_seq > self.last_seq or first > last:
+            return False
+        return self.log.term_at(first) != a.entries_term or self.log.term_at(last) != a.entries_term
 
     def on_vote_request(self, v: rep.VoteRequest, now_ns: int) -> tuple[rep.Vote, list[VoterAction]]:
         """(the vote to send once the actions, its persistence first, are done; actions)."""

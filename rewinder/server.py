@@ -71,6 +71,8 @@ class Rewinder(NodeProcess):
         yield "replay_messages", "counter", "messages sent over TCP replay", self.replayed
         bad = self.bad_frames + self.voter.bad_frames
         yield "bad_frames", "counter", "malformed TCP frames (connection closed)", bad
+        yield "refused", "counter", "peers' messages that contradict this node's log, by reason", \
+            dict(self.voter.refused)
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
         yield "term", "gauge", "current term", self.voter.election.term

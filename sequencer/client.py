@@ -69,9 +69,9 @@ class Client:
         """After a restart: read the stream up to the head it announces (the
         listener starts at seq 1), then number on from the last client seq of
         ours sequenced, which it returns. Raises TimeoutError."""
-        recovery, receiver = Recovery(), self.listener.receiver
+        recovery = Recovery()
         deadline = time.monotonic() + timeout
-        while not recovery.done(receiver):
+        while not recovery.done(self.listener.core):
             if time.monotonic() >= deadline:
                 what = f"read up to seq {recovery.head - 1:,}" if recovery.head else "heard (no packet or heartbeat)"
                 raise TimeoutError(f"recovering: the stream was not {what} within {timeout:.0f} s")

@@ -35,6 +35,7 @@ from tape.protocol.limits import RESENDS_PER_ROUND
 MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
 # Only origin and client seq of each 77-byte block: cheap to scan the whole stream.
 _ORIGIN_CSEQ = struct.Struct(">59x10sQ")
+_REJECT_MARK = messages.BLOCK_PREFIX + bytes((messages.REJECTED,))  # a block of type 'J' starts so
 
 
 class Unacked:
@@ -58,11 +59,13 @@ class Recovery:
     def __init__(self):
         self.head: int | None = None
 
-    def done(self, receiver) -> bool:
-        """`receiver`: the listener's Receiver."""
-        if self.head is None and receiver.packets:
-            self.head = receiver.high_seq
-        return self.head is not None and receiver.next_seq >= self.head
+    def done(self, listener) -> bool:
+        """`listener`: the ListenerCore. With keys a heartbeat is only a hint of the head, and the
+        first packet may be a rewinder's answer to it: the head is the furthest either says."""
+        rx = listener.receiver
+        if self.head is None and (rx.packets or listener.hinted_head()):
+            self.head = max(rx.high_seq, listener.hinted_head())
+        return self.head is not None and rx.next_seq >= self.head
 
 
 class ClientCore:
@@ -78,6 +81,7 @@ class ClientCore:
         self.unacked: deque[Unacked] = deque()
         self.resends = 0
         self.latencies_ns: list[int] = []  # submit -> seen sequenced, one sample per batch
+        self.rejected: list[tuple[int, str]] = []  # (client seq, reason): sequenced as ingress rejects
 
     @property
     def in_flight(self) -> int:
@@ -115,6 +119,8 @@ class ClientCore:
         for o, cseq in _ORIGIN_CSEQ.iter_unpack(memoryview(packet)[start:]):
             if o == origin and cseq > top:
                 top = cseq
+        if _REJECT_MARK in packet:  # rare: some block is a reject; is it one of ours?
+            self._note_rejects(packet, skip)
         if top <= self.acked:
             return False
         self.acked = top
@@ -122,6 +128,15 @@ class ClientCore:
         while q and q[0].last_cseq <= top:
             self.latencies_ns.append(now_ns - q.popleft().sent_ns)
         return True
+
+    def _note_rejects(self, packet: bytes, skip: int) -> None:
+        n = moldudp64.HEADER.unpack_from(packet)[2]
+        for i in range(skip, n):
+            at = moldudp64.HEADER_SIZE + i * messages.SEQUENCED_BLOCK_SIZE + 2
+            if packet[at] == messages.REJECTED and packet[at + 57:at + 67] == self.origin:
+                m = messages.SEQUENCED.unpack_from(packet, at)
+                code, reasons = m[messages.SHARES], messages.INGRESS_REJECTS
+                self.rejected.append((m[messages.CLIENT_SEQ], reasons[code - 1] if 0 < code <= len(reasons) else "?"))
 
     def on_timer(self, now_ns: int) -> list[bytes]:
         """The batches due to be sent again, the oldest first."""

@@ -100,6 +100,7 @@ class LeaderCore:
         # Counters (the shell exposes them as metrics).
         self.accepted = 0
         self.dropped: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}  # client messages sequenced as ingress rejects, by reason
         self.published_packets = 0
         self.published_messages = 0
 
@@ -174,7 +175,16 @@ class LeaderCore:
 
     def _accept(self, client: bytes, cseq: int, count: int, data: bytes, last: int) -> None:
         skip = last + 1 - cseq
-        self._pending.append((client, last + 1, messages.inbound_messages(data, skip, count)))
+        msgs = messages.inbound_messages(data, skip, count)
+        bad = messages.invalid_inbound(data, count)
+        if bad:  # sequenced as rejects in their place: the client sees why, and its seqs go on
+            msgs = list(msgs)
+            for i, code in bad:
+                if i >= skip:
+                    msgs[i - skip] = messages.rejected(msgs[i - skip], code)
+                    reason = messages.INGRESS_REJECTS[code - 1]
+                    self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        self._pending.append((client, last + 1, msgs))
         self._pending_count += count - skip
         self.client_last[client] = cseq + count - 1
         self.accepted += count - skip
@@ -254,8 +264,9 @@ class LeaderCore:
             return None
         if follower not in self.match or term < self.term or not success:
             return []
-        if last_seq > self.last_seq:
-            raise InvariantViolation(f"{follower!r} acks seq {last_seq}, only {self.last_seq} exist")
+        if last_seq > self.last_seq:  # a peer's word, not this leader's state: counted and dropped
+            self._drop("ack_beyond_log")
+            return []
         if last_seq > self.match[follower]:
             self.match[follower] = last_seq
         return self._advance_commit()
@@ -327,7 +338,7 @@ def rebuild_client_state(records) -> tuple[dict, int, int]:
     ORIGIN, CSEQ, TYPE = messages.ORIGIN, messages.CLIENT_SEQ, messages.TYPE
     for seq, term, raw in records:
         m = messages.SEQUENCED.unpack(raw)
-        if m[TYPE] == messages.REQUEST or m[TYPE] == messages.PURCHASE:
+        if m[TYPE] in messages.CLIENT_SEQ_TYPES:
             if m[CSEQ] > last_cseq.get(m[ORIGIN], 0):
                 last_cseq[m[ORIGIN]] = m[CSEQ]
         last_seq, last_term = seq, term

@@ -120,6 +120,8 @@ class Sequencer(NodeProcess):
         yield "leader_changes", "counter", "times the leader this node knows changed", e.leader_changes
         yield "terms_led", "counter", "terms this node led", self.terms_led
         yield "step_downs", "counter", "times this node stopped leading, by reason", self.step_downs
+        yield "refused", "counter", "peers' messages that contradict this node's log, by reason", \
+            dict(self.voter.refused)
         if c:
             yield "follower_match_seq", "gauge", "highest seq each follower holds", \
                 {k.decode().strip(): v for k, v in c.match.items()}, "follower"

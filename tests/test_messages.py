@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import ascii_text, i64, inbound, sequenced, session, u64
 
@@ -97,3 +97,15 @@ def test_clients_cannot_submit_control_messages_or_wrong_sizes():
         msg.check_inbound_batch(m.encode_packet(b"o" * 10, 1, [b"T" + bytes(48)]), 1)
     with pytest.raises(ValueError):
         msg.purchase_request(1, 1, "a" * 17, "b")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 1, -1, 5, 2**24 - 1, 2**24, -(2**24) + 1, -(2**24), 2**62, -(2**63)]),
+                          st.sampled_from([b"Acme", b"caf\xc3\xa9", b"\x00", b"~"])), min_size=1, max_size=20))
+def test_ingress_validation_equals_the_rule_message_by_message(cases):
+    msgs = [msg.INBOUND.pack(msg.PURCHASE, 1, shares, client.ljust(16), b"AAPL".ljust(8), 1)
+            for shares, client in cases]
+    want = [(i, 1) if not -(2**24) < shares < 2**24 else (i, 2)
+            for i, (shares, client) in enumerate(cases)
+            if not -(2**24) < shares < 2**24 or any(b < 0x20 or b > 0x7E for b in client)]
+    assert msg.invalid_inbound(m.encode_packet(b"c" * 10, 1, msgs), len(msgs)) == want

@@ -81,11 +81,11 @@ def test_commit_is_a_majority_and_publishes_whole_batches_in_order():
     assert seqs[0][0] == 42 and sum(c for _, c in seqs) == 80 and core.published_seq == 121
 
 
-def test_higher_term_means_step_down_and_impossible_acks_stop_the_process():
+def test_higher_term_means_step_down_and_acks_beyond_the_log_are_dropped():
     core, _ = leader()
+    assert core.on_ack(F1, 1, True, 99) == [] and core.dropped == {"ack_beyond_log": 1}
+    assert core.match[F1] == 0 and core.commit_seq == 0  # a peer's word moved nothing
     assert core.on_ack(F1, 2, True, 0) is None
-    with pytest.raises(InvariantViolation):
-        core.on_ack(F1, 1, True, 99)
 
 
 def test_time_ticks_when_idle_and_heartbeats_carry_the_next_published_seq():
@@ -226,3 +226,25 @@ def test_follower_drops_a_conflicting_uncommitted_suffix():
     # A resend of what we already hold changes nothing.
     again = f.on_append(append(2, 2, 1, 2, 2, entries(2, first=100)))
     assert again.success and again.truncate_after is None and again.records == []
+
+
+def test_what_the_rules_cannot_apply_is_sequenced_as_a_reject_the_client_sees():
+    from tape.protocol.packets import PacketBuilder
+    from tape.sequencer.client_core import ClientCore
+
+    huge = msg.purchase(1, 1, 2**62, "X", "Y")  # twice would overflow a replica's i64 cumulative shares
+    ok = msg.purchase_request(1, 10, "X", "Y")
+    bad_text = msg.INBOUND.pack(msg.PURCHASE, 1, 5, b"X\xff".ljust(16), b"Y".ljust(8), 2)
+    negative = msg.purchase(3, 1, -5, "X", "Y")  # a business reject: the replicas' rule, sequenced as sent
+    client = ClientCore(A, None, 1400, 10**9)
+    core, start = leader()
+    assert core.on_inbound(client.submit([ok, huge, bad_text, negative, huge], 0)[0], 1) is None
+    b = core.flush(2)
+    types = [chr(msg.decode(x)[msg.TYPE]) for x in b.messages]
+    assert types == ["R", "J", "J", "P", "J"] and core.client_last[A] == 5
+    assert core.rejected == {"shares_out_of_range": 2, "bad_text": 1}
+    for p in PacketBuilder(S, 1).add_sequenced(start.messages + b.messages):
+        client.on_delivered(p, 0, 3)
+    assert client.acked == 5 and not client.unacked  # answered, not lost
+    assert client.rejected == [(2, "shares_out_of_range"), (3, "bad_text"), (5, "shares_out_of_range")]
+    assert msg.invalid_inbound(m.encode_packet(A, 1, [ok, negative]), 2) == []

@@ -2,12 +2,9 @@
 
 import random
 
-import pytest
-
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
-from tape.protocol.election import Persist
-from tape.protocol.errors import InvariantViolation
+from tape.protocol.election import Persist, Refused
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 
 MS = 1_000_000
@@ -43,11 +40,15 @@ def test_a_conflicting_uncommitted_suffix_is_truncated_then_replaced():
     assert c.position() == (7, 2) and c.truncations == 1
 
 
-def test_a_leader_asking_to_drop_committed_entries_is_an_impossible_state():
+def test_an_append_that_would_drop_committed_entries_is_refused_not_fatal():
     c = core([(s, 1, msg(s)) for s in range(1, 11)])
     c.on_append(append(1, 10, 1, 10, 1, []), "conn", 0)  # seqs 1..10 committed
-    with pytest.raises(InvariantViolation, match="asked to drop committed seq 6"):
-        c.on_append(append(2, 5, 1, 10, 2, range(6, 8), leader=B), "conn", 0)
+    ack, actions = c.on_append(append(2, 5, 1, 10, 2, range(6, 8), leader=B), "conn", 0)  # a forged or broken peer
+    assert not ack.success and [a.reason for a in actions if isinstance(a, Refused)] == ["drop_committed"]
+    assert not any(isinstance(a, (Truncate, AppendRecords)) for a in actions)
+    assert c.position() == (10, 1) and c.commit_seq == 10  # nothing changed
+    ack, _ = c.on_append(append(2, 10, 1, 10, 2, [11]), "conn", 0)  # beyond what is committed: taken
+    assert ack.success and c.position() == (11, 2)
 
 
 def test_only_the_close_of_the_leaders_own_connection_by_its_peer_means_it_is_gone():
