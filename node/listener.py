@@ -33,7 +33,7 @@ class StreamListener:
                  next_seq: int = 1, on_undecodable: Callable[[int, ProtocolError], None] | None = None):
         self.cfg = cfg
         self.deliver = deliver
-        # Called when a rewinder's answer (the committed log itself) holds a
+        # Called when a verified (sealed) packet, the committed log itself, holds a
         # message this listener cannot decode: skipping it would diverge.
         self.on_undecodable = on_undecodable
         self.loss = LossInjector(drop, seed)
@@ -80,8 +80,8 @@ class StreamListener:
         if self.receiver.missing() is not None:
             self._gap_seen.set()
 
-    def on_datagram(self, data: bytes, committed: bool = False) -> None:
-        actions = self.core.on_datagram(data, committed)
+    def on_datagram(self, data: bytes) -> None:
+        actions = self.core.on_datagram(data)
         if isinstance(actions, ProtocolError):
             self.badlog.warn(actions.reason, "dropped datagram of %d bytes: %s", len(data), actions)
             return
@@ -125,5 +125,5 @@ class StreamListener:
         else:
             self.datagrams += 1
             if not self.loss.drop():
-                self.on_datagram(data, committed=True)
+                self.on_datagram(data)
         return asyncio.ensure_future(stream.recv())

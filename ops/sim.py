@@ -358,7 +358,7 @@ class Listener:
             self.replica.on_link_lost()
         if msg[0] != "packet":
             return
-        actions = self.core.on_datagram(msg[1], committed=src in REWINDERS)
+        actions = self.core.on_datagram(msg[1])
         if isinstance(actions, ProtocolError):
             return  # counted and dropped, as the real listener does
         for a in actions:

@@ -1,10 +1,10 @@
 """A stream listener's decisions (clients, `tape tail`, replicas). Pure.
 
 Events in: a datagram (from the multicast stream, or a rewinder's unicast
-answer, which is the committed log itself), and the time. Actions out:
+answer) and the time. Actions out:
 
     Deliver(first_seq, packet, skip)   messages skip.. of packet, in order
-    Undecodable(seq, error)            a rewinder's committed answer holds a
+    Undecodable(seq, error)            a sealed (authenticated, committed) packet holds a
                                        message at the next seq that cannot be
                                        decoded: skipping it would diverge
     AskRewinder(index, request)        send this MoldUDP64 request packet to
@@ -72,7 +72,7 @@ class ListenerCore:
         self._asked_ns = 0
         self._which = 0
 
-    def on_datagram(self, data: bytes, committed: bool = False) -> list[Deliver | Undecodable] | ProtocolError:
+    def on_datagram(self, data: bytes) -> list[Deliver | Undecodable] | ProtocolError:
         """What to deliver, or the error for which the datagram was dropped (counted in `bad`)."""
         try:
             session, seq, count = moldudp64.decode_header(data)
@@ -85,7 +85,7 @@ class ListenerCore:
             try:
                 messages.check_packet_messages(data, count)
             except ProtocolError as e:
-                undecodable = self._undecodable(session, seq, count, committed, e)
+                undecodable = self._undecodable(session, seq, count, e)
                 if undecodable is not None:
                     return [undecodable]
                 raise
@@ -124,7 +124,7 @@ class ListenerCore:
             return None
         return nxt, min(self._hint_seq - nxt, moldudp64.MAX_BLOCKS)
 
-    def _undecodable(self, session: bytes, seq: int, count: int, committed: bool, e: ProtocolError):
+    def _undecodable(self, session: bytes, seq: int, count: int, e: ProtocolError):
         """Authenticated committed data covering the next seq whose messages cannot be decoded:
         with keys, any verified packet (the leader publishes only what is committed); without,
         nothing (whoever sent it, the listener counts it and asks again)."""

@@ -24,6 +24,7 @@ key by an 8-byte id (a hash of the key), never the key.
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 from .messages import AUTH, BLOCK_PREFIX, SEQUENCED, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE
 from .moldudp64 import HEADER, HEADER_SIZE
@@ -54,11 +55,14 @@ class StreamKeys:
                     origin: bytes) -> tuple[bytes, bytes]:
         """(the seal entry, the packet of `entries` and the seal) for one range from `first_seq`."""
         unsigned = SEQUENCED.pack(AUTH, first_seq, len(entries), _ZERO_TAG, self.signing_id, 0, stamp_ns, origin, 0)
-        body = b"".join(BLOCK_PREFIX + e for e in entries)
-        head = HEADER.pack(session, first_seq, len(entries) + 1)
-        tag = self.tag(self.signing, head + body + BLOCK_PREFIX + unsigned)
-        seal = unsigned[:_TAG_AT] + tag + unsigned[_TAG_AT + TAG_SIZE:]
-        return seal, head + body + BLOCK_PREFIX + seal
+        parts = [HEADER.pack(session, first_seq, len(entries) + 1)]
+        for e in entries:
+            parts += (BLOCK_PREFIX, e)
+        parts += (BLOCK_PREFIX, unsigned)
+        packet = b"".join(parts)  # one join: the tag is computed over it, then patched in
+        at = len(packet) - SEQUENCED_SIZE + _TAG_AT
+        tag = self.tag(self.signing, packet)
+        return unsigned[:_TAG_AT] + tag + unsigned[_TAG_AT + TAG_SIZE:], packet[:at] + tag + packet[at + TAG_SIZE:]
 
     def verify(self, data: bytes) -> str | None:
         """None if `data` is one whole sealed range whose tag verifies, else the reason."""
@@ -74,24 +78,9 @@ class StreamKeys:
         if key is None:
             return "unknown_key"
         at = len(data) - SEQUENCED_SIZE + _TAG_AT
-        if self.tag(key, data[:at] + _ZERO_TAG + data[at + TAG_SIZE:]) != data[at:at + TAG_SIZE]:
+        if not hmac.compare_digest(self.tag(key, data[:at] + _ZERO_TAG + data[at + TAG_SIZE:]), data[at:at + TAG_SIZE]):
             return "bad_tag"
         return None
-
-
-def sealed_ranges(first_seq: int, entries: list[bytes]) -> list[tuple[int, list[bytes]]]:
-    """The whole sealed ranges in consecutive log entries from `first_seq`:
-    (first seq, entries through the seal). Entries before the first range
-    start or after the last seal are left out."""
-    out = []
-    start = 0
-    for i, e in enumerate(entries):
-        if e[0] == AUTH:
-            covered_from = SEQUENCED.unpack_from(e)[1]
-            if covered_from == first_seq + start:
-                out.append((covered_from, entries[start:i + 1]))
-            start = i + 1
-    return out
 
 
 def seal_covers(entry: bytes) -> tuple[int, int] | None:

@@ -185,7 +185,7 @@ class Replica(NodeProcess):
                 if batch:
                     # Replayed messages go through the same receiver as the live stream.
                     for pkt in PacketBuilder(self.cfg.session_bytes, seq, self.cfg.max_packet).add_sequenced(batch):
-                        self.listener.on_datagram(pkt, committed=True)
+                        self.listener.on_datagram(pkt)
                     seq += len(batch)
                     self.replayed += len(batch)
                     batch = []

@@ -43,7 +43,7 @@ def test_with_keys_an_undecodable_message_in_a_sealed_range_is_reported_at_its_s
     bad[1] = b"Z" + bad[1][1:]  # a type this version does not know, at seq 6
     lst.on_datagram(PacketBuilder(SESSION, 5).add_sequenced(bad)[0])  # unsealed: dropped, not fatal
     assert failures == [] and lst.bad == {"unsealed": 1}
-    lst.on_datagram(sealed(5, bad), committed=True)  # sealed by the leader: the log itself
+    lst.on_datagram(sealed(5, bad))  # sealed by the leader: the log itself
     assert failures == [(6, "unknown_type")] and delivered == [1]
 
 
@@ -54,5 +54,5 @@ def test_without_keys_nothing_received_is_fatal():
     bad[1] = b"Z" + bad[1][1:]
     forged = PacketBuilder(SESSION, 4).add_sequenced(bad)[0]
     lst.on_datagram(forged)
-    lst.on_datagram(forged, committed=True)  # "from a rewinder": anyone can send that
+    lst.on_datagram(forged)  # again ("from a rewinder": anyone can send that)
     assert failures == [] and lst.bad == {"unknown_type": 2} and delivered == [1]

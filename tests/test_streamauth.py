@@ -8,7 +8,7 @@ from tape.protocol import moldudp64
 from tape.protocol.limits import HINT_TRIES
 from tape.protocol.listener import Deliver, ListenerCore
 from tape.protocol.packets import PacketBuilder, messages_per_packet
-from tape.protocol.streamauth import StreamKeys, sealed_ranges
+from tape.protocol.streamauth import StreamKeys, seal_covers
 from tape.rewinder.gapfill import Answer, GapFillCore
 from tape.sequencer.core import InvariantViolation, LeaderCore
 
@@ -76,7 +76,8 @@ def test_the_leader_ends_every_packet_with_a_seal_and_journals_what_it_publishes
     blocks = [M.packet_message_bytes(p, i) for p in packets for i in range(moldudp64.decode_header(p)[2])]
     assert blocks == log  # each packet is exactly its range of the log
     assert all(StreamKeys([K1]).verify(p) is None for p in packets)
-    assert [len(r) for _, r in sealed_ranges(1, log)] == [moldudp64.decode_header(p)[2] for p in packets]
+    covers = [c for c in map(seal_covers, log) if c]  # each seal covers its packet's entries before it
+    assert covers == [(moldudp64.decode_header(p)[1], moldudp64.decode_header(p)[2] - 1) for p in packets]
 
 
 def test_a_new_leader_seals_the_range_its_log_ends_with_first():
