@@ -17,6 +17,7 @@ import logging
 import signal
 from typing import Coroutine
 
+from tape.node import authlink
 from tape.node.settings import Config, Node
 from tape.protocol.errors import InvariantViolation
 
@@ -38,10 +39,25 @@ class NodeProcess:
         self.failed: str | None = None
         self.exit_code = EXIT_OK
         self.stop = asyncio.Event()
+        self.link_refused: dict[str, int] = {}  # TCP links refused by authentication, by reason
 
     def report(self):
         """Metric samples (tape.ops.metrics): (name, kind, help, value[, label])."""
         return iter(())
+
+    async def open_link(self, host: str, port: int, keys, timeout: float = authlink.CONNECT_TIMEOUT_S):
+        """A TCP connection to a peer, authenticated when `keys` (node/authlink.py)."""
+        return await authlink.connect(host, port, keys, self.link_refused, timeout)
+
+    def link_server(self, handler, keys):
+        """A start_server callback that hands `handler` only authenticated connections."""
+        return authlink.serving(handler, keys, self.link_refused)
+
+    def metrics(self):
+        """The role's report and what every node reports."""
+        yield from self.report()
+        yield "link_refused", "counter", "TCP links closed by authentication (handshake or record), by reason", \
+            self.link_refused
 
     async def main(self) -> None:
         raise NotImplementedError

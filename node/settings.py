@@ -81,6 +81,20 @@ class Config:
         return StreamKeys(self.stream_keys) if self.stream_keys else None
 
     @property
+    def cluster_link(self):
+        """LinkKeys for replication and alert links, or None without a cluster key."""
+        from tape.protocol.linkauth import LinkKeys
+
+        return LinkKeys(self.cluster_keys) if self.cluster_keys else None
+
+    @property
+    def replay_link(self):
+        """LinkKeys for replay connections (the stream key: who may read the stream), or None."""
+        from tape.protocol.linkauth import LinkKeys
+
+        return LinkKeys(self.stream_keys) if self.stream_keys else None
+
+    @property
     def session_bytes(self) -> bytes:
         return moldudp64.session_bytes(self.session)
 

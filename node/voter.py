@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
+from tape.node import authlink
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import replication as rep
@@ -66,8 +67,10 @@ class VoteStore:
 class Voter:
     def __init__(self, cfg: Config, node: Node, journal, can_lead: bool,
                  on_action: Callable[[ElectionAction], None] | None = None, on_fatal: Callable[[str], None] = None,
-                 on_partition: Callable[[bool], None] | None = None):
+                 on_partition: Callable[[bool], None] | None = None, link_refused: dict[str, int] | None = None):
         self.cfg = cfg
+        self.link_keys = cfg.cluster_link
+        self.link_refused = {} if link_refused is None else link_refused  # shared with the node's metrics
         self.node = node
         self.journal = journal
         self.on_action = on_action or (lambda action: None)  # what the election decided, but Persist
@@ -214,6 +217,9 @@ class Voter:
         return out + rep.encode_append(e.term, self.node.wire_name, prev, self.term_at(prev), self.commit_seq,
                                        e.term, [])
 
+    async def _connect(self, voter: Node):
+        return await authlink.connect(voter.host, voter.replication_port, self.link_keys, self.link_refused, 0.2)
+
     async def fetch_from(self, voter: Node) -> int:
         """Extend our log with what `voter` holds beyond it (entries its
         leaders wrote: taking them is what their appends would have done).
@@ -222,7 +228,7 @@ class Voter:
         only to the rewinders. Returns how many entries were taken."""
         taken = 0
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(voter.host, voter.replication_port), 0.2)
+            reader, writer = await self._connect(voter)
         except (OSError, asyncio.TimeoutError):
             return 0
         try:
@@ -259,7 +265,7 @@ class Voter:
 
     async def _ask(self, voter: Node, pre: bool, term: int, last_seq: int, last_term: int) -> None:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(voter.host, voter.replication_port), 0.2)
+            reader, writer = await self._connect(voter)
         except (OSError, asyncio.TimeoutError):
             return
         try:

@@ -101,7 +101,7 @@ def _run_node(runtime) -> int:
     from tape.ops import metrics
 
     node = runtime.node
-    metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.report, node.host)
+    metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.metrics, node.host)
     tune_gc()
     return runtime.run()
 

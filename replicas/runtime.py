@@ -164,7 +164,7 @@ class Replica(NodeProcess):
     async def _replay_from(self, rw: Node) -> None:
         rx = self.listener.receiver
         start = rx.next_seq
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(rw.host, rw.replay_port), 2.0)
+        reader, writer = await self.open_link(rw.host, rw.replay_port, self.cfg.replay_link)
         log.info("%s catching up over TCP from %s at seq %d (%d behind)", self.node.name, rw.name, start, rx.lag())
         try:
             writer.write(soup.login(self.node.name[:6], "", "", start))
@@ -202,7 +202,7 @@ class Replica(NodeProcess):
         em = self.emitters[0]
         while True:
             try:
-                reader, writer = await asyncio.open_connection(em.host, em.alert_port)
+                reader, writer = await self.open_link(em.host, em.alert_port, self.cfg.cluster_link)
             except OSError:
                 await asyncio.sleep(0.2)
                 continue

@@ -47,7 +47,8 @@ class Rewinder(NodeProcess):
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
         self.journal = cfg.open_journal(node)
-        self.voter = Voter(cfg, node, self.journal, can_lead=False, on_fatal=self.fail)  # votes, never leads
+        self.voter = Voter(cfg, node, self.journal, can_lead=False, on_fatal=self.fail,
+                           link_refused=self.link_refused)  # votes, never leads
         self.gapfill = GapFillCore(cfg.session_bytes, messages_per_packet(cfg.max_packet))
         self.sealed = bool(cfg.stream_keys)  # the log's packets are sealed ranges
         self.replay_sessions = 0
@@ -79,8 +80,10 @@ class Rewinder(NodeProcess):
         yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
 
     async def main(self) -> None:
-        repl = await asyncio.start_server(self.voter.serve, self.node.host, self.node.replication_port)
-        replay = await asyncio.start_server(self._on_replay, self.node.host, self.node.replay_port)
+        repl = await asyncio.start_server(self.link_server(self.voter.serve, self.cfg.cluster_link),
+                                          self.node.host, self.node.replication_port)
+        replay = await asyncio.start_server(self.link_server(self._on_replay, self.cfg.replay_link),
+                                            self.node.host, self.node.replay_port)
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.gap_sock, self._on_gap_requests)

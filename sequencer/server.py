@@ -66,7 +66,7 @@ class Sequencer(NodeProcess):
         self.badlog = RateLimitedLog(log)
         self.journal = cfg.open_journal(node)
         self.voter = Voter(cfg, node, self.journal, can_lead=True, on_action=self._on_election, on_fatal=self.fail,
-                           on_partition=self._partition)
+                           on_partition=self._partition, link_refused=self.link_refused)
         self.followers = [n for n in cfg.voters if n is not node]
         self.core: LeaderCore | None = None  # while leading
         self.followers_core: FollowerLinks | None = None  # while leading
@@ -134,7 +134,8 @@ class Sequencer(NodeProcess):
         self.publisher = multicast_sender(self.cfg.interface)
         self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         self.dest = (self.cfg.group, self.cfg.port)
-        server = await asyncio.start_server(self.voter.serve, self.node.host, self.node.replication_port)
+        server = await asyncio.start_server(self.link_server(self.voter.serve, self.cfg.cluster_link),
+                                            self.node.host, self.node.replication_port)
         log.info("%s at seq %d, term %d; replication :%d, inbound %s:%d (rcvbuf %d), publishing %s:%d; %d voters",
                  self.node.name, self.journal.last_seq, self.voter.election.term, self.node.replication_port,
                  self.node.host, self.node.inbound_port, granted, *self.dest, len(self.cfg.voters))
@@ -359,7 +360,7 @@ class Sequencer(NodeProcess):
                 await asyncio.sleep(0.05)
                 continue
             try:
-                reader, writer = await asyncio.open_connection(f.host, f.replication_port)
+                reader, writer = await self.open_link(f.host, f.replication_port, self.cfg.cluster_link)
             except OSError:
                 await asyncio.sleep(0.2)
                 continue

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from linkclient import LinkSocket
 
 from tape.ops.config import load
 from tape.ops.local import LocalCluster
@@ -118,9 +119,9 @@ def emitter_cluster(tmp_path: Path, url: str) -> LocalCluster:
     return cluster
 
 
-def link(cluster: LocalCluster, hello: bytes) -> socket.socket:
-    """A replica's alert link. The emitter opens its alert port only after resolving
-    what was in doubt (its metrics come up first): poll for it, with a deadline."""
+def link(cluster: LocalCluster, hello: bytes, keys=True) -> LinkSocket:
+    """A replica's alert link (with the cluster key, or none). The emitter opens its alert port
+    only after resolving what was in doubt (its metrics come up first): poll for it, with a deadline."""
     deadline = time.monotonic() + 20
     while True:
         try:
@@ -130,11 +131,12 @@ def link(cluster: LocalCluster, hello: bytes) -> socket.socket:
             if time.monotonic() > deadline:
                 raise AssertionError("the emitter's alert port did not open within 20 s") from None
             time.sleep(0.05)
+    sock = LinkSocket(sock, cluster.cfg.cluster_link if keys else None)
     sock.sendall(alertlink.hello(hello))
     return sock
 
 
-def frames(sock: socket.socket, want: int) -> list:
+def frames(sock: LinkSocket, want: int) -> list:
     reader, got = alertlink.Reader(), []
     deadline = time.monotonic() + 10
     while len(got) < want and time.monotonic() < deadline:
@@ -145,7 +147,7 @@ def frames(sock: socket.socket, want: int) -> list:
     return got
 
 
-def closed_by_peer(sock: socket.socket) -> bool:
+def closed_by_peer(sock: LinkSocket) -> bool:
     sock.settimeout(5)
     try:
         return sock.recv(4096) == b""
@@ -162,6 +164,10 @@ def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, end
     cluster = emitter_cluster(tmp_path, endpoint.url)
     try:
         cluster.start_node("emitter")
+        keyless = link(cluster, b"replica-A ", keys=False)  # a replica's name, without the cluster key
+        assert keyless.recv(64)[:4] == b"TPL1"  # the emitter's link hello: it wants a handshake first
+        assert closed_by_peer(keyless)
+        assert cluster.metrics("emitter")['tape_emitter_link_refused_total{node="emitter",reason="hello_timeout"}'] == 1
         stranger = link(cluster, b"mallory".ljust(10))
         assert closed_by_peer(stranger)
         assert rejected(cluster, "unknown_replica") == 1
@@ -188,7 +194,7 @@ def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, end
         assert m['tape_emitter_duplicates_total{node="emitter"}'] == 1
         assert m['tape_emitter_divergences_total{node="emitter"}'] == 1
         assert m['tape_emitter_sink_retries_total{node="emitter",sink="webhook"}'] == 2
-        for s in (stranger, a, b):
+        for s in (keyless, stranger, a, b):
             s.close()
         cluster.stop("emitter")
         want = ["TAPE:11", "TAPE:12", "TAPE:13"]

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for
+from linkclient import LinkSocket
 
 from tape.node.journal_store import Journal
 from tape.ops.journal_tool import digest as journal_digest
 from tape.ops.local import LocalCluster as Cluster
 from tape.protocol import moldudp64
+from tape.protocol import soupbintcp as soup
+from tape.protocol.linkauth import LinkKeys
 
 pytestmark = pytest.mark.process
 
@@ -137,13 +140,14 @@ def test_garbage_flood_at_every_port_harms_nothing(cluster):
     check_exactly_once(cluster, total)
 
 
-def replay(port: int, session: str, seq: int, want: int, timeout: float = 10.0):
-    """Log in to a rewinder's replay port; return (first frame, messages)."""
+def replay(port: int, session: str, seq: int, want: int, keys, timeout: float = 10.0):
+    """Log in to a rewinder's replay port (with the stream key); return (first frame, messages)."""
     from tape.protocol import soupbintcp as soup
 
     dec = soup.FrameDecoder()
     frames = []
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw:
+        s = LinkSocket(raw, keys)
         s.sendall(soup.login("test", "", session, seq))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and sum(k == soup.SEQUENCED for k, _ in frames) < want:
@@ -188,10 +192,48 @@ def test_onramp_and_replay(cluster, tmp_path):
              f"rw-1 to learn the commit point {commit}")
     port = cluster.cfg.node("rw-1").replay_port
     journal = [m for _, _, m in Journal(Path(cluster.cfg.node("rw-1").data) / "journal", readonly=True).read()]
-    first, msgs = replay(port, "TAPE", 1, len(journal))
+    keys = cluster.cfg.replay_link
+    first, msgs = replay(port, "TAPE", 1, len(journal), keys)
     assert first[0] == b"A" and first[1][10:].strip() == b"1"
     assert msgs[:len(journal)] == journal
-    first, msgs = replay(port, "", 4000, 10)
+    first, msgs = replay(port, "", 4000, 10, keys)
     assert msgs[:10] == journal[3999:4009]
-    first, _ = replay(port, "NOPE", 1, 1)
+    first, _ = replay(port, "NOPE", 1, 1, keys)
     assert first == (b"J", b"S")
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # a login under another key
+        LinkSocket(raw, LinkKeys([b"not the stream key"])).sendall(soup.login("x", "", "TAPE", 1))
+        try:
+            assert raw.recv(4096) == b""  # closed, nothing served
+        except ConnectionResetError:
+            pass
+    wait_for(lambda: cluster.metrics("rw-1").get('tape_rewinder_link_refused_total{node="rw-1",reason="unknown_key"}'),
+             "rw-1 to count the login with an unknown key")
+
+
+def test_forged_replication_frames_without_the_cluster_key_change_nothing(cluster):
+    """A higher-term vote request and an append, well formed, sent to every voter by a peer
+    without the cluster key: refused at the link's hello; no term moves, the stream goes on."""
+    from tape.protocol import replication as rep
+
+    cluster.start_all()
+    voters = [n.name for n in cluster.cfg.voters]
+    forged = rep.encode_vote_request(1000, b"mallory".ljust(10), 10**9, 999) + \
+        rep.encode_append(1000, b"mallory".ljust(10), 0, 0, 10**9, 1000, [bytes(75)])
+    for name in voters:
+        with socket.create_connection(("127.0.0.1", cluster.cfg.node(name).replication_port), timeout=5) as s:
+            s.sendall(forged)
+            s.settimeout(5)
+            got = b""
+            try:
+                while data := s.recv(4096):
+                    got += data
+            except ConnectionResetError:
+                pass
+            assert got[:4] == b"TPL1" and len(got) == 28, got  # its link hello, then closed: no frame answered
+    load = cluster.start("load", "load", "--rate", "5000", "--messages", "5000", "--seed", "4")
+    assert load.wait(timeout=60) == 0, cluster.output("load")
+    for name in voters:
+        role = cluster.cfg.node(name).role
+        m = cluster.metrics(name)
+        assert m[f'tape_{role}_link_refused_total{{node="{name}",reason="bad_hello"}}'] == 1
+        assert m[f'tape_{role}_term{{node="{name}"}}'] == 1

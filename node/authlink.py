@@ -1,0 +1,116 @@
+"""Authenticated TCP links for the shells (protocol/linkauth.py is the
+logic): `connect` and `serving` give a role the (reader, writer) pair it
+always had, with every byte inside authenticated records when the link has
+keys, or the plain pair when it has none. Handshake failures and records
+that do not verify are counted in `refused` by reason and close the
+connection; the role code sees a closed connection or a ProtocolError,
+as for any bad peer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Awaitable, Callable
+
+from tape.node.ratelog import RateLimitedLog
+from tape.protocol.errors import ProtocolError
+from tape.protocol.linkauth import HELLO, NONCE_SIZE, LinkKeys, Opener, Sealer
+
+HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
+CONNECT_TIMEOUT_S = 2.0  # a connection and its handshake, where the caller has no tighter limit
+
+log = RateLimitedLog(logging.getLogger("tape.link"))
+
+
+class SealedReader:
+    """The `read` of an asyncio.StreamReader, over verified records."""
+
+    def __init__(self, reader: asyncio.StreamReader, opener: Opener, refused: dict[str, int]):
+        self._reader = reader
+        self._opener = opener
+        self._refused = refused
+
+    async def read(self, n: int = -1) -> bytes:
+        while True:
+            data = await self._reader.read(n)
+            if not data:
+                return b""
+            try:
+                plain = self._opener.open(data)
+            except ProtocolError as e:
+                _refuse(self._refused, e)
+                raise
+            if plain:
+                return plain
+
+
+class SealedWriter:
+    """An asyncio.StreamWriter whose writes go out as sealed records."""
+
+    def __init__(self, writer: asyncio.StreamWriter, sealer: Sealer):
+        self._writer = writer
+        self._sealer = sealer
+        self.transport = writer.transport
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._writer.write(self._sealer.seal(data))
+
+    def __getattr__(self, name):  # drain, close, is_closing, wait_closed, get_extra_info
+        return getattr(self._writer, name)
+
+
+def _refuse(refused: dict[str, int], e: ProtocolError) -> None:
+    refused[e.reason] = refused.get(e.reason, 0) + 1
+    log.warn(e.reason, "link refused: %s", e)
+
+
+async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: dict[str, int]):
+    nonce = os.urandom(NONCE_SIZE)
+    writer.write(keys.hello(nonce))
+    try:
+        peer = await asyncio.wait_for(reader.readexactly(HELLO.size), HANDSHAKE_TIMEOUT_S)
+        sealer, opener = keys.accept(nonce, peer, initiator)
+    except asyncio.IncompleteReadError as e:
+        _refuse(refused, ProtocolError("bad_hello", f"closed after {len(e.partial)} bytes of a hello", 0))
+        raise ConnectionError("link closed during the handshake") from None
+    except asyncio.TimeoutError:
+        _refuse(refused, ProtocolError("hello_timeout", f"no hello in {HANDSHAKE_TIMEOUT_S} s", 0))
+        raise ConnectionError("no link hello in time") from None
+    except ProtocolError as e:
+        _refuse(refused, e)
+        raise ConnectionError(f"link handshake refused: {e}") from None
+    return SealedReader(reader, opener, refused), SealedWriter(writer, sealer)
+
+
+async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str, int], timeout: float | None = None):
+    """open_connection, then the handshake when the link has keys, both within `timeout`
+    (raises OSError or asyncio.TimeoutError; ConnectionError when the handshake fails)."""
+    async def open_link():
+        reader, writer = await asyncio.open_connection(host, port)
+        if keys is None:
+            return reader, writer
+        try:
+            return await _handshake(reader, writer, keys, True, refused)
+        except BaseException:
+            writer.close()
+            raise
+
+    return await asyncio.wait_for(open_link(), timeout)
+
+
+def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refused: dict[str, int]):
+    """A start_server callback: `handler` gets the authenticated pair, or nothing is called."""
+    if keys is None:
+        return handler
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            pair = await _handshake(reader, writer, keys, False, refused)
+        except (ConnectionError, OSError):
+            writer.close()
+            return
+        await handler(*pair)
+
+    return serve

@@ -1,0 +1,41 @@
+"""A blocking client of an authenticated link (protocol/linkauth.py), for tests that
+talk to a node's TCP port byte by byte: `sendall` and `recv` as on a socket."""
+
+import os
+import socket
+
+from tape.protocol.linkauth import HELLO, NONCE_SIZE, LinkKeys
+
+
+class LinkSocket:
+    def __init__(self, sock: socket.socket, keys: LinkKeys | None):
+        self.sock = sock
+        self.sealer = self.opener = None
+        if keys is not None:
+            nonce = os.urandom(NONCE_SIZE)
+            sock.sendall(keys.hello(nonce))
+            peer = b""
+            while len(peer) < HELLO.size:
+                data = sock.recv(HELLO.size - len(peer))
+                if not data:
+                    raise ConnectionError("closed during the handshake")
+                peer += data
+            self.sealer, self.opener = keys.accept(nonce, peer, initiator=True)
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(self.sealer.seal(data) if self.sealer else data)
+
+    def recv(self, n: int) -> bytes:
+        while True:
+            data = self.sock.recv(n)
+            if not data or self.opener is None:
+                return data
+            plain = self.opener.open(data)
+            if plain:
+                return plain
+
+    def settimeout(self, t) -> None:
+        self.sock.settimeout(t)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,94 @@
+"""The authenticated record layer of TCP links (protocol/linkauth.py)."""
+
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tape.protocol.errors import ProtocolError
+from tape.protocol.linkauth import HELLO, MAX_RECORD, RECORD, LinkKeys
+
+K1, K2 = os.urandom(32), os.urandom(32)
+
+
+def pair(client_keys: LinkKeys, server_keys: LinkKeys, nc: bytes = b"c" * 16, ns: bytes = b"s" * 16):
+    """(client sealer, client opener, server sealer, server opener) after a handshake."""
+    cs, co = client_keys.accept(nc, server_keys.hello(ns), initiator=True)
+    ss, so = server_keys.accept(ns, client_keys.hello(nc), initiator=False)
+    return cs, co, ss, so
+
+
+@given(st.lists(st.binary(max_size=3000), max_size=8), st.integers(1, 97))
+def test_what_is_sealed_opens_whole_whatever_the_chunking(writes, chunk):
+    cs, _, _, so = pair(LinkKeys([K1]), LinkKeys([K1]))
+    wire = b"".join(cs.seal(w) for w in writes)
+    got = b"".join(so.open(wire[i:i + chunk]) for i in range(0, len(wire), chunk))
+    assert got == b"".join(writes)
+
+
+def test_both_directions_and_a_write_larger_than_a_record():
+    cs, co, ss, so = pair(LinkKeys([K1]), LinkKeys([K1]))
+    big = os.urandom(MAX_RECORD * 2 + 5)
+    wire = cs.seal(big)
+    assert len(wire) == len(big) + 3 * RECORD.size  # three records
+    assert so.open(wire) == big
+    assert co.open(ss.seal(b"ack")) == b"ack"
+
+
+def test_a_flipped_bit_anywhere_in_a_record_is_refused():
+    cs, _, _, so = pair(LinkKeys([K1]), LinkKeys([K1]))
+    wire = cs.seal(b"append frame bytes")
+    for i in range(4, len(wire)):  # past the length (a bad length is refused as such, or waits)
+        bad = bytearray(wire)
+        bad[i] ^= 0x01
+        opener = pair(LinkKeys([K1]), LinkKeys([K1]))[3]
+        with pytest.raises(ProtocolError) as e:
+            opener.open(bytes(bad))
+        assert e.value.reason == "bad_tag"
+    assert so.open(wire) == b"append frame bytes"
+
+
+def test_records_replayed_reordered_or_from_another_connection_are_refused():
+    cs, _, _, so = pair(LinkKeys([K1]), LinkKeys([K1]))
+    first, second = cs.seal(b"one"), cs.seal(b"two")
+    with pytest.raises(ProtocolError, match="record 0"):
+        so.open(second)  # reordered (or the first dropped)
+    cs, _, _, so = pair(LinkKeys([K1]), LinkKeys([K1]))
+    assert so.open(cs.seal(b"one")) == b"one"
+    with pytest.raises(ProtocolError):
+        so.open(first)  # the same record again: the counter moved on
+    _, _, _, other = pair(LinkKeys([K1]), LinkKeys([K1]), ns=b"t" * 16)  # the server's fresh nonce
+    with pytest.raises(ProtocolError) as e:
+        other.open(first)
+    assert e.value.reason == "bad_tag"
+
+
+def test_a_peer_without_the_key_is_refused_at_its_hello_or_first_record():
+    with pytest.raises(ProtocolError) as e:
+        LinkKeys([K1]).accept(b"s" * 16, LinkKeys([K2]).hello(b"c" * 16), initiator=False)
+    assert e.value.reason == "unknown_key"
+    with pytest.raises(ProtocolError) as e:
+        LinkKeys([K1]).accept(b"s" * 16, b"\x00\x00\x00\x05Zjunk" + bytes(HELLO.size - 10), initiator=False)
+    assert e.value.reason == "bad_hello"
+    # A server without the client's key cannot even answer: its opener never verifies the client.
+    cs, _, _, _ = pair(LinkKeys([K2]), LinkKeys([K2]))
+    _, _, _, so = pair(LinkKeys([K1]), LinkKeys([K1]))
+    with pytest.raises(ProtocolError):
+        so.open(cs.seal(b"forged"))
+
+
+def test_rotation_either_key_is_accepted_the_first_is_offered():
+    old, both, new = LinkKeys([K1]), LinkKeys([K2, K1]), LinkKeys([K2])
+    for client, server in ((old, both), (both, new), (both, both)):
+        cs, co, ss, so = pair(client, server)
+        assert so.open(cs.seal(b"x")) == b"x" and co.open(ss.seal(b"y")) == b"y"
+    with pytest.raises(ProtocolError):
+        pair(old, new)
+
+
+def test_an_oversized_record_length_is_refused_before_it_is_buffered():
+    _, _, _, so = pair(LinkKeys([K1]), LinkKeys([K1]))
+    with pytest.raises(ProtocolError) as e:
+        so.open(RECORD.pack(MAX_RECORD + 1, bytes(16)))
+    assert e.value.reason == "bad_record"
