@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import Iterator
 
 from tape.protocol import journal as fmt
+from tape.protocol.messages import SEQUENCED_SIZE
 
 log = logging.getLogger("tape.journal")
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_INDEX_EVERY = 256
 _READ_CHUNK = 1 << 18
+_MIN_READ = 4096  # bytes: the least a bounded read asks the file for
+_RECORD_GUESS = fmt.RECORD_HEADER_SIZE + SEQUENCED_SIZE  # bytes of a typical record, to size a bounded read
 
 
 class JournalCorruption(Exception):
@@ -350,7 +353,7 @@ class Journal:
         for seg in self.segments[i:]:
             if seg.first_seq > last:
                 return
-            for rec in self._iter_segment(seg, from_seq):
+            for rec in self._iter_segment(seg, from_seq, upto_seq=last):
                 if rec[0] > last:
                     return
                 yield rec
@@ -372,7 +375,7 @@ class Journal:
             pass
         seg.idx_seqs, seg.idx_offsets, seg.indexed = seqs, offs, True
 
-    def _iter_segment(self, seg: Segment, from_seq: int, with_offsets: bool = False):
+    def _iter_segment(self, seg: Segment, from_seq: int, with_offsets: bool = False, upto_seq: int | None = None):
         if not seg.indexed:
             self._load_index(seg)
         k = bisect.bisect_right(seg.idx_seqs, from_seq) - 1
@@ -381,7 +384,8 @@ class Journal:
         else:
             start, seq = fmt.SEGMENT_HEADER_SIZE, seg.first_seq
         limit = seg.size if seg is self.segments[-1] and not self.readonly else None
-        for rec in iter_segment_file(seg.path, start, seq, limit, sealed=seg is not self.segments[-1]):
+        for rec in iter_segment_file(seg.path, start, seq, limit, sealed=seg is not self.segments[-1],
+                                     upto_seq=upto_seq):
             if rec[0] < from_seq:
                 continue
             if rec[0] > seg.last_seq:
@@ -389,21 +393,29 @@ class Journal:
             yield rec if with_offsets else rec[:3]
 
 
-def iter_segment_file(path: Path, offset: int, expect_seq: int, limit: int | None = None, sealed: bool = True):
+def iter_segment_file(path: Path, offset: int, expect_seq: int, limit: int | None = None, sealed: bool = True,
+                      upto_seq: int | None = None):
     """Records (seq, term, message, offset) of one segment file from `offset`,
     read in chunks. A failing record raises JournalCorruption, except an
     incomplete record at the end of an unsealed (still written) segment,
-    where reading simply stops."""
+    where reading simply stops. With `upto_seq`, reading stops there and reads
+    (and checks) little more than the records asked for: a gap-fill answer
+    wants a packet's worth, not a chunk's (2.9 ms a request before, issue 13)."""
     with open(path, "rb") as f:
         f.seek(offset)
         buf = b""
         base = offset  # file offset of buf[0]
         while True:
-            want = _READ_CHUNK if limit is None else min(_READ_CHUNK, limit - base - len(buf))
+            wanted = None if upto_seq is None else upto_seq - expect_seq + 1
+            if wanted is not None and wanted <= 0:
+                return
+            want = _READ_CHUNK if wanted is None else min(_READ_CHUNK, max(_MIN_READ, wanted * _RECORD_GUESS))
+            if limit is not None:
+                want = min(want, limit - base - len(buf))
             chunk = f.read(want) if want > 0 else b""
             at_eof = not chunk
             buf = buf + chunk if buf else chunk
-            res = fmt.scan(buf, 0, expect_seq)
+            res = fmt.scan(buf, 0, expect_seq, wanted)
             for seq, term, msg, off in res.records:
                 yield seq, term, msg, base + off
             if res.records:

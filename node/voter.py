@@ -218,7 +218,10 @@ class Voter:
                                        e.term, [])
 
     async def _connect(self, voter: Node):
-        return await authlink.connect(voter.host, voter.replication_port, self.link_keys, self.link_refused, 0.2)
+        """A link for a vote or a fetch, within an election timeout: with keys the peer must answer
+        the handshake, which a starved peer may not do within the 0.2 s a bare TCP connect had."""
+        return await authlink.connect(voter.host, voter.replication_port, self.link_keys, self.link_refused,
+                                      self.cfg.election_ms / 1000)
 
     async def fetch_from(self, voter: Node) -> int:
         """Extend our log with what `voter` holds beyond it (entries its

@@ -2,6 +2,7 @@
 that every example in the docs equals these bytes."""
 
 from tape.protocol import journal as jfmt
+from tape.protocol import linkauth
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol import soupbintcp as soup
@@ -12,6 +13,8 @@ CLIENT1 = m.session_bytes("client1")
 R = msg.purchase_request(1, 100, "Sendence", "AAPL")
 P = msg.purchase(2, 1, 90, "Sendence", "AAPL")
 R_SEQ = msg.stamp(R, STAMP, CLIENT1, 1)
+LINK_KEY = bytes(range(32))  # the docs' example key: 00 01 .. 1f
+LINK = linkauth.LinkKeys([LINK_KEY])
 
 EXAMPLES = {
     "inbound_purchase_request": R,
@@ -32,6 +35,9 @@ EXAMPLES = {
     "soup_end_of_session": soup.end_of_session(),
     "journal_segment_header": jfmt.encode_segment_header(TAPE, 1),
     "journal_record": jfmt.encode_record(1, 1, R_SEQ),
+    "link_hello": LINK.hello(bytes(16)),
+    # The connecting side's first record after hellos with nonces of zeros (its own) and 0x11s.
+    "link_record": LINK.accept(bytes(16), LINK.hello(b"\x11" * 16), initiator=True)[0].seal(b"hello frame"),
 }
 
 
