@@ -121,7 +121,7 @@ class Voter:
         self.leader: LeaderCore | None = None
         self.links: FollowerLinks | None = None  # while leading
         self.invited = 0  # when the leader last tried to (re)connect its missing followers
-        self.gapfill = GapFillCore(SESSION, 17, rate_per_s=5000.0)
+        self.gapfill = GapFillCore(SESSION, 17, rate_per_s=5000.0, total_rate_per_s=50_000.0)
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.hellos: dict[str, Hello] = {}  # voter -> its hello, while campaigning
 

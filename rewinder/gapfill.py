@@ -2,9 +2,13 @@
 the sender's address, the time and the committed seq; the core answers
 which messages to send back or why the request is dropped.
 
-Safety against amplification: at most `max_count` messages per answer
-(what fits one datagram), only committed seqs, and a token bucket per
-requester address.
+Safety against amplification and floods: at most `max_count` messages per
+answer (what fits one datagram), only committed seqs, a token bucket per
+requester *host* (a sender rotating its ports shares one bucket) and one
+for the whole server, so that however many hosts ask, answering takes a
+bounded share of the rewinder's loop, which also acknowledges appends and
+votes (docs/stream.md: a rewinder whose loop gap fill took could do
+neither, and the cluster lost its leader).
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ from dataclasses import dataclass
 
 from tape.protocol import moldudp64
 from tape.protocol.errors import ProtocolError
+from tape.protocol.limits import (
+    GAPFILL_HOST_BURST,
+    GAPFILL_HOST_RATE,
+    GAPFILL_MAX_HOSTS,
+    GAPFILL_TOTAL_BURST,
+    GAPFILL_TOTAL_RATE,
+)
 from tape.protocol.streamauth import seal_covers
 
 
@@ -28,21 +39,36 @@ class Refuse:
     reason: str  # counted in `dropped`
 
 
+class TokenBucket:
+    def __init__(self, rate_per_s: float, burst: float, now: float):
+        self.rate, self.burst = rate_per_s, burst
+        self.tokens, self.at = burst, now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
 class GapFillCore:
-    def __init__(
-        self, session: bytes, max_count: int, rate_per_s: float = 2000.0, burst: float = 200.0, max_peers: int = 10_000
-    ):
+    def __init__(self, session: bytes, max_count: int, rate_per_s: float = GAPFILL_HOST_RATE,
+                 burst: float = GAPFILL_HOST_BURST, max_peers: int = GAPFILL_MAX_HOSTS,
+                 total_rate_per_s: float = GAPFILL_TOTAL_RATE, total_burst: float = GAPFILL_TOTAL_BURST):
         self.session = session
         self.max_count = max_count
         self.rate = rate_per_s
         self.burst = burst
         self.max_peers = max_peers
-        self._buckets: OrderedDict = OrderedDict()  # addr -> [tokens, last time]
+        self._buckets: OrderedDict = OrderedDict()  # host -> TokenBucket, least recently asking first
+        self._total = TokenBucket(total_rate_per_s, total_burst, 0.0)
         self.served = 0
         self.dropped: dict[str, int] = {}
 
-    def on_request(self, data: bytes, addr, now: float, committed_seq: int) -> Answer | Refuse:
-        """What to send back, or why the request is dropped."""
+    def on_request(self, data: bytes, host, now: float, committed_seq: int) -> Answer | Refuse:
+        """What to send back to a request from `host` (an address, never a port), or why it is dropped."""
         try:
             session, seq, count = moldudp64.decode_request(data)
         except ProtocolError as e:
@@ -51,8 +77,10 @@ class GapFillCore:
             return self._drop("foreign_session")
         if seq > committed_seq:
             return self._drop("not_committed")
-        if not self._take_token(addr, now):
+        if not self._take_token(host, now):
             return self._drop("rate_limited")
+        if not self._total.take(now):
+            return self._drop("server_busy")
         count = min(count, self.max_count, committed_seq - seq + 1)
         self.served += 1
         return Answer(seq, count)
@@ -73,17 +101,12 @@ class GapFillCore:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         return Refuse(reason)
 
-    def _take_token(self, addr, now: float) -> bool:
-        bucket = self._buckets.get(addr)
+    def _take_token(self, host, now: float) -> bool:
+        bucket = self._buckets.get(host)
         if bucket is None:
             if len(self._buckets) >= self.max_peers:
                 self._buckets.popitem(last=False)
-            bucket = self._buckets[addr] = [self.burst, now]
+            bucket = self._buckets[host] = TokenBucket(self.rate, self.burst, now)
         else:
-            self._buckets.move_to_end(addr)
-            bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-            bucket[1] = now
-        if bucket[0] < 1.0:
-            return False
-        bucket[0] -= 1.0
-        return True
+            self._buckets.move_to_end(host)
+        return bucket.take(now)

@@ -25,3 +25,30 @@ def test_rate_limit_per_requester_refills_with_time():
     assert core.on_request(req, "b", 0.0, 50) == Answer(1, 1)  # another requester has its own bucket
     assert core.on_request(req, "a", 0.1, 50) == Answer(1, 1)  # 0.1 s at 10/s refills one
     assert core.on_request(req, "a", 0.1, 50) == Refuse("rate_limited")
+
+
+def test_a_host_rotating_its_ports_shares_one_bucket():
+    """The shell passes the sender's address without its port: a flood from one host
+    through many ports is one requester."""
+    core = GapFillCore(S, max_count=17, rate_per_s=10, burst=3)
+    req = m.encode_request(S, 1, 1)
+    answers = [core.on_request(req, ("10.0.0.9", port)[0], 0.0, 50) for port in range(40000, 40010)]
+    assert answers == [Answer(1, 1)] * 3 + [Refuse("rate_limited")] * 7
+
+
+def test_the_server_budget_bounds_answers_whatever_the_number_of_hosts():
+    core = GapFillCore(S, max_count=17, rate_per_s=10, burst=3, total_rate_per_s=100, total_burst=5)
+    req = m.encode_request(S, 1, 1)
+    answers = [core.on_request(req, f"10.0.{i // 250}.{i % 250}", 0.0, 50) for i in range(1000)]
+    assert answers.count(Answer(1, 1)) == 5 and core.dropped == {"server_busy": 995}
+    assert core.on_request(req, "10.9.9.9", 0.05, 50) == Answer(1, 1)  # 0.05 s at 100/s refills five
+
+
+def test_the_hosts_remembered_are_bounded_the_least_recent_forgotten():
+    core = GapFillCore(S, max_count=17, rate_per_s=10, burst=1, max_peers=2)
+    req = m.encode_request(S, 1, 1)
+    assert core.on_request(req, "a", 0.0, 50) == Answer(1, 1)
+    assert core.on_request(req, "a", 0.0, 50) == Refuse("rate_limited")  # a's bucket is empty
+    core.on_request(req, "b", 0.0, 50)
+    core.on_request(req, "c", 0.0, 50)  # a, the least recent, is forgotten
+    assert core.on_request(req, "a", 0.0, 50) == Answer(1, 1)  # a fresh bucket
