@@ -14,8 +14,10 @@ from rich.table import Table
 from tape.node.gctune import tune_gc
 from tape.node.journal_store import Journal
 from tape.ops.tradegen import TradeGenerator
-from tape.protocol import messages, moldudp64
+from tape.protocol import messages, moldudp64, replication
+from tape.protocol.linkauth import LinkKeys
 from tape.protocol.packets import PacketBuilder
+from tape.protocol.streamauth import StreamKeys
 
 
 def _rate(n: int, seconds: float) -> str:
@@ -48,6 +50,7 @@ def bench_protocol(n: int = 1_000_000, batch: int = 1000) -> dict:
 
     # Journal appends, group-committed per batch.
     sequenced = [messages.stamp(m, now, origin, i) for i, m in enumerate(inbound, 1)]
+    results.update(_bench_auth(session, sequenced, batch, now))
     for policy in ("batch", "never"):
         d = tempfile.mkdtemp(prefix="tape-bench-")
         try:
@@ -71,6 +74,34 @@ def bench_protocol(n: int = 1_000_000, batch: int = 1000) -> dict:
         table.add_row(name, _rate(count, secs), f"{secs:.3f}")
     console.print(table)
     return {k: c / s for k, (c, s) in results.items()}
+
+
+def _bench_auth(session: bytes, sequenced: list[bytes], batch: int, now: int) -> dict:
+    """What keys cost per message: the stream's seals (the leader seals, listeners verify) and
+    the authenticated records of a replication link (one record per append of `batch`)."""
+    keys = StreamKeys([os.urandom(32)])
+    per = PacketBuilder(session, 1).per_packet - 1  # one block of each packet is its seal
+    n = len(sequenced)
+    out = {}
+    t0 = time.perf_counter()
+    sealed = [keys.seal_packet(session, i + 1, sequenced[i:i + per], now, session)[1] for i in range(0, n, per)]
+    out["stream: seal packets (leader)"] = (n, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    if any(keys.verify(pkt) is not None for pkt in sealed):
+        raise RuntimeError("a sealed packet does not verify")
+    out["stream: verify seals (listener)"] = (n, time.perf_counter() - t0)
+    frames = [replication.encode_append(1, session, i, 1, i, 1, sequenced[i:i + batch]) for i in range(0, n, batch)]
+    link = LinkKeys([os.urandom(32)])
+    sealer, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=True)
+    _, opener = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
+    t0 = time.perf_counter()
+    wire = [sealer.seal(f) for f in frames]
+    out[f"link: seal appends of {batch}"] = (n, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    if sum(len(opener.open(w)) for w in wire) != sum(map(len, frames)):
+        raise RuntimeError("a link record did not open")
+    out[f"link: open appends of {batch}"] = (n, time.perf_counter() - t0)
+    return out
 
 
 def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never") -> float:
