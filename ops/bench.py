@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -59,8 +60,10 @@ def bench_protocol(n: int = 1_000_000, batch: int = 1000) -> dict:
             for start in range(0, n, batch):
                 chunk = sequenced[start:start + batch]
                 j.append([(start + k + 1, 1, m) for k, m in enumerate(chunk)])
-            j.close()
             results[f"journal append, fsync {policy}"] = (n, time.perf_counter() - t0)
+            if policy == "never":
+                results.update(_bench_gapfill_reads(j, n))
+            j.close()
         finally:
             shutil.rmtree(d)
 
@@ -74,6 +77,16 @@ def bench_protocol(n: int = 1_000_000, batch: int = 1000) -> dict:
         table.add_row(name, _rate(count, secs), f"{secs:.3f}")
     console.print(table)
     return {k: c / s for k, (c, s) in results.items()}
+
+
+def _bench_gapfill_reads(j: Journal, n: int, reads: int = 2000, per_read: int = 18) -> dict:
+    """A rewinder's gap-fill read: a packet's worth of records at a random seq (seeded)."""
+    rng = random.Random(7)
+    t0 = time.perf_counter()
+    got = sum(len(j.read_batch(rng.randrange(1, n - per_read), per_read)) for _ in range(reads))
+    if got != reads * per_read:
+        raise RuntimeError(f"gap-fill reads returned {got} of {reads * per_read} records")
+    return {f"journal: gap-fill reads of {per_read} at random seqs": (got, time.perf_counter() - t0)}
 
 
 def _bench_auth(session: bytes, sequenced: list[bytes], batch: int, now: int) -> dict:

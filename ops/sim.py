@@ -307,7 +307,7 @@ class Voter:
                 if batch is not None:
                     self.process(batch)
         elif msg[0] == "gap" and not self.can_lead:
-            answer = self.gapfill.on_request(msg[1], src, now / 1e9, self.commit_seq)
+            answer = self.gapfill.on_request(msg[1], (src, 0), now / 1e9, self.commit_seq)
             if isinstance(answer, Answer):
                 read = lambda first, n: [m for _, m in self.log[first - 1:first - 1 + n]]  # noqa: E731
                 first, entries = self.gapfill.entries(answer, read, True, self.commit_seq)

@@ -67,8 +67,9 @@ class GapFillCore:
         self.served = 0
         self.dropped: dict[str, int] = {}
 
-    def on_request(self, data: bytes, host, now: float, committed_seq: int) -> Answer | Refuse:
-        """What to send back to a request from `host` (an address, never a port), or why it is dropped."""
+    def on_request(self, data: bytes, addr: tuple, now: float, committed_seq: int) -> Answer | Refuse:
+        """What to send back to a request from `addr` (host, port), or why it is dropped. Budgets are
+        per host: the port is the sender's to choose."""
         try:
             session, seq, count = moldudp64.decode_request(data)
         except ProtocolError as e:
@@ -77,7 +78,7 @@ class GapFillCore:
             return self._drop("foreign_session")
         if seq > committed_seq:
             return self._drop("not_committed")
-        if not self._take_token(host, now):
+        if not self._take_token(addr[0], now):
             return self._drop("rate_limited")
         if not self._total.take(now):
             return self._drop("server_busy")

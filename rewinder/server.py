@@ -123,7 +123,7 @@ class Rewinder(NodeProcess):
                     pass  # the listener asks again
 
     def _answer(self, data: bytes, addr) -> list[bytes]:
-        action = self.gapfill.on_request(data, addr[0], time.monotonic(), self.commit_seq)
+        action = self.gapfill.on_request(data, addr, time.monotonic(), self.commit_seq)
         if isinstance(action, Refuse):
             if action.reason not in ("rate_limited", "server_busy"):  # floods: counted, not logged
                 self.badlog.warn(action.reason, "dropped gap request from %s: %s", addr, action.reason)
