@@ -48,13 +48,14 @@ class LocalCluster:
         return proc
 
     def start_node(
-        self, name: str, drop: float = 0.0, seed: int = 0, *extra: str, env: dict | None = None
+        self, name: str, drop: float = 0.0, seed: int = 0, *extra: str, env: dict | None = None, wait: bool = True
     ) -> subprocess.Popen:
+        """Start a node; with `wait`, return once it serves metrics (failing if it exits first)."""
         node = self.cfg.node(name)
         args = [node.role, "--node", name, *extra]
         if node.role != "emitter":
             args += ["--drop", str(drop), "--seed", str(seed)]
-        return self.start(name, *args, wait_metrics=node.metrics_port, env=env)
+        return self.start(name, *args, wait_metrics=node.metrics_port if wait else None, env=env)
 
     def start_all(self, drop: float = 0.0, emitter_args: tuple = ()) -> None:
         for i, n in enumerate(self.cfg.by_role("rewinder")):

@@ -49,7 +49,8 @@ def test_an_impossible_state_stops_the_process_with_exit_4(tmp_path, node, where
     env = {"PYTHONPATH": str(plant), "TAPE_TEST_IMPOSSIBLE": where}
     try:
         for n in ("rw-1", "seq-a", "emitter", "replica-A"):
-            cluster.start_node(n, env=env if n == node else None)
+            # the planted node may stop before it serves metrics (a replica applies the term start at once)
+            cluster.start_node(n, env=env if n == node else None, wait=n != node)
         if node in ("replica-A", "emitter"):  # these need trades to reach the impossible point
             load = cluster.start("load", "load", "--rate", "2000", "--messages", "2000", "--overfill", "1.0")
         code = wait_exit(cluster.procs[node])
