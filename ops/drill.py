@@ -262,7 +262,7 @@ def run(name: str, rate: float, duration: float, loss: float, out: str | None, s
             fo = r.get("failover_ms")
             table.add_row(n, "[green]pass[/green]" if r["verdict"] == "pass" else "[red]FAIL[/red]",
                           f"{fo:.0f}" if fo is not None else "", f"{r['rate_msgs_per_s']:,.0f}",
-                          f"{r['latency_ms']['p99']:.1f}")
+                          f"{r['latency_ms'].get('p99') or 0:.1f}")
         console.print(table)
         if out:
             summary = {n: {k: r.get(k) for k in ("verdict", "failover_ms", "rate_msgs_per_s", "latency_ms")}

@@ -5,6 +5,7 @@ pid."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -17,6 +18,21 @@ from pathlib import Path
 from tape.ops.config import default_toml, load, new_keys
 
 TAPE = [sys.executable, "-m", "tape.ops.cli"]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class ClusterError(RuntimeError):
+    """A node exited that no one stopped, or did not come up: the run cannot go on."""
+
+
+def _dies_with(parent: int):
+    """A preexec function: the child is killed when `parent` dies, however it dies (a drill killed by a
+    test's timeout must not leave its nodes running)."""
+    def preexec() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # it died before prctl took effect
+            os._exit(1)
+    return preexec
 
 
 class LocalCluster:
@@ -32,6 +48,7 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.started: dict[str, tuple] = {}  # name -> (args, wait_metrics, env): what restart() repeats
+        self.let_go: set[str] = set()  # stopped or killed here: their exits are expected
 
     def start(
         self, name: str, *args: str, wait_metrics: int | None = None, env: dict | None = None
@@ -39,9 +56,10 @@ class LocalCluster:
         log = self.root / f"{name}.log"
         self.logs[name] = log
         self.started[name] = (args, wait_metrics, env)
+        self.let_go.discard(name)
         proc = subprocess.Popen(TAPE + list(args) + ["--config", str(self.config_path)],
                                 stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "a"),
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})}, preexec_fn=_dies_with(os.getpid()))
         self.procs[name] = proc
         if wait_metrics:
             self.wait_http(wait_metrics, proc, name)
@@ -71,13 +89,22 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}: {self.logs[name].read_text()[-2000:]}")
+                raise ClusterError(self._exit_note(name))
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read()
                 return
             except OSError:
                 time.sleep(0.05)
-        raise TimeoutError(f"{name} did not serve metrics on :{port}")
+        raise ClusterError(f"{name} did not serve metrics on :{port} within {timeout:.0f} s")
+
+    def check_running(self, ignore: tuple[str, ...] = ()) -> None:
+        """Raise ClusterError naming the first node that exited without being stopped or killed here."""
+        for name, proc in self.procs.items():
+            if name not in self.let_go and name not in ignore and proc.poll() is not None:
+                raise ClusterError(self._exit_note(name))
+
+    def _exit_note(self, name: str) -> str:
+        return f"{name} exited with {self.procs[name].returncode}: {self.logs[name].read_text()[-2000:]}"
 
     def metrics(self, name: str) -> dict[str, float]:
         """The node's metrics as {'name{labels}': value}."""
@@ -110,12 +137,14 @@ class LocalCluster:
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
+        self.let_go.add(name)
         if proc.poll() is None:
             os.kill(proc.pid, sig)
             proc.wait(timeout=10)
 
     def stop(self, name: str) -> int:
         proc = self.procs[name]
+        self.let_go.add(name)
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
             try:

@@ -23,12 +23,14 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from tape.ops.local import LocalCluster
+from tape.ops.local import ClusterError, LocalCluster
 from tape.ops.verdict import judge, read_run
 
 SEQUENCERS = ("seq-a", "seq-b")
 VOTERS = (*SEQUENCERS, "rw-1", "rw-2")
 REPLICAS = ("replica-A", "replica-B", "replica-C")
+SLACK_S = 90.0  # a run that has not finished its load this long after its duration is stuck: fail it
+REPLICAS_FINISH_S = 60.0  # after the end of session, for the replicas to apply everything
 
 
 def _m(metrics: dict, name: str, node: str) -> float:
@@ -36,8 +38,9 @@ def _m(metrics: dict, name: str, node: str) -> float:
 
 
 def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int, drill=None,
-           console: Console | None = None) -> dict:
-    """Run the cluster under load (with `drill`'s fault, if any); returns the report."""
+           console: Console | None = None, slack_s: float = SLACK_S) -> dict:
+    """Run the cluster under load (with `drill`'s fault, if any); returns the report. A node that
+    exits unbidden, or a load still running `slack_s` after `duration`, aborts the run (verdict fail)."""
     console = console or Console()
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="tape-up-"))
     if out and root.exists():
@@ -50,14 +53,18 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
         console.print(f"{what}: 2 sequencers, 2 rewinders, 3 replicas, emitter on "
                       f"{cluster.cfg.group}:{cluster.cfg.port}; {total:,} trades at {rate:,.0f}/s, "
                       f"{drop:.0%} loss at every receiver; data in {root}")
-        cluster.start_all(drop)
-        cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
-                             "--seed", str(seed))
-        _watch(console, cluster, duration, drill)
-        if drill:
-            drill.finish(cluster)
-        _stop_in_order(cluster)
-        report = _verdict(console, cluster, total, rate, drill)
+        try:
+            cluster.start_all(drop)
+            cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
+                          "--seed", str(seed))
+            _watch(console, cluster, duration, drill, deadline=time.monotonic() + duration + slack_s)
+            if drill:
+                drill.finish(cluster)
+            _stop_in_order(cluster)
+        except ClusterError as e:  # fail now, saying why, rather than wait for a verdict that cannot come
+            report = _aborted(console, what, str(e), drill)
+        else:
+            report = _verdict(console, cluster, total, rate, drill)
     finally:
         cluster.close()
     _arrange(cluster, root)
@@ -70,15 +77,13 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
 
 
 def _stop_in_order(cluster: LocalCluster) -> None:
-    if cluster.alive("load"):
-        cluster.procs["load"].wait(timeout=120)
     leader = cluster.leader()
     if leader:  # it ends the session: an entry every live voter journals (the standby too, which then
         cluster.stop(leader)  # campaigns no more), and the replicas finish where they apply it
     for s in SEQUENCERS:
         if s != leader:
             cluster.stop(s)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + REPLICAS_FINISH_S
     for r in REPLICAS:
         proc = cluster.procs[r]
         while proc.poll() is None and time.monotonic() < deadline:
@@ -98,7 +103,9 @@ def _scrape(cluster: LocalCluster) -> dict:
     return out
 
 
-def _watch(console, cluster: LocalCluster, duration: float, drill) -> None:
+def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: float) -> None:
+    """Show the cluster live until the load is done (and the drill healed); raise ClusterError
+    if a node exits unbidden or the run outlives `deadline`."""
     progress = Progress(TextColumn("load"), BarColumn(), TimeRemainingColumn())
     task = progress.add_task("load", total=duration)
     t0 = time.monotonic()
@@ -108,6 +115,10 @@ def _watch(console, cluster: LocalCluster, duration: float, drill) -> None:
     with Live(console=console, refresh_per_second=4) as live:
         while cluster.alive("load") or (drill and drill.injected and not drill.healed):  # a drill may restart it
             now = time.monotonic()
+            cluster.check_running(ignore=("load",))
+            if now > deadline:
+                awaited = "the load to finish" if cluster.alive("load") else f"the drill's heal ({drill.name})"
+                raise ClusterError(f"still waiting for {awaited} {now - t0 - duration:.0f} s after the run's end")
             if drill:
                 note = drill.step(cluster, now - t0)
                 if note:
@@ -168,6 +179,12 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
     report["verdict"] = "pass" if all(checks.values()) else "fail"
     _print_verdict(console, f"drill {drill.name}" if drill else "tape up", checks, figures, report)
     return report
+
+
+def _aborted(console, what: str, reason: str, drill) -> dict:
+    console.print(f"\n{what}: [bold red]FAIL[/bold red], run aborted: {reason}")
+    return {"verdict": "fail", "aborted": reason, "checks": {}, "drill": drill.name if drill else None,
+            "rate_msgs_per_s": 0.0, "latency_ms": {}}
 
 
 def _print_verdict(console, title: str, checks: dict, figures: dict, report: dict) -> None:
