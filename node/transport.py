@@ -4,12 +4,17 @@ seeded loss injection for tests, demos and drills."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import struct
+import tempfile
+import time
 
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 DEFAULT_RCVBUF = 32 << 20
+PORT_CLAIMS = os.path.join(tempfile.gettempdir(), "tape-port-claims")  # ports recently given out, one file each
+PORT_CLAIM_S = 120.0  # a claim older than this is stale: its run has bound the port long since, or is gone
 
 
 def set_rcvbuf(sock: socket.socket, size: int = DEFAULT_RCVBUF) -> int:
@@ -59,8 +64,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port free for both TCP and UDP on `host` right now. Drawn below the
     kernel's ephemeral range (32768+ here), so that the sockets other
     processes open meanwhile cannot take it before it is bound, and outside
-    the embedded default's fixed ports (31400-31499)."""
+    the embedded default's fixed ports (31400-31499). Claimed for PORT_CLAIM_S
+    in PORT_CLAIMS, so that test suites and drills running side by side do not
+    hand out the same port before either has bound it."""
     pick = random.SystemRandom()
+    os.makedirs(PORT_CLAIMS, exist_ok=True)
     while True:
         port = pick.randrange(20000, 31400)
         try:
@@ -70,7 +78,23 @@ def free_port(host: str = "127.0.0.1") -> int:
                 u.bind((host, port))
         except OSError:
             continue
-        return port
+        if _claim(port):
+            return port
+
+
+def _claim(port: int) -> bool:
+    path = os.path.join(PORT_CLAIMS, str(port))
+    try:
+        if time.time() - os.stat(path).st_mtime < PORT_CLAIM_S:
+            return False
+        os.unlink(path)  # stale
+    except FileNotFoundError:
+        pass
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:  # another process claimed it just now
+        return False
+    return True
 
 
 class LossInjector:
