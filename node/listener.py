@@ -39,7 +39,7 @@ class StreamListener:
         self.loss = LossInjector(drop, seed)
         self.rewinders = [(n.host, n.gapfill_port) for n in cfg.by_role("rewinder")]
         self.core = ListenerCore(cfg.session_bytes, len(self.rewinders), cfg.gap_request_ms * 1_000_000, next_seq,
-                                 cfg.stream_auth)
+                                 cfg.stream_auth, cfg.max_packet)
         self.receiver = self.core.receiver
         self.badlog = RateLimitedLog(log)
         self.datagrams = 0
@@ -57,7 +57,10 @@ class StreamListener:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.mcast, self.rcvbuf = multicast_receiver(self.cfg.group, self.cfg.port, self.cfg.interface)
-        self.req, _ = udp_socket("127.0.0.1" if self.cfg.interface.startswith("127.") else "0.0.0.0")
+        # Bound to the multicast interface's address: the source address rewinders see, which a
+        # signed request names as where its answer goes.
+        self.req, _ = udp_socket(self.cfg.interface)
+        self.core.reply_at(*self.req.getsockname())
         loop.add_reader(self.mcast, self._drain)
         self._task = asyncio.create_task(self._gap_exchange())
 

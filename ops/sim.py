@@ -77,6 +77,12 @@ def wire(name: str) -> bytes:
     return moldudp64.session_bytes(name)
 
 
+def address(name: str) -> tuple[str, int]:
+    """A node's (IPv4, port) on the simulated LAN: where gap-fill answers go, signed into requests."""
+    names = (*VOTERS, *CLIENTS, *REPLICAS, EMITTER)
+    return f"10.0.0.{names.index(name) + 1}", 7000
+
+
 def name_of(wire_name: bytes) -> str:
     return moldudp64.session_name(wire_name)
 
@@ -121,7 +127,8 @@ class Voter:
         self.leader: LeaderCore | None = None
         self.links: FollowerLinks | None = None  # while leading
         self.invited = 0  # when the leader last tried to (re)connect its missing followers
-        self.gapfill = GapFillCore(SESSION, 17, rate_per_s=5000.0, total_rate_per_s=50_000.0)
+        self.gapfill = GapFillCore(SESSION, default_of(Config, "max_packet"), STREAM_KEYS, rate_per_s=5000.0,
+                                   total_rate_per_s=50_000.0)
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.hellos: dict[str, Hello] = {}  # voter -> its hello, while campaigning
 
@@ -307,7 +314,7 @@ class Voter:
                 if batch is not None:
                     self.process(batch)
         elif msg[0] == "gap" and not self.can_lead:
-            answer = self.gapfill.on_request(msg[1], (src, 0), now / 1e9, self.commit_seq)
+            answer = self.gapfill.on_request(msg[1], address(src), now / 1e9, self.commit_seq)
             if isinstance(answer, Answer):
                 read = lambda first, n: [m for _, m in self.log[first - 1:first - 1 + n]]  # noqa: E731
                 first, entries = self.gapfill.entries(answer, read, True, self.commit_seq)
@@ -322,6 +329,7 @@ class Listener:
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name = sim, name
         self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS, keys=STREAM_KEYS)
+        self.core.reply_at(*address(name))
         self.up = True
         self.delivered: list[bytes] = []
         self.machine = AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS) if name in REPLICAS else None
@@ -345,6 +353,7 @@ class Listener:
         """Everything but the generator's seed was lost: read the stream from seq 1 again."""
         self.up = True
         self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS, keys=STREAM_KEYS)
+        self.core.reply_at(*address(self.name))
         self.delivered = []
         self.start_client()
         self.recovery = Recovery()

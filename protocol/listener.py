@@ -8,7 +8,8 @@ answer) and the time. Actions out:
                                        message at the next seq that cannot be
                                        decoded: skipping it would diverge
     AskRewinder(index, request)        send this MoldUDP64 request packet to
-                                       rewinder number `index`
+                                       rewinder number `index` (signed with a
+                                       stream key, else padded to the answer's size)
 
 Gap-request policy: ask for the first missing run (at most one packet's
 worth is answered); ask again for the same run only after `gap_request_ns`,
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tape.protocol import messages, moldudp64
-from tape.protocol.errors import ProtocolError
+from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import HINT_TRIES, MAX_HINT_AHEAD
 from tape.protocol.receiver import StreamReceiver
 from tape.protocol.streamauth import StreamKeys
@@ -57,9 +58,11 @@ class AskRewinder:
 
 class ListenerCore:
     def __init__(self, session: bytes, rewinders: int, gap_request_ns: int, next_seq: int = 1,
-                 keys: StreamKeys | None = None):
+                 keys: StreamKeys | None = None, max_packet: int = moldudp64.DEFAULT_MAX_PACKET):
         self.session = session
         self.keys = keys
+        self.max_packet = max_packet  # unsigned requests are padded to this: no answer is larger than its request
+        self.reply: tuple[str, int] | None = None  # where answers come back to (signed into requests)
         self.receiver = StreamReceiver(session, next_seq)
         self._hint_seq = 0  # with keys: a heartbeat said seqs before this may exist
         self._hint_from = 0  # the next seq when the hint was last asked about
@@ -135,6 +138,18 @@ class ListenerCore:
             return Undecodable(bad_seq, e)
         return None
 
+    def reply_at(self, host: str, port: int) -> None:
+        """The address the shell receives answers on (a signed request names it)."""
+        self.reply = (host, port)
+
+    def _request(self, seq: int, count: int) -> bytes:
+        request = moldudp64.encode_request(self.session, seq, count)
+        if self.keys is None:
+            return request.ljust(self.max_packet, b"\0")
+        if self.reply is None:
+            raise InvariantViolation("a signed gap request before the shell said where answers come back")
+        return self.keys.sign_request(request, self.reply)
+
     def on_timer(self, now_ns: int) -> AskRewinder | None:
         """A gap request, if one is missing and due."""
         gap = self.receiver.missing()
@@ -149,4 +164,4 @@ class ListenerCore:
         self._hint_tries += hinted
         self._asked_seq, self._asked_ns = gap[0], now_ns
         self.requests_sent += 1
-        return AskRewinder(self._which % self.rewinders, moldudp64.encode_request(self.session, gap[0], gap[1]))
+        return AskRewinder(self._which % self.rewinders, self._request(gap[0], gap[1]))

@@ -19,17 +19,30 @@ dissector and any decoder of the spec read them as such).
 
 Keys: the first of a list signs, any verifies (rotation); a seal names its
 key by an 8-byte id (a hash of the key), never the key.
+
+Gap-fill requests are signed with the same key, and name the address the
+answer goes to, so a request recorded on the LAN and sent again from a
+forged source address cannot aim answers at anyone but its signer:
+
+    MoldUDP64 request 20 | reply IPv4 4 | reply port u16 | key id 8 | tag 16
+    tag = BLAKE2b-128, keyed, personalised "tape-gap-req", over the first 26 bytes
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import socket
+import struct
 
 from .messages import AUTH, BLOCK_PREFIX, SEQUENCED, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE
 from .moldudp64 import HEADER, HEADER_SIZE
 
 TAG_SIZE = 16
+_REPLY = struct.Struct(">4sH")
+_SIGNED_REQUEST = HEADER_SIZE + _REPLY.size  # the bytes a request's tag covers
+SIGNED_REQUEST_SIZE = _SIGNED_REQUEST + 8 + TAG_SIZE
+_REQUEST_PERSON = b"tape-gap-req"
 _TAG_AT = 1 + 8 + 8  # offset of the tag inside a seal
 _ZERO_TAG = bytes(TAG_SIZE)
 
@@ -80,6 +93,30 @@ class StreamKeys:
         at = len(data) - SEQUENCED_SIZE + _TAG_AT
         if not hmac.compare_digest(self.tag(key, data[:at] + _ZERO_TAG + data[at + TAG_SIZE:]), data[at:at + TAG_SIZE]):
             return "bad_tag"
+        return None
+
+
+    def sign_request(self, request: bytes, reply: tuple[str, int]) -> bytes:
+        """A MoldUDP64 request signed, its answer bound to `reply` (IPv4 host, port)."""
+        body = request + _REPLY.pack(socket.inet_aton(reply[0]), reply[1])
+        tag = hashlib.blake2b(body, key=self.signing, digest_size=TAG_SIZE, person=_REQUEST_PERSON).digest()
+        return body + self.signing_id + tag
+
+    def verify_request(self, data: bytes, source: tuple[str, int]) -> str | None:
+        """None if `data` is a signed request whose tag verifies and that names `source` (where the
+        datagram came from) as its reply address, else the reason."""
+        if len(data) != SIGNED_REQUEST_SIZE:
+            return "unsigned_request"
+        key = self.by_id.get(data[_SIGNED_REQUEST:_SIGNED_REQUEST + 8])
+        if key is None:
+            return "unknown_key"
+        body = data[:_SIGNED_REQUEST]
+        tag = hashlib.blake2b(body, key=key, digest_size=TAG_SIZE, person=_REQUEST_PERSON).digest()
+        if not hmac.compare_digest(tag, data[-TAG_SIZE:]):
+            return "bad_tag"
+        host, port = _REPLY.unpack_from(data, HEADER_SIZE)
+        if (socket.inet_ntoa(host), port) != tuple(source):
+            return "wrong_source"
         return None
 
 

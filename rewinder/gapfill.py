@@ -2,8 +2,11 @@
 the sender's address, the time and the committed seq; the core answers
 which messages to send back or why the request is dropped.
 
-Safety against amplification and floods: at most `max_count` messages per
-answer (what fits one datagram), only committed seqs, a token bucket per
+No amplification: with a stream key only signed requests are answered (one
+sealed range, to the address the request names and came from); without,
+an answer is no larger than the request's datagram (a listener pads its
+requests to the size of the answer it wants), so a forged source address
+gets no more bytes than the forger sent. Floods: only committed seqs, a token bucket per
 requester *host* (a sender rotating its ports shares one bucket) and one
 for the whole server, so that however many hosts ask, answering takes a
 bounded share of the rewinder's loop, which also acknowledges appends and
@@ -25,7 +28,8 @@ from tape.protocol.limits import (
     GAPFILL_TOTAL_BURST,
     GAPFILL_TOTAL_RATE,
 )
-from tape.protocol.streamauth import seal_covers
+from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
+from tape.protocol.streamauth import StreamKeys, seal_covers
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,13 @@ class TokenBucket:
 
 
 class GapFillCore:
-    def __init__(self, session: bytes, max_count: int, rate_per_s: float = GAPFILL_HOST_RATE,
-                 burst: float = GAPFILL_HOST_BURST, max_peers: int = GAPFILL_MAX_HOSTS,
-                 total_rate_per_s: float = GAPFILL_TOTAL_RATE, total_burst: float = GAPFILL_TOTAL_BURST):
+    def __init__(self, session: bytes, max_packet: int, keys: StreamKeys | None = None,
+                 rate_per_s: float = GAPFILL_HOST_RATE, burst: float = GAPFILL_HOST_BURST,
+                 max_peers: int = GAPFILL_MAX_HOSTS, total_rate_per_s: float = GAPFILL_TOTAL_RATE,
+                 total_burst: float = GAPFILL_TOTAL_BURST):
         self.session = session
-        self.max_count = max_count
+        self.max_packet = max_packet  # the stream's packet size: no answer is larger
+        self.keys = keys
         self.rate = rate_per_s
         self.burst = burst
         self.max_peers = max_peers
@@ -70,8 +76,17 @@ class GapFillCore:
     def on_request(self, data: bytes, addr: tuple, now: float, committed_seq: int) -> Answer | Refuse:
         """What to send back to a request from `addr` (host, port), or why it is dropped. Budgets are
         per host: the port is the sender's to choose."""
+        if self.keys is not None:
+            reason = self.keys.verify_request(data, addr)
+            if reason is not None:
+                return self._drop(reason)
+            answer_bytes = self.max_packet
+        else:
+            answer_bytes = min(len(data), self.max_packet)
+            if answer_bytes < moldudp64.HEADER_SIZE + SEQUENCED_BLOCK_SIZE:
+                return self._drop("unpadded")  # its answer could hold no message
         try:
-            session, seq, count = moldudp64.decode_request(data)
+            session, seq, count = moldudp64.decode_request(data[:moldudp64.HEADER_SIZE])
         except ProtocolError as e:
             return self._drop(e.reason)
         if session != self.session:
@@ -82,7 +97,8 @@ class GapFillCore:
             return self._drop("rate_limited")
         if not self._total.take(now):
             return self._drop("server_busy")
-        count = min(count, self.max_count, committed_seq - seq + 1)
+        fits = (answer_bytes - moldudp64.HEADER_SIZE) // SEQUENCED_BLOCK_SIZE
+        count = min(count, fits, committed_seq - seq + 1)
         self.served += 1
         return Answer(seq, count)
 

@@ -32,7 +32,7 @@ from tape.protocol.limits import (
     REPLAY_LOGIN_FRAME,
     REPLAY_LOGIN_TIMEOUT_S,
 )
-from tape.protocol.packets import PacketBuilder, messages_per_packet
+from tape.protocol.packets import PacketBuilder
 from tape.rewinder import replay
 from tape.rewinder.gapfill import GapFillCore, Refuse
 
@@ -49,7 +49,7 @@ class Rewinder(NodeProcess):
         self.journal = cfg.open_journal(node)
         self.voter = Voter(cfg, node, self.journal, can_lead=False, on_fatal=self.fail,
                            link_refused=self.link_refused)  # votes, never leads
-        self.gapfill = GapFillCore(cfg.session_bytes, messages_per_packet(cfg.max_packet))
+        self.gapfill = GapFillCore(cfg.session_bytes, cfg.max_packet, cfg.stream_auth)
         self.sealed = bool(cfg.stream_keys)  # the log's packets are sealed ranges
         self.replay_sessions = 0
         self.replayed = 0

@@ -6,6 +6,7 @@ from tape.protocol import linkauth
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol import soupbintcp as soup
+from tape.protocol.streamauth import StreamKeys
 
 STAMP = 1_700_000_000_123_456_789
 TAPE = m.session_bytes("TAPE")
@@ -27,6 +28,7 @@ EXAMPLES = {
     "heartbeat": m.encode_heartbeat(TAPE, 42),
     "end_of_session": m.encode_end_of_session(TAPE, 42),
     "request": m.encode_request(TAPE, 5, 3),
+    "signed_request": StreamKeys([LINK_KEY]).sign_request(m.encode_request(TAPE, 5, 3), ("10.0.0.7", 40001)),
     "inbound_batch": m.encode_packet(CLIENT1, 1, [R, P]),
     "soup_login": soup.login("tail01", "", "TAPE", 1),
     "soup_login_accepted": soup.login_accepted(TAPE, 1),

@@ -105,11 +105,14 @@ def test_garbage_flood_at_every_port_harms_nothing(cluster):
         moldudp64.encode_packet(b"STRANGER  ", 1, [bytes(49)]),               # unknown client / foreign session
         moldudp64.encode_packet(b"load0     ", 1, [b"T" + bytes(48)]),         # a client's name, without its key
         moldudp64.encode_packet(b"load0     ", 1, [b"R" + bytes(47)]),
-        moldudp64.encode_request(sess, 10**12, 5),                              # not committed
-        moldudp64.encode_request(b"OTHER     ", 1, 5),
+        moldudp64.encode_request(sess, 10**12, 5),                              # unsigned
         moldudp64.HEADER.pack(sess, 1, 3) + b"\x00\x4b" + bytes(10),            # truncated on the stream
     ]
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    signed = lambda *request: cfg.stream_auth.sign_request(moldudp64.encode_request(*request),  # noqa: E731
+                                                              udp.getsockname())  # signed by a stream-key holder
+    samples += [signed(sess, 10**12, 5), signed(b"OTHER     ", 1, 5)]  # not committed; foreign session
     udp.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
     deadline = time.monotonic() + 2.0
     sent = 0
@@ -133,8 +136,8 @@ def test_garbage_flood_at_every_port_harms_nothing(cluster):
     for reason in ("unknown_client", "truncated", "unauthenticated"):
         assert dropped.get(f'tape_sequencer_dropped_datagrams_total{{node="seq-a",reason="{reason}"}}', 0) > 0, dropped
     rw = cluster.metrics("rw-1")
-    assert rw['tape_rewinder_dropped_datagrams_total{node="rw-1",reason="not_committed"}'] > 0
-    assert rw['tape_rewinder_dropped_datagrams_total{node="rw-1",reason="bad_request"}'] > 0
+    for reason in ("unsigned_request", "not_committed", "foreign_session"):
+        assert rw[f'tape_rewinder_dropped_datagrams_total{{node="rw-1",reason="{reason}"}}'] > 0, reason
     for name in ("seq-a", "rw-1", "rw-2"):
         assert cluster.stop(name) == 0
     check_exactly_once(cluster, total)

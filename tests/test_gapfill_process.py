@@ -1,0 +1,90 @@
+"""Gap fill against real rewinders (issue 13): loss repaired with and without
+keys, and no answer larger than its request unless the request is signed by
+the stream key and names the address it came from."""
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from tape.ops.journal_tool import digest as journal_digest
+from tape.ops.local import LocalCluster
+from tape.protocol import moldudp64
+from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
+
+pytestmark = pytest.mark.process
+TOTAL = 10_000
+
+
+def run_with_loss(cluster: LocalCluster) -> None:
+    """10,000 trades with 5% loss at every receiver; `tape tail` (5% loss too) must see the journal."""
+    cluster.start_all(drop=0.05)
+    tail = cluster.start("tail", "tail", "--summary", "--until", str(TOTAL + 1), "--drop", "0.05", "--seed", "7")
+    load = cluster.start("load", "load", "--rate", "5000", "--messages", str(TOTAL), "--drop", "0.05", "--seed", "3")
+    assert load.wait(timeout=120) == 0, cluster.logs["load"].read_text()[-2000:]
+    assert json.loads(cluster.output("load"))["acked"] == TOTAL
+    assert tail.wait(timeout=60) == 0, cluster.logs["tail"].read_text()[-2000:]
+    seen = json.loads(cluster.output("tail"))
+    assert seen["first_seq"] == 1 and seen["gaps_detected"] > 0
+    n, digest = journal_digest(Path(cluster.cfg.node("seq-a").data) / "journal", seen["last_seq"])
+    assert (n, digest) == (seen["last_seq"], seen["digest"])
+    served = sum(cluster.metrics(rw)[f'tape_rewinder_gapfill_requests_served_total{{node="{rw}"}}']
+                 for rw in ("rw-1", "rw-2"))
+    assert served > 0
+
+
+def dropped(cluster: LocalCluster, reason: str) -> float:
+    return cluster.metrics("rw-1").get(f'tape_rewinder_dropped_datagrams_total{{node="rw-1",reason="{reason}"}}', 0)
+
+
+def ask(cluster: LocalCluster, sock: socket.socket, request: bytes) -> bytes | None:
+    sock.sendto(request, ("127.0.0.1", cluster.cfg.node("rw-1").gapfill_port))
+    try:
+        return sock.recv(65536)
+    except TimeoutError:
+        return None
+
+
+@pytest.fixture
+def requester():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    s.settimeout(1.0)
+    yield s
+    s.close()
+
+
+def test_without_keys_loss_is_repaired_and_no_answer_outweighs_its_request(tmp_path, requester):
+    cluster = LocalCluster(tmp_path, keys=False)
+    try:
+        run_with_loss(cluster)
+        session = cluster.cfg.session_bytes
+        spec_sized = moldudp64.encode_request(session, 1, 100)  # 20 bytes: its answer could hold no message
+        assert ask(cluster, requester, spec_sized) is None
+        wait_for(lambda: dropped(cluster, "unpadded") == 1, "the 20-byte request to be counted as unpadded")
+        padded = spec_sized.ljust(200, b"\0")
+        answer = ask(cluster, requester, padded)
+        assert answer is not None and len(answer) <= len(padded)
+        assert moldudp64.decode_header(answer)[1:] == (1, (200 - 20) // SEQUENCED_BLOCK_SIZE)
+    finally:
+        cluster.close()
+
+
+def test_with_keys_only_signed_requests_naming_their_source_are_answered(tmp_path, requester):
+    cluster = LocalCluster(tmp_path, extra="[timeouts]\ngap_request_ms = 10\n")
+    try:
+        run_with_loss(cluster)
+        session, keys = cluster.cfg.session_bytes, cluster.cfg.stream_auth
+        request = moldudp64.encode_request(session, 1, 5)
+        assert ask(cluster, requester, request.ljust(1400, b"\0")) is None
+        wait_for(lambda: dropped(cluster, "unsigned_request") == 1, "the unsigned request to be counted")
+        host, port = requester.getsockname()
+        assert ask(cluster, requester, keys.sign_request(request, (host, port + 1))) is None  # aimed elsewhere
+        wait_for(lambda: dropped(cluster, "wrong_source") == 1, "the misdirected request to be counted")
+        answer = ask(cluster, requester, keys.sign_request(request, (host, port)))
+        assert answer is not None and keys.verify(answer) is None  # one whole sealed range, as the leader cut it
+        assert moldudp64.decode_header(answer)[1] == 1 and len(answer) <= cluster.cfg.max_packet
+    finally:
+        cluster.close()
