@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import socket
+import ipaddress
 import struct
 
 from .messages import AUTH, BLOCK_PREFIX, SEQUENCED, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE
@@ -98,7 +98,7 @@ class StreamKeys:
 
     def sign_request(self, request: bytes, reply: tuple[str, int]) -> bytes:
         """A MoldUDP64 request signed, its answer bound to `reply` (IPv4 host, port)."""
-        body = request + _REPLY.pack(socket.inet_aton(reply[0]), reply[1])
+        body = request + _REPLY.pack(ipaddress.IPv4Address(reply[0]).packed, reply[1])
         tag = hashlib.blake2b(body, key=self.signing, digest_size=TAG_SIZE, person=_REQUEST_PERSON).digest()
         return body + self.signing_id + tag
 
@@ -115,7 +115,7 @@ class StreamKeys:
         if not hmac.compare_digest(tag, data[-TAG_SIZE:]):
             return "bad_tag"
         host, port = _REPLY.unpack_from(data, HEADER_SIZE)
-        if (socket.inet_ntoa(host), port) != tuple(source):
+        if (str(ipaddress.IPv4Address(host)), port) != tuple(source):
             return "wrong_source"
         return None
 
