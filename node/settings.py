@@ -32,6 +32,7 @@ class Node:
     sinks: list[str] = field(default_factory=lambda: ["jsonl"])
     webhook_url: str = ""
     webhook_timeout_ms: int = 5000
+    delivery: str = "first"  # emitter: "first" copy of an alert, or once a "quorum" of replicas sent it
 
     @property
     def wire_name(self) -> bytes:

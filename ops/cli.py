@@ -146,7 +146,7 @@ def _emitter(args) -> int:
 def _up(args) -> int:
     from tape.ops.up import main
 
-    return main(args.rate, args.duration, args.drop, args.out, args.seed)
+    return main(args.rate, args.duration, args.drop, args.out, args.seed, args.delivery)
 
 
 def _sim(args) -> int:
@@ -321,6 +321,8 @@ def _add_up(sub) -> None:
     p.add_argument("--drop", type=float, default=0.0, help="fraction of datagrams every receiver drops (default 0)")
     p.add_argument("--out", default=None, help="directory to keep journals, LMDB files, alerts.jsonl, report.json")
     p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
+    p.add_argument("--delivery", choices=("first", "quorum"), default="first",
+                   help="the emitter's delivery: the first copy of an alert, or once two of three replicas agree")
     p.set_defaults(func=_up)
 
 

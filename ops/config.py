@@ -11,7 +11,8 @@
                 host, data, metrics_port (0 = none); sequencer: inbound_port,
                 replication_port; rewinder: replication_port, gapfill_port,
                 replay_port; emitter: alert_port, sinks (["jsonl", "webhook",
-                "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms
+                "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms,
+                delivery ("first" | "quorum"; default "first")
     [keys]      stream, cluster: a hex key, or a list of up to two during a
                 rotation (the first signs, either verifies); absent: that
                 link is not authenticated (docs/security.md)
@@ -34,6 +35,7 @@ from tape.node.settings import ROLES, SINKS, VOTER_ROLES, Client, Config, Node, 
 from tape.node.transport import free_port
 from tape.protocol import moldudp64
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
+from tape.replicas.emitter_core import DELIVERY
 
 MIN_PACKET = 120  # a header and one sequenced block, with room to spare
 MIN_KEY_BYTES = 16
@@ -204,6 +206,9 @@ def _parse_emitter(node: Node, n: dict, where: str) -> None:
     node.webhook_timeout_ms = _get(n, "webhook_timeout_ms", int, where, default_of(Node, "webhook_timeout_ms"))
     if "webhook" in node.sinks and not node.webhook_url.startswith(("http://", "https://")):
         raise ConfigError(f"{where}webhook_url: the webhook sink needs an http:// or https:// URL")
+    node.delivery = _get(n, "delivery", str, where, default_of(Node, "delivery"))
+    if node.delivery not in DELIVERY:
+        raise ConfigError(f"{where}delivery: {node.delivery!r} is not one of {', '.join(DELIVERY)}")
 
 
 def _parse_client(c: dict, where: str) -> Client:
@@ -241,7 +246,8 @@ def new_keys(clients: int) -> dict:
 
 
 def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 2, free: bool = False,
-                 seed: int | None = None, replicas: int = 0, sequencers: int = 1, keys: dict | None = None) -> str:
+                 seed: int | None = None, replicas: int = 0, sequencers: int = 1, keys: dict | None = None,
+                 delivery: str = "first") -> str:
     """The embedded default: `sequencers` sequencers (seq-a, and seq-b as the
     standby) and `rewinders` rewinders on loopback. Fixed ports and group, so that separate processes agree; with
     `free`, free ports and a random group (tests, parallel runs). `keys` (from new_keys): every link authenticated."""
@@ -280,7 +286,7 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
                      f'metrics_port = {port()}')
     if replicas:
         lines.append(f'[[node]]\nname = "emitter"\nrole = "emitter"\ndata = "{data / "emitter"}"\n'
-                     f'alert_port = {port()}\nmetrics_port = {port()}')
+                     f'alert_port = {port()}\nmetrics_port = {port()}\ndelivery = "{delivery}"')
     for i in range(clients):
         key = f'\nkey = "{keys["clients"][i]}"' if keys else ""
         lines.append(f'[[client]]\nname = "load{i}"{key}')

@@ -443,7 +443,8 @@ class Emitter:
         self.restart()
 
     def restart(self) -> None:
-        self.core = EmitterCore({wire(r) for r in REPLICAS}, self.mark)
+        delivery = "quorum" if self.sim.seed % 2 else "first"  # both modes, without drawing from the seed's rng
+        self.core = EmitterCore({wire(r) for r in REPLICAS}, self.mark, delivery=delivery)
         self.carry_out(self.core.recover([Alert.decode(self.outbox[k]) for k in sorted(self.outbox)]))
 
     def receive(self, src: str, msg) -> None:
@@ -452,13 +453,18 @@ class Emitter:
             if mark is not None:
                 self.sim.send_ordered(EMITTER, src, ("welcome", mark))
         elif msg[0] == "alerts":
-            new, copies = self.core.on_alerts([Alert.decode(raw) for raw in msg[1]])
+            new, copies, alarms = self.core.on_alerts(wire(src), [Alert.decode(raw) for raw in msg[1]])
+            if alarms:
+                raise Violation(f"divergence: alerts at emit seqs {[a.emit_seq for a in alarms]} reached no quorum")
             for a in copies:
                 if not self.core.judge_copy(a, self.recorded.get(a.emit_seq, self.outbox.get(a.emit_seq))):
                     raise Violation(f"divergence: {src}'s alert at emit seq {a.emit_seq} differs")
             if new and not self.carry_out(self.core.deliver(new)):
                 return  # crashed on the way
-            self.sim.send_ordered(EMITTER, src, ("ack", self.core.mark))
+            for r in REPLICAS:  # as the shell does: the new mark to every replica linked (quorum: not only src)
+                link = frozenset((EMITTER, r))
+                if r == src or (link in self.sim.epochs and link not in self.sim.broken):  # a cut one breaks
+                    self.sim.send_ordered(EMITTER, r, ("ack", self.core.mark))
 
     def carry_out(self, actions: list) -> bool:
         """As the emitter shell does; False if a crash point was reached."""

@@ -38,7 +38,7 @@ def _m(metrics: dict, name: str, node: str) -> float:
 
 
 def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int, drill=None,
-           console: Console | None = None, slack_s: float = SLACK_S) -> dict:
+           console: Console | None = None, slack_s: float = SLACK_S, delivery: str = "first") -> dict:
     """Run the cluster under load (with `drill`'s fault, if any); returns the report. A node that
     exits unbidden, or a load still running `slack_s` after `duration`, aborts the run (verdict fail)."""
     console = console or Console()
@@ -47,12 +47,12 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     total = int(rate * duration)
-    cluster = LocalCluster(root, replicas=3, sequencers=len(SEQUENCERS))
+    cluster = LocalCluster(root, replicas=3, sequencers=len(SEQUENCERS), delivery=delivery)
     what = f"drill [bold]{drill.name}[/bold]" if drill else "[bold]tape up[/bold]"
     try:
         console.print(f"{what}: 2 sequencers, 2 rewinders, 3 replicas, emitter on "
                       f"{cluster.cfg.group}:{cluster.cfg.port}; {total:,} trades at {rate:,.0f}/s, "
-                      f"{drop:.0%} loss at every receiver; data in {root}")
+                      f"{drop:.0%} loss at every receiver; alerts delivered on the {delivery} copy; data in {root}")
         try:
             cluster.start_all(drop)
             cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
@@ -169,6 +169,8 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
         "latency_ms": {**applied_lat, "measured": "inbound (sequencer stamp) to applied, slowest replica"},
         "submit_to_sequenced_ms": {"p50": lat.get("p50"), "p99": lat.get("p99"), "max": lat.get("max"),
                                    "measured": "client submit to seen sequenced on the stream"},
+        "alert_ms": {**run.emitter.get("latency_ms", {}), "delivery": run.emitter.get("delivery"),
+                     "measured": "purchase stamped to its alert delivered by the emitter"},
     })
     if drill:
         report["drill"] = drill.name
@@ -196,7 +198,8 @@ def _print_verdict(console, title: str, checks: dict, figures: dict, report: dic
         table.add_row(name, figures[name], "[green]ok[/green]" if ok else "[red]FAIL[/red]")
     table.add_row("rate achieved", f"{report['rate_msgs_per_s']:,.0f} msg/s", "")
     for label, lat in (("inbound to applied", report["latency_ms"]),
-                       ("client submit to sequenced", report["submit_to_sequenced_ms"])):
+                       ("client submit to sequenced", report["submit_to_sequenced_ms"]),
+                       (f"purchase to alert delivered ({report['alert_ms']['delivery']})", report["alert_ms"])):
         table.add_row(f"latency p50 / p99 / max, {label}",
                       f"{lat.get('p50') or 0:.1f} / {lat.get('p99') or 0:.1f} / {lat.get('max') or 0:.1f} ms", "")
     if report.get("failover_ms") is not None:
@@ -220,5 +223,5 @@ def _arrange(cluster: LocalCluster, root: Path) -> None:
         shutil.copyfile(sink, root / "alerts.jsonl")
 
 
-def main(rate: float, duration: float, drop: float, out: str | None, seed: int) -> int:
-    return 0 if run_up(rate, duration, drop, out, seed)["verdict"] == "pass" else 1
+def main(rate: float, duration: float, drop: float, out: str | None, seed: int, delivery: str = "first") -> int:
+    return 0 if run_up(rate, duration, drop, out, seed, delivery=delivery)["verdict"] == "pass" else 1

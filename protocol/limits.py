@@ -12,13 +12,16 @@ from tape.protocol import messages, moldudp64, replication, soupbintcp
 DATAGRAM_BUFFER = 65536  # bytes read per recv(): any UDP payload fits
 DRAIN_DATAGRAMS = 512  # datagrams one wake-up of a data-plane socket reads before yielding
 GAP_REQUEST_DRAIN = 256  # gap-fill requests one wake-up of a rewinder answers
-GAP_REQUEST_BUFFER = 2048  # bytes read per gap-fill request (a request is 20)
+GAP_REQUEST_BUFFER = 65_536  # bytes read per gap-fill request (padded to the answer's size without keys)
 # Gap-fill budgets (requests answered per second): per requesting host (all its ports together)
 # and for the whole server. An answer costs ~0.1 ms of a rewinder's loop (docs/stream.md), so the
 # total bounds gap fill to about a third of one core whatever the number of hosts asking.
 GAPFILL_HOST_RATE, GAPFILL_HOST_BURST = 2_000.0, 400.0
 GAPFILL_TOTAL_RATE, GAPFILL_TOTAL_BURST = 3_000.0, 600.0
 GAPFILL_MAX_HOSTS = 10_000  # hosts whose buckets are remembered (the least recent forgotten first)
+# The emitter's quorum delivery: alerts held awaiting a quorum (a replica that would exceed it is
+# refused until it reconnects), about 100 bytes each.
+MAX_PENDING_ALERTS = 100_000
 
 # --- the leader's batches ----------------------------------------------------------------
 # A batch is one journal append and one replication frame: the leader cuts a drain
@@ -55,7 +58,7 @@ def _check() -> None:
     assert CATCHUP_CHUNK <= MAX_BATCH_MESSAGES and FETCH_MAX * messages.SEQUENCED_SIZE <= REPLICATION_FRAME, \
         "catch-up and fetch answers must fit one append frame"
     assert DATAGRAM_BUFFER >= moldudp64.MAX_UDP_PAYLOAD, "a recv() must hold any datagram"
-    assert GAP_REQUEST_BUFFER > moldudp64.HEADER_SIZE, "a request must fit the request buffer"
+    assert GAP_REQUEST_BUFFER >= moldudp64.MAX_UDP_PAYLOAD, "a padded request must fit the request buffer"
     assert GAPFILL_HOST_RATE <= GAPFILL_TOTAL_RATE and GAPFILL_HOST_BURST <= GAPFILL_TOTAL_BURST
     assert REPLAY_CHUNK * (messages.SEQUENCED_SIZE + 3) <= STREAM_READ
     assert soupbintcp.FRAME_LEN.size + 1 + 46 <= REPLAY_LOGIN_FRAME <= soupbintcp.MAX_FRAME, "a login must fit"

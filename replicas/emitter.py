@@ -26,10 +26,12 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import lmdb
 
+from tape.node.latency import LatencySamples
 from tape.node.process import NodeProcess
 from tape.node.settings import Config, Node
 from tape.protocol import alertlink
@@ -37,7 +39,15 @@ from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import CONTROL_READ
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit import Alert
-from tape.replicas.emitter_core import Crash, DeliverAlerts, EmitterCore, RecordDone, RecordIntent, Redeliver
+from tape.replicas.emitter_core import (
+    Crash,
+    DeliverAlerts,
+    EmitterCore,
+    RecordDone,
+    RecordIntent,
+    Redeliver,
+    TooFarAhead,
+)
 
 log = logging.getLogger("tape.emitter")
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
@@ -60,10 +70,12 @@ class Emitter(NodeProcess):
         with self.env.begin() as txn:
             raw = txn.get(b"mark", db=self.meta)
         self.core = EmitterCore({n.wire_name for n in cfg.by_role("replica")}, int.from_bytes(raw, "big") if raw
-                                else 0, crash_at, crash_after)
+                                else 0, crash_at, crash_after, node.delivery)
+        self.latency = LatencySamples()  # the triggering purchase's stamp to delivered (wall clock: a figure only)
         self.in_doubt_listed = 0
         self.rejected: dict[str, int] = {}
         self._lock = asyncio.Lock()  # one delivery at a time, whichever replica it came from
+        self.links: dict[bytes, asyncio.StreamWriter] = {}  # replica -> its connection: acks go to all
 
     @property
     def mark(self) -> int:
@@ -76,6 +88,7 @@ class Emitter(NodeProcess):
         yield "duplicates", "counter", "alert copies already delivered", c.duplicates
         yield "divergences", "counter", "alert copies differing from the delivered one", c.divergences
         yield "in_doubt", "counter", "alerts in doubt after a crash, resolved at start", c.in_doubt
+        yield "pending", "gauge", "alerts awaiting a quorum (delivery = quorum)", len(c.pending)
         yield "in_doubt_listed", "counter", "alerts in doubt listed for the operator (non-idempotent sink)", \
             self.in_doubt_listed
         yield "rejected", "counter", "connections or frames refused, by reason", self.rejected
@@ -107,7 +120,8 @@ class Emitter(NodeProcess):
                 self.env.close()
         c = self.core
         status = {"mark": c.mark, "delivered": c.delivered, "duplicates": c.duplicates,
-                  "divergences": c.divergences, "in_doubt": c.in_doubt, "rejected": self.rejected}
+                  "divergences": c.divergences, "in_doubt": c.in_doubt, "rejected": self.rejected,
+                  "delivery": c.delivery, "latency_ms": self.latency.summary_ms()}
         (self.data / "status.json").write_text(json.dumps(status, indent=1))
 
     def _reject(self, reason: str, detail: str) -> None:
@@ -129,6 +143,7 @@ class Emitter(NodeProcess):
                         if mark is None:
                             return self._reject("unknown_replica", f"hello {payload[:16]!r}")
                         name = payload
+                        self.links[name] = writer
                         writer.write(alertlink.welcome(mark))
                     elif kind == alertlink.ALERT:
                         try:
@@ -138,8 +153,12 @@ class Emitter(NodeProcess):
                     else:
                         return self._reject("unexpected_frame", f"type {kind!r} from {name!r}")
                 if fresh:
-                    await self._handle(fresh)
-                    writer.write(alertlink.ack(self.mark))
+                    try:
+                        await self._handle(fresh, name)
+                    except TooFarAhead as e:
+                        return self._reject("too_far_ahead", f"{name!r}: {e}")
+                    for link in self.links.values():  # under quorum another replica's copy may have been the one
+                        link.write(alertlink.ack(self.mark))
         except ProtocolError as e:
             self._reject("bad_frame", str(e))
         except sinklib.SinkStopped:
@@ -147,15 +166,20 @@ class Emitter(NodeProcess):
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            if name is not None and self.links.get(name) is writer:
+                del self.links[name]
             writer.close()
 
-    async def _handle(self, alerts: list[Alert]) -> None:
+    async def _handle(self, alerts: list[Alert], replica: bytes) -> None:
         async with self._lock:
             if self.stopping.is_set():
                 raise sinklib.SinkStopped("stopping")
-            new, copies = self.core.on_alerts(alerts)
+            new, copies, alarms = self.core.on_alerts(replica, alerts)
             for a in copies:
                 self._judge(a)
+            for a in alarms:
+                log.error("DIVERGENCE: alert at emit seq %d reached no quorum of replicas; not delivered: %s",
+                          a.emit_seq, a)
             if new:
                 await self._carry_out(self.core.deliver(new))
 
@@ -169,6 +193,8 @@ class Emitter(NodeProcess):
             elif isinstance(action, DeliverAlerts):
                 records = [a.to_dict(self.cfg.session) for a in action.alerts]
                 await asyncio.to_thread(self._deliver_all, records)
+                now = time.time_ns()
+                self.latency.extend([now - a.stamp_ns for a in action.alerts])
             elif isinstance(action, Redeliver):
                 await self._redeliver(action.alerts)
             elif isinstance(action, RecordDone):

@@ -13,18 +13,37 @@ found in doubt at start. Actions out, carried out in order by the shell
     Crash(point)           fault injection for tests and drills: die here
 
 The mark is the highest emit seq recorded. Replicas are deterministic and
-each channel is ordered, so an alert above the mark is new and the first
-copy wins; one at or below it was recorded before: the same bytes are a
+each channel is ordered. Two delivery modes:
+
+- `first` (lowest latency): an alert above the mark is new and the first
+  copy wins, so one faulty or compromised replica can forge or change an
+  alert that it sends first.
+- `quorum`: an alert is delivered once `quorum` replicas (two of three) sent
+  identical bytes, in emit-seq order. The lowest pending emit seq waits
+  while it may still reach a quorum: while the copies agreeing on it and
+  the replicas not yet past it in their ordered channels (they may still
+  send it) are enough. Once it cannot, it is dropped with a divergence alarm
+  (an alert one replica made up, or one only a minority raised), and what
+  follows it may go. Copies outvoted at delivery are alarms too. A replica
+  votes once per emit seq. What awaits a quorum is bounded per replica (a
+  share of MAX_PENDING_ALERTS, so a compromised one fills only its own): a
+  replica that would exceed its share is refused (its link closed; it
+  resends from the mark when it is back).
+
+An alert at or below the mark was recorded before: the same bytes are a
 duplicate, other bytes (or none recorded at all) a divergence alarm.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
+from tape.protocol.limits import MAX_PENDING_ALERTS
 from tape.replicas.audit import Alert
 
 CRASH_POINTS = ("before_intent", "after_intent", "after_deliver", "after_done")
+DELIVERY = ("first", "quorum")
 
 
 @dataclass(frozen=True)
@@ -56,11 +75,25 @@ class Crash:
 EmitterAction = RecordIntent | DeliverAlerts | Redeliver | RecordDone | Crash
 
 
+class TooFarAhead(Exception):
+    """A replica's alerts would hold more than MAX_PENDING_ALERTS awaiting a quorum."""
+
+
 class EmitterCore:
-    def __init__(self, replicas: set[bytes], mark: int = 0, crash_at: str | None = None, crash_after: int = 1):
+    def __init__(self, replicas: set[bytes], mark: int = 0, crash_at: str | None = None, crash_after: int = 1,
+                 delivery: str = "first", max_pending: int = MAX_PENDING_ALERTS):
         if crash_at is not None and crash_at not in CRASH_POINTS:
             raise ValueError(f"crash point {crash_at!r}: one of {', '.join(CRASH_POINTS)}")
+        if delivery not in DELIVERY:
+            raise ValueError(f"delivery {delivery!r}: one of {', '.join(DELIVERY)}")
         self.replicas = replicas
+        self.delivery = delivery
+        self.quorum = len(replicas) // 2 + 1
+        self.max_pending = max_pending
+        self.pending: dict[int, dict[bytes, set[bytes]]] = {}  # quorum: emit seq -> encoded alert -> senders
+        self._pending_order: list[int] = []  # a heap of the pending emit seqs
+        self.frontier: dict[bytes, int] = {}  # quorum: the highest emit seq each replica has sent
+        self.held: dict[bytes, int] = {}  # quorum: pending emit seqs each replica has voted on
         self.mark = mark
         self.crash_at = crash_at
         self.crash_after = crash_after
@@ -74,15 +107,62 @@ class EmitterCore:
         """The mark to welcome a replica with (it resends what follows), or None: not a replica of ours."""
         return self.mark if replica in self.replicas else None
 
-    def on_alerts(self, alerts: list[Alert]) -> tuple[list[Alert], list[Alert]]:
-        """(new alerts to deliver, copies of recorded ones to judge) of one channel's batch."""
+    def on_alerts(self, replica: bytes, alerts: list[Alert]) -> tuple[list[Alert], list[Alert], list[Alert]]:
+        """(new alerts to deliver, copies of recorded ones to judge, alarms: alerts dropped as no quorum's)
+        of one batch of `replica`'s ordered channel. Raises TooFarAhead (nothing taken) in quorum mode."""
+        if self.delivery == "quorum":
+            return self._vote(alerts, replica)
         new, copies = [], []
         for a in alerts:
             if a.emit_seq <= self.mark or (new and a.emit_seq <= new[-1].emit_seq):
                 copies.append(a)
             else:
                 new.append(a)
-        return new, copies
+        return new, copies, []
+
+    def _vote(self, alerts: list[Alert], replica: bytes) -> tuple[list[Alert], list[Alert], list[Alert]]:
+        share = self.max_pending // len(self.replicas)
+        votes = {a.emit_seq for a in alerts if a.emit_seq > self.mark and not self._voted(a.emit_seq, replica)}
+        if self.held.get(replica, 0) + len(votes) > share:
+            raise TooFarAhead(f"{self.held.get(replica, 0):,} of its alerts await a quorum (at most {share:,})")
+        copies = []
+        for a in alerts:
+            if a.emit_seq <= self.mark:
+                copies.append(a)
+                continue
+            if a.emit_seq not in self.pending:
+                self.pending[a.emit_seq] = {}
+                heapq.heappush(self._pending_order, a.emit_seq)
+            if not self._voted(a.emit_seq, replica):
+                self.pending[a.emit_seq].setdefault(a.encode(), set()).add(replica)
+                self.held[replica] = self.held.get(replica, 0) + 1
+            self.frontier[replica] = max(self.frontier.get(replica, 0), a.emit_seq)
+        ready, alarms = self._settle()
+        return ready, copies, alarms
+
+    def _voted(self, seq: int, replica: bytes) -> bool:
+        return any(replica in senders for senders in self.pending.get(seq, {}).values())
+
+    def _settle(self) -> tuple[list[Alert], list[Alert]]:
+        """Pending alerts decided, lowest emit seq first: (delivered by a quorum, alarms)."""
+        ready, alarms = [], []
+        while self._pending_order:
+            seq = self._pending_order[0]
+            versions = self.pending[seq]
+            best = max(versions.values(), key=len)
+            if len(best) < self.quorum:
+                may_still_send = sum(1 for r in self.replicas if self.frontier.get(r, 0) < seq)
+                if len(best) + may_still_send >= self.quorum:
+                    break  # it may still reach a quorum: everything after it waits
+                best = set()  # it cannot: every version is an alarm
+            heapq.heappop(self._pending_order)
+            del self.pending[seq]
+            for raw, senders in versions.items():
+                (ready if senders is best else alarms).append(Alert.decode(raw))
+                for r in senders:
+                    self.held[r] -= 1
+        self.divergences += len(alarms)
+        return ready, alarms
 
     def deliver(self, new: list[Alert]) -> list[EmitterAction]:
         """Intent, deliver, done: the steps for new alerts, which move the mark."""

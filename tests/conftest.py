@@ -1,4 +1,5 @@
 import os
+import socket
 import sys
 import time
 
@@ -26,6 +27,21 @@ def wait_for(condition, what: str, timeout: float = 30.0, every: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(every)
+
+def connect(port: int, what: str, timeout: float = 20.0) -> socket.socket:
+    """A TCP connection to 127.0.0.1:`port`, polled while refused: a node serves its metrics (what
+    start-up waits for) before it has opened every listener."""
+    sock = wait_for(lambda: _try_connect(port), f"{what} (:{port}) to accept connections", timeout)
+    sock.settimeout(5)
+    return sock
+
+
+def _try_connect(port: int) -> socket.socket | None:
+    try:
+        return socket.create_connection(("127.0.0.1", port), timeout=5)
+    except ConnectionRefusedError:
+        return None
+
 
 @pytest.fixture(scope="session")
 def spark():

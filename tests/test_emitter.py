@@ -4,12 +4,12 @@ speaking the alert link over real TCP as the replicas would."""
 
 import http.server
 import json
-import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from conftest import connect
 from linkclient import LinkSocket
 
 from tape.ops.config import load
@@ -122,15 +122,7 @@ def emitter_cluster(tmp_path: Path, url: str) -> LocalCluster:
 def link(cluster: LocalCluster, hello: bytes, keys=True) -> LinkSocket:
     """A replica's alert link (with the cluster key, or none). The emitter opens its alert port
     only after resolving what was in doubt (its metrics come up first): poll for it, with a deadline."""
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            sock = socket.create_connection(("127.0.0.1", cluster.cfg.node("emitter").alert_port), timeout=5)
-            break
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                raise AssertionError("the emitter's alert port did not open within 20 s") from None
-            time.sleep(0.05)
+    sock = connect(cluster.cfg.node("emitter").alert_port, "the emitter's alert port")
     sock = LinkSocket(sock, cluster.cfg.cluster_link if keys else None)
     sock.sendall(alertlink.hello(hello))
     return sock
@@ -233,5 +225,37 @@ def test_emitter_crash_resends_in_doubt_alerts_to_the_webhook_and_lists_them_for
             ["TAPE:21", "TAPE:22"]
         listed = [json.loads(line) for line in (data / "in_doubt.jsonl").read_text().splitlines()]
         assert [(r["alert_id"], r["sink"]) for r in listed] == [("TAPE:21", "stdout")]
+    finally:
+        cluster.close()
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("delivery", ["first", "quorum"])
+def test_a_compromised_replica_forges_an_alert_only_under_first_delivery(tmp_path, delivery):
+    """replica-A holds the cluster key but lies: it sends a changed alert 31 and a made-up 32 first.
+    Under `first` they are delivered; under `quorum` B and C outvote the change, 32 reaches no
+    quorum once both went past it, and only the true alerts are delivered, in order."""
+    cluster = LocalCluster(tmp_path, replicas=3, delivery=delivery)
+    try:
+        cluster.start_node("emitter")
+        a, b, c = (link(cluster, f"replica-{r}".encode().ljust(10)) for r in "ABC")
+        for s in (a, b, c):
+            frames(s, 1)  # welcome
+        a.sendall(b"".join(alertlink.alert(x.encode()) for x in (alert(31, cumulative=999), alert(32), alert(33))))
+        frames(a, 1)
+        for s in (b, c):
+            s.sendall(b"".join(alertlink.alert(alert(n).encode()) for n in (31, 33)))
+            frames(s, 1)
+        for s in (a, b, c):
+            s.close()
+        cluster.stop("emitter")
+        sink = Path(cluster.cfg.node("emitter").data) / "alerts.jsonl"
+        got = [(r["emit_seq"], r["cumulative"]) for r in map(json.loads, sink.read_text().splitlines())]
+        status = json.loads((Path(cluster.cfg.node("emitter").data) / "status.json").read_text())
+        if delivery == "first":
+            assert got == [(31, 999), (32, 120), (33, 120)]
+        else:
+            assert got == [(31, 120), (33, 120)] and status["divergences"] == 2
+            assert "reached no quorum" in cluster.logs["emitter"].read_text()
     finally:
         cluster.close()

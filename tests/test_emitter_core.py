@@ -3,9 +3,17 @@
 import pytest
 
 from tape.replicas.audit import Alert
-from tape.replicas.emitter_core import Crash, DeliverAlerts, EmitterCore, RecordDone, RecordIntent, Redeliver
+from tape.replicas.emitter_core import (
+    Crash,
+    DeliverAlerts,
+    EmitterCore,
+    RecordDone,
+    RecordIntent,
+    Redeliver,
+    TooFarAhead,
+)
 
-A = b"replica-A "
+A, B, C = b"replica-A ", b"replica-B ", b"replica-C "
 
 
 def alert(seq: int, cumulative: int = 150) -> Alert:
@@ -19,11 +27,66 @@ def test_only_known_replicas_are_welcomed_with_the_mark():
 
 def test_new_alerts_go_through_intent_deliver_done_and_move_the_mark():
     core = EmitterCore({A})
-    new, copies = core.on_alerts([alert(3), alert(5)])
+    new, copies, _ = core.on_alerts(A, [alert(3), alert(5)])
     assert copies == [] and core.deliver(new) == [RecordIntent(new), DeliverAlerts(new), RecordDone(new)]
     assert core.mark == 5 and core.delivered == 2
-    new, copies = core.on_alerts([alert(5), alert(9)])  # another replica's channel: 5 is a copy
+    new, copies, _ = core.on_alerts(B, [alert(5), alert(9)])  # another replica's channel: 5 is a copy
     assert [a.emit_seq for a in new] == [9] and [a.emit_seq for a in copies] == [5]
+
+
+def seqs(alerts):
+    return [a.emit_seq for a in alerts]
+
+
+def test_first_delivery_takes_a_forged_alert_quorum_does_not():
+    forged = alert(4, cumulative=10**9)  # a compromised replica's alert, sent first
+    first = EmitterCore({A, B, C})
+    assert first.on_alerts(A, [forged])[0] == [forged]
+    quorum = EmitterCore({A, B, C}, delivery="quorum")
+    assert quorum.on_alerts(A, [forged]) == ([], [], [])  # B and C may still send emit seq 4
+    assert quorum.on_alerts(B, [alert(7)]) == ([], [], [])  # B went past 4 without it; C may still send it
+    new, _, alarms = quorum.on_alerts(C, [alert(7)])  # so did C: 4 can reach no quorum
+    assert alarms == [forged] and new == [alert(7)] and quorum.divergences == 1
+
+
+def test_quorum_delivers_identical_copies_in_order_and_outvotes_a_changed_one():
+    core = EmitterCore({A, B, C}, delivery="quorum")
+    changed = alert(3, cumulative=999)
+    assert core.on_alerts(A, [changed, alert(5)]) == ([], [], [])
+    new, _, alarms = core.on_alerts(B, [alert(3)])  # 3 has one vote each way, and C may still send it
+    assert (new, alarms) == ([], [])
+    new, _, alarms = core.on_alerts(C, [alert(3), alert(5)])
+    assert new == [alert(3), alert(5)] and alarms == [changed]
+    core.deliver(new)
+    new, copies, alarms = core.on_alerts(B, [alert(5)])  # a third copy, below the mark: judged as a copy
+    assert (new, seqs(copies), alarms) == ([], [5], [])
+
+
+def test_quorum_waits_for_a_replica_that_may_still_send():
+    core = EmitterCore({A, B, C}, delivery="quorum")
+    core.on_alerts(A, [alert(2)])
+    assert core.on_alerts(A, [alert(3)]) == ([], [], [])  # nothing from B or C yet: 2 may reach a quorum
+    assert seqs(core.on_alerts(B, [alert(2), alert(3)])[0]) == [2, 3]
+    assert core.pending == {}
+
+
+def test_quorum_bounds_what_awaits_it_per_replica():
+    core = EmitterCore({A, B, C}, delivery="quorum", max_pending=9)  # a share of 3 each
+    core.on_alerts(A, [alert(100), alert(101), alert(102)])  # far ahead: A has used its share
+    with pytest.raises(TooFarAhead):
+        core.on_alerts(A, [alert(103)])
+    assert sorted(core.pending) == [100, 101, 102]  # nothing of the refused batch taken
+    assert seqs(core.on_alerts(B, [alert(1), alert(2), alert(3)])[0]) == []  # others' shares are theirs
+    assert seqs(core.on_alerts(C, [alert(1), alert(2), alert(3)])[0]) == [1, 2, 3]
+    assert core.held == {A: 3, B: 0, C: 0}
+
+
+def test_a_replica_votes_once_per_emit_seq():
+    core = EmitterCore({A, B, C}, delivery="quorum")
+    core.on_alerts(A, [alert(3)])
+    assert core.on_alerts(A, [alert(3)]) == ([], [], [])  # sent again (a reconnect): still one vote
+    assert core.on_alerts(A, [alert(3, cumulative=1)]) == ([], [], [])  # another version: not counted
+    assert seqs(core.on_alerts(B, [alert(3)])[0]) == [3]
 
 
 def test_a_copy_with_other_bytes_or_none_recorded_is_a_divergence():

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import connect, wait_for
 from linkclient import LinkSocket
 
 from tape.node.journal_store import Journal
@@ -125,7 +125,7 @@ def test_garbage_flood_at_every_port_harms_nothing(cluster):
     udp.close()
     for node in cfg.by_role("rewinder"):  # TCP: garbage at the replication and replay listeners
         for port in (node.replication_port, node.replay_port):
-            with socket.create_connection(("127.0.0.1", port), timeout=2) as t:
+            with connect(port, f"{node.name}'s listener") as t:
                 t.sendall(b"\xff" * 64 + rng.randbytes(512))
                 time.sleep(0.05)
     assert load.wait(timeout=120) == 0, cluster.output("load")
@@ -149,7 +149,8 @@ def replay(port: int, session: str, seq: int, want: int, keys, timeout: float = 
 
     dec = soup.FrameDecoder()
     frames = []
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw:
+    with connect(port, "the replay port") as raw:
+        raw.settimeout(timeout)
         s = LinkSocket(raw, keys)
         s.sendall(soup.login("test", "", session, seq))
         deadline = time.monotonic() + timeout
@@ -203,7 +204,7 @@ def test_onramp_and_replay(cluster, tmp_path):
     assert msgs[:10] == journal[3999:4009]
     first, _ = replay(port, "NOPE", 1, 1, keys)
     assert first == (b"J", b"S")
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # a login under another key
+    with connect(port, "the replay port") as raw:  # a login under another key
         LinkSocket(raw, LinkKeys([b"not the stream key"])).sendall(soup.login("x", "", "TAPE", 1))
         try:
             assert raw.recv(4096) == b""  # closed, nothing served
@@ -223,7 +224,7 @@ def test_forged_replication_frames_without_the_cluster_key_change_nothing(cluste
     forged = rep.encode_vote_request(1000, b"mallory".ljust(10), 10**9, 999) + \
         rep.encode_append(1000, b"mallory".ljust(10), 0, 0, 10**9, 1000, [bytes(75)])
     for name in voters:
-        with socket.create_connection(("127.0.0.1", cluster.cfg.node(name).replication_port), timeout=5) as s:
+        with connect(cluster.cfg.node(name).replication_port, f"{name}'s replication port") as s:
             s.sendall(forged)
             s.settimeout(5)
             got = b""
