@@ -18,6 +18,8 @@ from tape.protocol.errors import ProtocolError
 from tape.protocol.linkauth import HELLO, NONCE_SIZE, LinkKeys, Opener, Sealer
 
 HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
+MAX_LINK_CONNECTIONS = 256  # open at once on one listener (replication, alerts, replay)
+MAX_CONNECTIONS_PER_HOST = 64  # of those, from one host
 CONNECT_TIMEOUT_S = 2.0  # a connection and its handshake, where the caller has no tighter limit
 
 log = RateLimitedLog(logging.getLogger("tape.link"))
@@ -101,16 +103,35 @@ async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str
 
 
 def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refused: dict[str, int]):
-    """A start_server callback: `handler` gets the authenticated pair, or nothing is called."""
-    if keys is None:
-        return handler
+    """A start_server callback: `handler` gets the (authenticated, with keys) pair, or nothing is
+    called. Bounded, so that no peer can exhaust the process's file descriptors or its peers' slots:
+    at most MAX_LINK_CONNECTIONS open at once, MAX_CONNECTIONS_PER_HOST of them from one host (a
+    peer without the key holds one for HANDSHAKE_TIMEOUT_S at most)."""
+    per_host: dict[str, int] = {}
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            pair = await _handshake(reader, writer, keys, False, refused)
-        except (ConnectionError, OSError):
+        host = (writer.get_extra_info("peername") or ("?",))[0]
+        if sum(per_host.values()) >= MAX_LINK_CONNECTIONS:
+            _refuse(refused, ProtocolError("too_many_connections", f"{MAX_LINK_CONNECTIONS} open; {host} closed", 0))
             writer.close()
             return
-        await handler(*pair)
+        if per_host.get(host, 0) >= MAX_CONNECTIONS_PER_HOST:
+            _refuse(refused, ProtocolError("host_busy", f"{host} has {per_host[host]} connections open", 0))
+            writer.close()
+            return
+        per_host[host] = per_host.get(host, 0) + 1
+        try:
+            if keys is None:
+                return await handler(reader, writer)
+            try:
+                pair = await _handshake(reader, writer, keys, False, refused)
+            except (ConnectionError, OSError):
+                writer.close()
+                return
+            await handler(*pair)
+        finally:
+            per_host[host] -= 1
+            if not per_host[host]:
+                del per_host[host]
 
     return serve

@@ -25,7 +25,7 @@ from rich.table import Table
 from tape.ops.local import LocalCluster
 
 DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
-          "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart")
+          "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart", "hostile")
 LOSSY = ("loss", "failover-under-loss")  # the drills run with --loss at every receiver
 STALL_S = 1.0  # nothing committed for this long: the cluster has stopped (no majority)
 
@@ -223,6 +223,60 @@ class ClientRestart(Drill):
             self.healed and 0 < resumed < report["submitted"], f"at trade {resumed:,}")}
 
 
+class Hostile(Drill):
+    """hostile: the attacks of issue 13 (ops/hostile.py), sent by an outsider without keys at 30% of
+    the run: forged stream packets, end of session and far heartbeats to the group, undecodable
+    unicast to every replica socket, forged votes, appends and acks, a forged alert, a batch under a
+    client's name, a gap-fill flood, random bytes at every socket of every process. No node may stop
+    (a node that exits aborts the run) or take the forged term; the verdict shows that nothing
+    forged was applied, delivered or journaled; each kind of forgery was counted where it landed."""
+
+    REFUSALS = {  # (role, metric, reason or None for any): where each kind of attack is counted
+        "stream packets refused by the replicas": ("replica", "bad_datagrams", "unsealed"),
+        "links refused by the voters": ("voters", "link_refused", None),
+        "links refused by the emitter": ("emitter", "link_refused", None),
+        "batches refused by the sequencers": ("sequencer", "dropped_datagrams", "unauthenticated"),
+        "gap requests refused by the rewinders": ("rewinder", "dropped_datagrams", "unsigned_request"),
+    }
+
+    def inject(self, cluster):
+        from tape.ops.hostile import run_all
+
+        self.sent = run_all(cluster)
+        return f"{len(self.sent)} attacks sent without keys (ops/hostile.py)"
+
+    def healable(self, cluster):
+        return True  # a burst: nothing to heal; the run goes on under the verdict
+
+    def observe(self, cluster):
+        self.refused = {what: self._count(cluster, *where) for what, where in self.REFUSALS.items()}
+
+    @staticmethod
+    def _count(cluster: LocalCluster, role: str, metric: str, reason: str | None) -> float:
+        nodes = cluster.cfg.voters if role == "voters" else cluster.cfg.by_role(role)
+        total = 0.0
+        for n in nodes:
+            prefix = f"tape_{n.role}_{metric}_total{{node=\"{n.name}\""
+            try:
+                m = cluster.metrics(n.name)
+            except OSError:
+                continue
+            total += sum(v for k, v in m.items() if k.startswith(prefix) and (reason is None or
+                                                                              f'reason="{reason}"' in k))
+        return total
+
+    def checks(self, cluster, report):
+        from tape.ops.hostile import FORGED_TERM
+
+        report["attacks"] = getattr(self, "sent", [])
+        report["refused"] = getattr(self, "refused", {})
+        highest = max((t["term"] for t in report["terms"]), default=0)
+        out = {"no forged term taken": (highest < FORGED_TERM, f"highest term {highest}")}
+        for what, count in report["refused"].items():
+            out[what] = (count > 0, f"{count:,.0f}")
+        return out
+
+
 def make(name: str, duration: float, trades: int) -> Drill:
     if name in ("kill-leader", "pause-leader", "partition-leader", "failover-under-loss"):
         return LeaderFault(name, duration, trades)
@@ -240,6 +294,8 @@ def make(name: str, duration: float, trades: int) -> Drill:
         return Drill(name, duration, trades)
     if name == "client-restart":
         return ClientRestart(name, duration, trades)
+    if name == "hostile":
+        return Hostile(name, duration, trades)
     raise SystemExit(f"unknown drill {name!r}: {', '.join(DRILLS)} or all")
 
 

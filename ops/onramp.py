@@ -74,7 +74,8 @@ async def submit_all(cfg: Config, client_name: str, msgs: list[bytes], timeout: 
     last = await client.submit(msgs) if msgs else 0
     ok = await client.wait_acked(last, timeout)
     await client.close()
-    return {"submitted": len(msgs), "acked": client.acked, "all_acked": ok}
+    return {"submitted": len(msgs), "acked": client.acked, "all_acked": ok,
+            "rejected": [{"client_seq": s, "reason": r} for s, r in client.rejected]}
 
 
 def main(cfg: Config, client_name: str, path: str, timeout: float) -> int:

@@ -39,6 +39,8 @@ REPLICATION_FRAME = replication.MAX_FRAME
 REPLAY_CHUNK = 1_000  # committed messages per replay write
 REPLAY_LOGIN_FRAME = 1024  # largest frame a replay server accepts before the login
 REPLAY_LOGIN_TIMEOUT_S = 5.0
+REPLAY_IDLE_TIMEOUT_S = 15.0  # a replay client silent this long is gone (SoupBinTCP: it heartbeats every second)
+REPLAY_CLIENT_HEARTBEAT_S = 1.0
 
 # --- listeners ---------------------------------------------------------------------------
 REPLAY_BEHIND = 2_000  # messages a replica is behind the stream before it catches up over TCP

@@ -75,7 +75,7 @@ class Emitter(NodeProcess):
         self.in_doubt_listed = 0
         self.rejected: dict[str, int] = {}
         self._lock = asyncio.Lock()  # one delivery at a time, whichever replica it came from
-        self.links: dict[bytes, asyncio.StreamWriter] = {}  # replica -> its connection: acks go to all
+        self.links: set = set()  # every welcomed replica connection: acks go to all
 
     @property
     def mark(self) -> int:
@@ -143,7 +143,7 @@ class Emitter(NodeProcess):
                         if mark is None:
                             return self._reject("unknown_replica", f"hello {payload[:16]!r}")
                         name = payload
-                        self.links[name] = writer
+                        self.links.add(writer)
                         writer.write(alertlink.welcome(mark))
                     elif kind == alertlink.ALERT:
                         try:
@@ -157,7 +157,7 @@ class Emitter(NodeProcess):
                         await self._handle(fresh, name)
                     except TooFarAhead as e:
                         return self._reject("too_far_ahead", f"{name!r}: {e}")
-                    for link in self.links.values():  # under quorum another replica's copy may have been the one
+                    for link in self.links:  # under quorum another replica's copy may have been the one
                         link.write(alertlink.ack(self.mark))
         except ProtocolError as e:
             self._reject("bad_frame", str(e))
@@ -166,8 +166,7 @@ class Emitter(NodeProcess):
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            if name is not None and self.links.get(name) is writer:
-                del self.links[name]
+            self.links.discard(writer)
             writer.close()
 
     async def _handle(self, alerts: list[Alert], replica: bytes) -> None:

@@ -24,7 +24,7 @@ from tape.node.settings import Config, Node
 from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import CONTROL_READ, STREAM_READ
+from tape.protocol.limits import CONTROL_READ, REPLAY_CLIENT_HEARTBEAT_S, STREAM_READ
 from tape.protocol.packets import PacketBuilder
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, Snapshot
@@ -171,10 +171,14 @@ class Replica(NodeProcess):
             dec = soup.FrameDecoder()
             seq = None
             batch: list[bytes] = []
+            beat = time.monotonic()
             while rx.lag() > 0 or rx.missing() is not None:
                 data = await asyncio.wait_for(reader.read(STREAM_READ), 5.0)
                 if not data:
                     return
+                if time.monotonic() - beat >= REPLAY_CLIENT_HEARTBEAT_S:  # the server drops a silent client
+                    writer.write(soup.heartbeat(server=False))
+                    beat = time.monotonic()
                 for kind, payload in dec.feed(data):
                     if kind == soup.LOGIN_ACCEPTED:
                         seq = soup.parse_login_accepted(payload)[1]

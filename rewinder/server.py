@@ -29,6 +29,7 @@ from tape.protocol.limits import (
     CONTROL_READ,
     GAP_REQUEST_BUFFER,
     GAP_REQUEST_DRAIN,
+    REPLAY_IDLE_TIMEOUT_S,
     REPLAY_LOGIN_FRAME,
     REPLAY_LOGIN_TIMEOUT_S,
 )
@@ -52,6 +53,7 @@ class Rewinder(NodeProcess):
         self.gapfill = GapFillCore(cfg.session_bytes, cfg.max_packet, cfg.stream_auth)
         self.sealed = bool(cfg.stream_keys)  # the log's packets are sealed ranges
         self.replay_sessions = 0
+        self.replay_idle_closed = 0
         self.replayed = 0
         self.gap_messages_sent = 0
         self.bad_frames = 0
@@ -69,6 +71,8 @@ class Rewinder(NodeProcess):
         dropped = {**self.gapfill.dropped, "injected_loss": self.loss.dropped}
         yield "dropped_datagrams", "counter", "gap-fill requests dropped, by reason", dropped
         yield "replay_sessions", "counter", "TCP replay sessions accepted", self.replay_sessions
+        yield "replay_idle_closed", "counter", "replay sessions closed: the client fell silent", \
+            self.replay_idle_closed
         yield "replay_messages", "counter", "messages sent over TCP replay", self.replayed
         bad = self.bad_frames + self.voter.bad_frames
         yield "bad_frames", "counter", "malformed TCP frames (connection closed)", bad
@@ -185,10 +189,10 @@ class Rewinder(NodeProcess):
         await self.voter.committed.wait()
 
     async def _replay_client_frames(self, reader, frames) -> None:
-        """Read the client's side until it logs out, goes away or breaks the framing."""
+        """Read the client's side until it logs out, goes away, falls silent or breaks the framing."""
         try:
             while True:
-                data = await reader.read(CONTROL_READ)
+                data = await asyncio.wait_for(reader.read(CONTROL_READ), REPLAY_IDLE_TIMEOUT_S)
                 if not data:
                     return
                 for kind, _ in frames.feed(data):
@@ -197,6 +201,8 @@ class Rewinder(NodeProcess):
         except ProtocolError as e:
             self.bad_frames += 1
             self.badlog.warn("replay", "bad replay frame, closing: %s", e)
+        except asyncio.TimeoutError:
+            self.replay_idle_closed += 1
         except ConnectionError:
             pass
 

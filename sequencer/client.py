@@ -36,6 +36,7 @@ class Client:
     acked = property(lambda self: self.core.acked)
     in_flight = property(lambda self: self.core.in_flight)
     resends = property(lambda self: self.core.resends)
+    rejected = property(lambda self: self.core.rejected)  # [(client seq, reason)] sequenced as rejects
     latencies_ns = property(lambda self: self.core.latencies_ns)
 
     async def start(self) -> None:

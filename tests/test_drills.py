@@ -31,6 +31,9 @@ def test_every_drill_passes_its_verdict(tmp_path, drill):
         assert report["checks"]["commits stopped without a majority"]
     elif drill == "client-restart":  # the second client found what the first had sequenced
         assert 0 < report["resumed_at"] < report["submitted"] == report["acknowledged"] == 20_000
+    elif drill == "hostile":  # every attack sent, every kind refused where it landed, no forged term
+        assert len(report["attacks"]) == 9 and report["checks"]["no forged term taken"]
+        assert len(report["refused"]) == 5 and all(n > 0 for n in report["refused"].values())
     elif drill != "loss":
         assert report["checks"]["the node was killed and restarted"]
 

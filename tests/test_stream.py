@@ -180,7 +180,8 @@ def test_onramp_and_replay(cluster, tmp_path):
     src.write_text("\n".join(lines) + "\n")
     ramp = cluster.start("onramp", "onramp", str(src))
     assert ramp.wait(timeout=60) == 2  # done, with rejected lines
-    assert json.loads(cluster.output("onramp")) == {"submitted": 3, "acked": 3, "all_acked": True, "rejected_lines": 4}
+    assert json.loads(cluster.output("onramp")) == {"submitted": 3, "acked": 3, "all_acked": True, "rejected_lines": 4,
+                                                       "rejected": []}
     errors = cluster.logs["onramp"].read_text()
     for expect in ('line 3: "# shares" must be an integer', "line 4: not JSON", 'line 6: missing "stock"',
                    'line 7: "stock" must be 1-8 printable'):
