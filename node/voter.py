@@ -7,7 +7,10 @@ greets with a hello (term, log position), then answers each append with an
 ack (after the records are in its journal, per the fsync policy) and each
 vote request with a vote (after its term and vote are on disk). The term
 and the vote live in `DATA/election.json`, written atomically and fsynced,
-so that a restarted voter never votes twice in a term.
+so that a restarted voter never votes twice in a term. A voter that starts
+without that file (a new or wiped disk) recovers it first: it greets every
+connection and hangs up, and asks every other voter for its hello until all
+have answered (ElectionCore, docs/failover.md).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import random
 import time
 import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from tape.node import authlink
 from tape.node.ratelog import RateLimitedLog
@@ -34,26 +37,36 @@ from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 log = logging.getLogger("tape.voter")
 
 
+class ElectionState(NamedTuple):
+    term: int
+    voted_for: bytes | None
+    log_floor: tuple[int, int]
+    found: bool  # False: no election state on disk (a new or wiped disk)
+
+
 class VoteStore:
-    """(term, voted_for) on disk."""
+    """(term, voted_for, log floor) on disk."""
 
     def __init__(self, path: Path):
         self.path = path
 
-    def load(self) -> tuple[int, bytes | None]:
+    def load(self) -> ElectionState:
         try:
             doc = json.loads(self.path.read_text())
         except FileNotFoundError:
-            return 0, None
+            return ElectionState(0, None, (0, 0), False)
         except ValueError as e:
             raise SystemExit(f"{self.path}: unreadable election state ({e}); refusing to guess a term") from None
         voted = doc.get("voted_for")
-        return int(doc["term"]), voted.encode("ascii") if voted is not None else None
+        floor = doc.get("log_floor", [0, 0])
+        return ElectionState(int(doc["term"]), voted.encode("ascii") if voted is not None else None,
+                             (int(floor[0]), int(floor[1])), True)
 
-    def save(self, term: int, voted_for: bytes | None) -> None:
+    def save(self, term: int, voted_for: bytes | None, log_floor: tuple[int, int] = (0, 0)) -> None:
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "w") as f:
-            json.dump({"term": term, "voted_for": voted_for.decode("ascii") if voted_for else None}, f)
+            json.dump({"term": term, "voted_for": voted_for.decode("ascii") if voted_for else None,
+                       "log_floor": list(log_floor)}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -77,13 +90,16 @@ class Voter:
         self.on_partition = on_partition or (lambda cut: None)  # drills' fault injection
         self.on_fatal = on_fatal or (lambda why: None)  # the node's state is impossible: it must stop
         self.store = VoteStore(Path(node.data) / "election.json")
-        term, voted_for = self.store.load()
+        state = self.store.load()
+        if not state.found and len(cfg.voters) > 1:
+            log.warning("no election state in %s (a new or wiped disk): recovering it from the other voters "
+                        "before voting or following", self.store.path)
         lo = cfg.election_ms * 1_000_000
         # Seeded by the node's name: each voter has its own jitter, the same on every run.
         rng = random.Random(zlib.crc32(node.name.encode()))
         now = time.monotonic_ns()
-        self.core = VoterCore(node.wire_name, [v.wire_name for v in cfg.voters], can_lead, rng, (lo, 2 * lo), term,
-                              voted_for, now, journal.read())
+        self.core = VoterCore(node.wire_name, [v.wire_name for v in cfg.voters], can_lead, rng, (lo, 2 * lo),
+                              state.term, state.voted_for, now, journal.read(), not state.found, state.log_floor)
         # The first election comes sooner: pre-votes keep a restarted node from disrupting a live leader.
         self.election.deadline = now + rng.randint(lo // 4, lo // 2)
         self.committed = asyncio.Event()  # set and cleared whenever the commit point moves
@@ -111,7 +127,7 @@ class Voter:
         truncated = False
         for action in actions:
             if isinstance(action, Persist):
-                self.store.save(action.term, action.voted_for)
+                self.store.save(action.term, action.voted_for, action.log_floor)
             elif isinstance(action, Truncate):
                 log.warning("dropping uncommitted suffix after seq %d (conflicts with the leader's log)",
                             action.after_seq)
@@ -156,6 +172,10 @@ class Voter:
             return
         self._conns.add(writer)
         writer.write(rep.encode_hello(*self.core.hello()))
+        if self.core.recovering:  # a greeting is all a recovering voter gives: no vote, no ack
+            self._conns.discard(writer)
+            writer.close()
+            return
         frames = rep.FrameReader()
         closed_by_peer = False
         try:
@@ -235,7 +255,7 @@ class Voter:
         except (OSError, asyncio.TimeoutError):
             return 0
         try:
-            writer.write(rep.encode_fetch(self.core.last_seq + 1, self.core.last_term))
+            writer.write(rep.encode_fetch(*self.core.fetch_from_seq()))
             frames = rep.FrameReader()
             while True:
                 data = await asyncio.wait_for(reader.read(STREAM_READ), 2.0)
@@ -244,9 +264,14 @@ class Voter:
                 for fr in frames.feed(data):
                     if not isinstance(fr, rep.Append):
                         continue
-                    records = self.core.take_fetched(fr) if fr.count else None
-                    if not records:
-                        return taken  # the end, a leader appeared, or the logs do not line up
+                    if not fr.count:
+                        return taken  # the end
+                    cut = self.core.fetched_conflict(fr)
+                    if cut is not None:
+                        self.act([Truncate(cut)])
+                    records = self.core.take_fetched(fr)
+                    if records is None:
+                        return taken  # a leader appeared, or the logs do not line up
                     self.journal.append(records)
                     taken += len(records)
         except (OSError, asyncio.TimeoutError, ProtocolError):
@@ -256,6 +281,42 @@ class Voter:
             if taken:
                 log.warning("took %d entries from %s to catch up (log now ends at seq %d, term %d)", taken,
                             voter.name, self.core.last_seq, self.core.last_term)
+
+    # --- recovering the election state -----------------------------------------------
+
+    async def recover(self) -> None:
+        """Until every other voter has greeted this one: ask those not yet heard, a round per
+        half election timeout. Returns at once if the election state was on disk."""
+        others = [n for n in self.cfg.voters if n.name != self.node.name]
+        while self.core.recovering:
+            heard = self.election.heard
+            await asyncio.gather(*(self._greeting(n) for n in others if n.wire_name not in heard))
+            if self.core.recovering:
+                await asyncio.sleep(self.cfg.election_ms / 2000)
+        e = self.election
+        log.warning("recovered the election state from %d voters: term %d (no vote in it), votes only for logs "
+                    "at least at (term %d, seq %d)", len(others), e.term, *e.log_floor)
+
+    async def _greeting(self, voter: Node) -> None:
+        """Connect to `voter`, take its hello, hang up."""
+        try:
+            reader, writer = await self._connect(voter)
+        except (OSError, asyncio.TimeoutError):
+            return
+        try:
+            frames = rep.FrameReader()
+            while self.core.recovering:
+                data = await asyncio.wait_for(reader.read(CONTROL_READ), self.cfg.election_ms / 1000)
+                if not data:
+                    return
+                hello = next((fr for fr in frames.feed(data) if isinstance(fr, rep.Hello)), None)
+                if hello is not None:
+                    self.act(self.core.on_peer_hello(hello, time.monotonic_ns()))
+                    return
+        except (OSError, asyncio.TimeoutError, ProtocolError):
+            pass
+        finally:
+            writer.close()
 
     # --- campaigning -------------------------------------------------------------------
 

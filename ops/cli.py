@@ -184,6 +184,12 @@ def _replay(args) -> int:
     return replay(args.journal, args.to_lmdb, _config(args))
 
 
+def _node_replace(args) -> int:
+    from tape.ops.node_tool import replace
+
+    return replace(_config(args), args.name, sys.stdout)
+
+
 def _load(args) -> int:
     from tape.ops.load import main
 
@@ -392,6 +398,19 @@ def _add_replay(sub) -> None:
     p.set_defaults(func=_replay)
 
 
+def _add_node(sub) -> None:
+    node = sub.add_parser("node", help="operate on one node's data", description="Operate on one node's data.")
+    nsub = node.add_subparsers(dest="node_command", metavar="ACTION", required=True)
+    p = nsub.add_parser("replace", help="give a stopped voter an empty data directory, safely",
+                        description="For a voter whose disk failed or was swapped: move its data directory aside "
+                                    "and leave an empty one. Started on it, the node recovers its election state from "
+                                    "every other voter before it votes (it never votes twice in a term), then "
+                                    "catches up from the leader. Refuses while the node answers on its metrics port.")
+    _cluster_options(p, drop=False)
+    p.add_argument("name", help="the node's name in the config (a sequencer or rewinder)")
+    p.set_defaults(func=_node_replace)
+
+
 def _add_load(sub) -> None:
     p = sub.add_parser("load", help="submit generated trades at a target rate",
                        description="Generate purchase requests and purchases (seeded) and submit them exactly once; "
@@ -503,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_audit(sub)
     _add_analytics(sub)
     _add_replay(sub)
+    _add_node(sub)
     _add_load(sub)
     _add_tail(sub)
     _add_onramp(sub)

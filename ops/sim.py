@@ -65,6 +65,7 @@ CLIENTS = ("c0", "c1")
 REPLICAS = ("replica-A", "replica-B")
 EMITTER = "emitter"
 FAULTS_UNTIL = 1500 * MS
+FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe")
 GIVE_UP = 60_000 * MS
 # The processes' defaults (node/settings.py): the simulator runs the policies as configured.
 GAP_REQUEST_NS = default_of(Config, "gap_request_ms") * MS
@@ -102,7 +103,7 @@ class Voter:
         self.sim, self.name, self.wire = sim, name, wire(name)
         self.can_lead = name in SEQUENCERS
         self.log: list[tuple[int, bytes]] = []  # (term, message) at seq i + 1: durable
-        self.vote = (0, None)  # (term, voted_for): durable
+        self.vote = None  # (term, voted_for, log floor): durable; None on a new or wiped disk
         self.checked = 0  # seqs of the committed log already checked against what was published
         self.up = True
         self.clock_skew = sim.rng.randrange(-200, 201) * MS  # hosts' clocks differ: stamps must not go backwards
@@ -119,10 +120,11 @@ class Voter:
 
     def restart(self) -> None:
         """A process (re)starting on its durable state: the log and the vote."""
-        term, voted = self.vote
+        term, voted, floor = self.vote or (0, None, (0, 0))
         rng = random.Random(self.sim.rng.random())
         self.core = VoterCore(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, (150 * MS, 300 * MS), term,
-                              voted, self.sim.now, self.records())
+                              voted, self.sim.now, self.records(), recovering=self.vote is None,
+                              log_floor=floor)
         self.election = self.core.election
         self.leader: LeaderCore | None = None
         self.links: FollowerLinks | None = None  # while leading
@@ -131,6 +133,15 @@ class Voter:
                                    total_rate_per_s=50_000.0)
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.hellos: dict[str, Hello] = {}  # voter -> its hello, while campaigning
+        self.greet()
+
+    def greet(self) -> None:
+        """While recovering the election state: ask every voter not yet heard for its hello, a round
+        per half election timeout (Voter.recover)."""
+        self.greeted = self.sim.now
+        for v in VOTERS:
+            if self.core.recovering and v != self.name and wire(v) not in self.election.heard:
+                self.sim.send(self.name, v, ("greet",))
 
     @property
     def commit_seq(self) -> int:
@@ -141,7 +152,7 @@ class Voter:
         truncated = False
         for a in actions:
             if isinstance(a, Persist):
-                self.vote = (a.term, a.voted_for)
+                self.vote = (a.term, a.voted_for, a.log_floor)
             elif isinstance(a, Truncate):
                 del self.log[a.after_seq:]
                 truncated = True
@@ -235,12 +246,21 @@ class Voter:
     def take_fetched(self, appends: list) -> None:
         """A fetch answer: entries another voter holds beyond our log, taken as Voter.fetch_from does."""
         for a in appends:
-            records = self.core.take_fetched(a) if self.leader is None else None
-            if not records:
+            if self.leader is not None:
+                return
+            cut = self.core.fetched_conflict(a)
+            if cut is not None:
+                self.act([Truncate(cut)])
+            records = self.core.take_fetched(a)
+            if records is None:
                 return
             self.log.extend((term, m) for _, term, m in records)
 
     def tick(self) -> None:
+        if self.core.recovering:
+            if self.sim.now - self.greeted >= 75 * MS:
+                self.greet()
+            return
         self.act(self.election.on_tick(self.sim.now))
         c = self.leader
         if c is None:
@@ -261,6 +281,8 @@ class Voter:
                                                         c.term, 0, b""))
 
     def receive(self, src: str, msg) -> None:
+        if self.core.recovering and self.receive_recovering(src, msg):
+            return
         now = self.sim.now
         if isinstance(msg, Append):
             ack, actions = self.core.on_append(msg, src, now)
@@ -287,12 +309,12 @@ class Voter:
             theirs = self.hellos.pop(src, None)
             if not msg.granted and theirs and self.election.leader is None and \
                     (theirs.last_term, theirs.last_seq) > (self.core.last_term, self.core.last_seq):
-                self.sim.send(self.name, src, ("fetch", self.core.last_seq + 1, self.core.last_term))  # behind
+                self.sim.send(self.name, src, ("fetch", *self.core.fetch_from_seq()))  # behind
         elif msg[0] == "fetch":
             start = self.core.fetch_start(Fetch(msg[1], msg[2]))
             if start is not None:
                 self.sim.send(self.name, src, ("fetched", self.appends(start[0], CATCHUP_CHUNK)))
-        elif msg[0] == "follow":  # a leader connects: the hello (node/voter.py's serve)
+        elif msg[0] in ("follow", "greet"):  # a leader, or a recovering voter, connects: the hello
             self.sim.send(self.name, src, self.core.hello())
         elif isinstance(msg, Hello):  # to a leader connecting, or a candidate asking for a vote
             self.act(self.election.on_higher_term(msg.term, msg.node, now))
@@ -320,6 +342,20 @@ class Voter:
                 first, entries = self.gapfill.entries(answer, read, True, self.commit_seq)
                 for pkt in PacketBuilder(SESSION, first).add_sequenced(entries):
                     self.sim.send(self.name, src, ("packet", pkt))
+
+
+    def receive_recovering(self, src: str, msg) -> bool:
+        """What a voter recovering its election state does instead (node/voter.py): it takes
+        hellos, greets every connection and hangs up. True if `msg` was handled so."""
+        if isinstance(msg, Hello):
+            self.act(self.core.on_peer_hello(msg, self.sim.now))
+        elif isinstance(msg, (VoteRequest, Append)) or msg[0] in ("follow", "greet", "fetch"):
+            if not isinstance(msg, Append):
+                self.sim.send(self.name, src, self.core.hello())
+            self.sim.send(self.name, src, ("gone",))  # the connection closes after the greeting
+        else:
+            return False
+        return True
 
 
 class Listener:
@@ -511,6 +547,7 @@ class Sim:
         self.epochs: dict[frozenset, int] = {}  # ordered channels: the connection a message was sent on
         self.broken: set[frozenset] = set()  # ordered channels broken until the next hello
         self.trace: list[str] = []
+        self.wiped = False
         self._schedule_faults()
 
     # --- the virtual network -----------------------------------------------------------
@@ -603,7 +640,7 @@ class Sim:
         for _ in range(r.randint(1, 5)):
             start = r.randint(100 * MS, FAULTS_UNTIL - 200 * MS)
             length = r.randint(50 * MS, 700 * MS)
-            kind = r.choice(("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client"))
+            kind = r.choice(FAULT_KINDS)
             self.at(start, self.fault, kind, None, start + length)
 
     def fault(self, kind: str, node: str | None, until: int) -> None:
@@ -625,6 +662,15 @@ class Sim:
                 e.core.crash_at, e.core.crash_after = point, e.core.batches + 1
                 self.trace[-1] = f"{self.now / MS:.0f} ms: crash the emitter {point} of its next batch, " \
                                  f"for {(until - self.now) / MS:.0f} ms"
+        elif kind == "wipe" and not self.wiped:
+            self.wiped = True  # one disk loss per run, of one voter or two at once: more is beyond the fault model
+            nodes = [node] + ([self.rng.choice([v for v in VOTERS if v != node])] if self.rng.random() < 0.5 else [])
+            self.trace[-1] = f"{self.now / MS:.0f} ms: wipe {' and '.join(nodes)} for {(until - self.now) / MS:.0f} ms"
+            for name in nodes:
+                v = self.voters[name]
+                if v.up:
+                    self.crash(name, until)
+                v.log, v.vote, v.checked = [], None, 0  # the disk is gone: it restarts empty
         elif kind == "crash" and self.voters[node].up:
             if self.rng.random() < 0.5:  # in the middle of its next journal write
                 self.voters[node].torn_write = until

@@ -28,6 +28,15 @@ Rules (DESIGN.md section 5):
   heard from a majority (itself included) for the minimum election timeout
   (check-quorum): a leader cut off from its followers stops within the
   timeout, before a new leader can be elected.
+- A voter that starts without its election state (a new or wiped disk) is
+  *recovering*: it neither votes, campaigns nor follows until it has heard
+  every other voter's hello. Then its term is the highest term heard, in
+  which it votes for no one, and it grants votes only to logs at least as
+  up to date as the most up to date log heard (its log floor, kept on disk
+  with the term). docs/failover.md gives the reasoning: every term in which
+  it may have voted is at most its candidate's term, and every committed
+  entry is in some log it heard, as long as fewer than a majority of voters
+  lost their disks.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 FOLLOWER, PRE_CANDIDATE, CANDIDATE, LEADER = "follower", "pre-candidate", "candidate", "leader"
+# The vote of a recovered voter in the term it recovered in: it may have voted in that term
+# before it lost its disk, so it votes for no one (no wire name is one byte long).
+VOTE_LOST = b"?"
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class Persist:
 
     term: int
     voted_for: bytes | None
+    log_floor: tuple[int, int] = (0, 0)  # (last_term, last_seq) a candidate's log must reach
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,8 @@ class Rng(Protocol):
 class ElectionCore:
     def __init__(self, name: bytes, voters: list[bytes], can_lead: bool, log_position: Callable[[], tuple[int, int]],
                  rng: Rng, timeout_ns: tuple[int, int] = (300_000_000, 600_000_000), term: int = 0,
-                 voted_for: bytes | None = None, now_ns: int = 0):
+                 voted_for: bytes | None = None, now_ns: int = 0, recovering: bool = False,
+                 log_floor: tuple[int, int] = (0, 0)):
         if name not in voters:
             raise ValueError(f"{name!r} is not one of the voters")
         self.name = name
@@ -107,6 +121,9 @@ class ElectionCore:
         self.elections = 0
         self.leader_changes = 0
         self.deadline = now_ns + self._timeout()
+        self.recovering = recovering and len(voters) > 1  # no election state: waiting for every other voter's hello
+        self.heard: dict[bytes, tuple[int, int, int]] = {}  # while recovering: voter -> (term, last_term, last_seq)
+        self.log_floor = log_floor
 
     @property
     def majority(self) -> int:
@@ -130,14 +147,41 @@ class ElectionCore:
         self.leader = None
         self.votes = set()
         self.deadline = now_ns + self._timeout()
-        out = [Persist(self.term, None)]
+        out = [self._persist()]
         if was in (LEADER, CANDIDATE, PRE_CANDIDATE):
             out.append(StepDown(reason))
         return out
 
+    def _persist(self) -> Persist:
+        return Persist(self.term, self.voted_for, self.log_floor)
+
+    # --- recovery ----------------------------------------------------------------------
+
+    def on_peer_hello(self, voter: bytes, term: int, last_seq: int, last_term: int,
+                      now_ns: int) -> list[ElectionAction]:
+        """While recovering: another voter's hello. Once every other voter's is in, take the
+        highest term heard (voting in it for no one) and the most up to date log heard."""
+        if not self.recovering or voter == self.name or voter not in self.voters:
+            return []
+        self.heard[voter] = (term, last_term, last_seq)
+        if len(self.heard) < len(self.voters) - 1:
+            return []
+        self.recovering = False
+        self.term = max(self.term, *(t for t, _, _ in self.heard.values()))
+        self.voted_for = VOTE_LOST
+        self.log_floor = max((lt, ls) for _, lt, ls in self.heard.values())
+        self.deadline = now_ns + self._timeout()
+        return [self._persist()]
+
+    def _up_to_date(self, last_seq: int, last_term: int) -> bool:
+        my_seq, my_term = self.log_position()
+        return (last_term, last_seq) >= max((my_term, my_seq), self.log_floor)
+
     # --- time ------------------------------------------------------------------------
 
     def on_tick(self, now_ns: int) -> list[ElectionAction]:
+        if self.recovering:
+            return []
         if self.role == LEADER:
             recent = 1 + sum(
                 1 for v in self.voters if v != self.name and now_ns - self.acked.get(v, -1 << 62) < self.timeout_lo
@@ -169,7 +213,7 @@ class ElectionCore:
         self.elections += 1
         self.deadline = now_ns + self._timeout()
         last_seq, last_term = self.log_position()
-        out = [Persist(self.term, self.name)]
+        out = [self._persist()]
         if len(self.votes) >= self.majority:
             return out + self._win(now_ns)
         return out + [RequestVotes(False, self.term, last_seq, last_term)]
@@ -186,7 +230,7 @@ class ElectionCore:
 
     def on_append(self, term: int, leader: bytes, now_ns: int) -> tuple[bool, list]:
         """An append (or heartbeat) from `leader`: (accept it?, actions)."""
-        if term < self.term:
+        if term < self.term or self.recovering:
             return False, []
         out = []
         if term > self.term:
@@ -207,8 +251,9 @@ class ElectionCore:
     def on_vote_request(self, term: int, candidate: bytes, last_seq: int, last_term: int, pre: bool,
                         now_ns: int) -> tuple[bool, list]:
         """(grant?, actions). The reply carries self.term after the actions."""
-        my_seq, my_term = self.log_position()
-        up_to_date = (last_term, last_seq) >= (my_term, my_seq)
+        if self.recovering:
+            return False, []
+        up_to_date = self._up_to_date(last_seq, last_term)
         leader_alive = self.role == LEADER or (self.leader is not None and now_ns - self.heard_ns < self.timeout_lo)
         if pre:
             return term > self.term and up_to_date and not leader_alive and candidate != self.name, []
@@ -221,13 +266,13 @@ class ElectionCore:
         if grant:
             self.voted_for = candidate
             self.deadline = now_ns + self._timeout()
-            out.append(Persist(self.term, candidate))
+            out.append(self._persist())
         return grant, out
 
     def on_vote(self, term: int, voter: bytes, granted: bool, pre: bool, now_ns: int) -> list[ElectionAction]:
         """A vote. A granted pre-vote carries the term asked for; any other
         answer carries the voter's own term, which is adopted if higher."""
-        if voter not in self.voters:
+        if voter not in self.voters or self.recovering:
             return []
         if pre and granted:
             if self.role == PRE_CANDIDATE and term == self.term + 1:
@@ -266,6 +311,8 @@ class ElectionCore:
 
     def on_ack(self, follower: bytes, term: int, now_ns: int) -> list[ElectionAction]:
         """A follower answered this leader (any answer proves it is reachable)."""
+        if self.recovering:
+            return []
         if term > self.term:
             return self._adopt(term, now_ns, f"{follower.decode(errors='replace').strip()} is in term {term}")
         if self.role == LEADER and term == self.term:
@@ -275,6 +322,6 @@ class ElectionCore:
     def on_higher_term(self, term: int, who: bytes, now_ns: int) -> list[ElectionAction]:
         return (
             self._adopt(term, now_ns, f"{who.decode(errors='replace').strip()} is in term {term}")
-            if term > self.term
+            if term > self.term and not self.recovering
             else []
         )

@@ -97,15 +97,18 @@ class LogState:
 
 class VoterCore:
     def __init__(self, name: bytes, voters: list[bytes], can_lead: bool, rng: Rng, timeout_ns: tuple[int, int],
-                 term: int, voted_for: bytes | None, now_ns: int, records=()):
-        """`records`: the journal as it is, (seq, term, message) in order."""
+                 term: int, voted_for: bytes | None, now_ns: int, records=(), recovering: bool = False,
+                 log_floor: tuple[int, int] = (0, 0)):
+        """`records`: the journal as it is, (seq, term, message) in order. `recovering`: the election
+        state is missing (ElectionCore: no vote until every other voter's hello is in)."""
         self.name = name
         self.can_lead = can_lead
         self.log = LogState()
         self.log.rebuild(records)
         self.last_seq, self.last_term = self.log.last
         self.election = ElectionCore(name, voters, can_lead and not self.log.ended, self.position, rng, timeout_ns,
-                                     max(term, self.last_term), voted_for, now_ns)
+                                     max(term, self.last_term), voted_for, now_ns,
+                                     recovering, log_floor)
         self.follower = FollowerCore(name, self.last_seq, self.last_term, self.term_at, term=self.election.term)
         self._leader_conns: dict[Hashable, tuple[bytes, int]] = {}  # connections that carried the leader's appends
         self.appended = 0
@@ -203,6 +206,16 @@ class VoterCore:
         granted, out = self.election.on_vote_request(v.term, v.candidate, v.last_seq, v.last_term, v.pre, now_ns)
         return rep.Vote(self.election.reply_term(v.term, granted, v.pre), self.name, granted, v.pre), out
 
+    @property
+    def recovering(self) -> bool:
+        return self.election.recovering
+
+    def on_peer_hello(self, h: rep.Hello, now_ns: int) -> list[VoterAction]:
+        """While recovering: another voter's greeting (term and log position)."""
+        out = self.election.on_peer_hello(h.node, h.term, h.last_seq, h.last_term, now_ns)
+        self.follower.term = self.election.term
+        return out
+
     def hello(self) -> rep.Hello:
         return rep.Hello(self.election.term, self.name, self.last_seq, self.last_term)
 
@@ -225,14 +238,36 @@ class VoterCore:
             return prev, f.prev_term
         return None
 
+    def fetch_from_seq(self) -> tuple[int, int]:
+        """(from seq, the term before it) of a fetch: from our commit point, which every log more up
+        to date than ours holds, so that the answer shows where ours differs."""
+        prev = min(self.follower.commit_seq, self.last_seq)
+        return prev + 1, self.term_at(prev)
+
+    def fetched_conflict(self, a: rep.Append) -> int | None:
+        """The seq after which our log must be cut for a fetch answer's append `a` to continue it:
+        before the first entry of ours it overlaps with a higher term. Such an entry of ours was
+        never committed (the later term's leader would hold it), so it goes, as a leader's append
+        would make it go."""
+        if self.election.leader is not None or a.prev_seq > self.last_seq or self.term_at(a.prev_seq) != a.prev_term:
+            return None
+        for seq in range(a.prev_seq + 1, min(a.prev_seq + a.count, self.last_seq) + 1):
+            if self.log.term_at(seq) != a.entries_term:  # the higher term is the later leader's: ours is not committed
+                return seq - 1 if a.entries_term > self.log.term_at(seq) and seq > self.follower.commit_seq else None
+        return None
+
     def take_fetched(self, a: rep.Append) -> list | None:
         """Entries another voter's fetch answer holds beyond our log, to append
-        (what its leaders' appends would have brought), or None to stop: a
-        leader appeared, or the logs do not line up."""
-        if self.election.leader is not None or a.prev_seq != self.last_seq or self.term_at(a.prev_seq) != a.prev_term \
-                or a.entries_term > self.election.term or a.entries_term < self.last_term:
+        (what its leaders' appends would have brought; [] if we hold them all), or None
+        to stop: a leader appeared, or the logs do not line up (fetched_conflict first)."""
+        if self.election.leader is not None or a.prev_seq > self.last_seq or self.term_at(a.prev_seq) != a.prev_term \
+                or a.entries_term > self.election.term:
             return None
-        records = [(a.prev_seq + 1 + i, a.entries_term, m) for i, m in enumerate(a.messages())]
+        held = min(self.last_seq - a.prev_seq, a.count)  # entries we have: the same seq and term, the same entry
+        held_term = self.log.term_at(a.prev_seq + held)
+        if (held and held_term != a.entries_term) or a.entries_term < held_term:
+            return None
+        records = [(a.prev_seq + 1 + i, a.entries_term, m) for i, m in enumerate(a.messages()[held:], held)]
         if records:
             self._noted(records)
             self.follower = FollowerCore(self.name, self.last_seq, self.last_term, self.term_at,

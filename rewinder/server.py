@@ -81,6 +81,8 @@ class Rewinder(NodeProcess):
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
         yield "term", "gauge", "current term", self.voter.election.term
+        yield "recovering", "gauge", "1 while the election state (a wiped disk) is recovered from the other voters", \
+            1 if self.voter.core.recovering else 0
         yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
 
     async def main(self) -> None:
@@ -91,6 +93,7 @@ class Rewinder(NodeProcess):
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.gap_sock, self._on_gap_requests)
+        recovery = asyncio.ensure_future(self.voter.recover())
         log.info(
             "%s at seq %d: replication :%d, gap fill :%d (rcvbuf %d), replay :%d",
             self.node.name,
@@ -101,6 +104,7 @@ class Rewinder(NodeProcess):
             self.node.replay_port,
         )
         await self.stop.wait()
+        recovery.cancel()
         loop.remove_reader(self.gap_sock)
         repl.close()
         replay.close()

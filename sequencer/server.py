@@ -115,6 +115,8 @@ class Sequencer(NodeProcess):
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
         yield "term", "gauge", "current term", e.term
+        yield "recovering", "gauge", "1 while the election state (a wiped disk) is recovered from the other voters", \
+            1 if self.voter.core.recovering else 0
         yield "leader", "gauge", "1 while this node leads", 1 if c else 0
         yield "elections", "counter", "elections this node started (after a won pre-vote)", e.elections
         yield "leader_changes", "counter", "times the leader this node knows changed", e.leader_changes
@@ -140,10 +142,12 @@ class Sequencer(NodeProcess):
                  self.node.name, self.journal.last_seq, self.voter.election.term, self.node.replication_port,
                  self.node.host, self.node.inbound_port, granted, *self.dest, len(self.cfg.voters))
         ticker = self.spawn(self._election_ticker())
+        recovery = self.spawn(self.voter.recover())
         loop.add_reader(self.inbound, self._on_inbound)
         await self.stop.wait()
         loop.remove_reader(self.inbound)
         ticker.cancel()
+        recovery.cancel()
         server.close()
         await self._shutdown()
 

@@ -8,6 +8,7 @@ from tape.protocol.election import (
     FOLLOWER,
     LEADER,
     PRE_CANDIDATE,
+    VOTE_LOST,
     ElectionCore,
     Lead,
     Persist,
@@ -149,3 +150,57 @@ def test_after_a_closed_leader_connection_only_pre_vote_rounds_are_short():
     assert c.deadline - (now + MS) >= 300 * MS  # a real election waits out its votes' fsyncs
     c.on_vote(2, R1, True, False, now + 2 * MS)
     assert c.on_vote(2, R2, True, False, now + 2 * MS) == [Lead(2)] and not c.leader_gone
+
+
+# --- a voter that lost its election state (issue 15) ----------------------------------------
+
+
+def recovering(name=R1, log=(0, 0)):
+    return ElectionCore(name, VOTERS, False, lambda: log, random.Random(1), (300 * MS, 600 * MS), 0, None, 0,
+                        recovering=True)
+
+
+def test_a_recovering_voter_does_nothing_until_every_other_voter_greeted_it():
+    c = recovering()
+    far = 10_000 * MS  # long after any timeout: no leader heard
+    assert c.on_vote_request(1, B, 5, 1, True, far) == (False, [])
+    assert c.on_vote_request(1, B, 5, 1, False, far) == (False, [])
+    assert c.on_append(1, A, far) == (False, [])
+    assert c.on_higher_term(9, A, far) == [] and c.on_tick(far) == []
+    assert c.term == 0 and c.voted_for is None  # nothing adopted, nothing to persist
+    assert c.on_peer_hello(A, 3, 40, 3, far) == [] and c.on_peer_hello(B, 1, 20, 1, far) == []
+    assert c.on_peer_hello(A, 3, 40, 3, far) == []  # the same voter twice still counts once
+    acts = c.on_peer_hello(R2, 2, 50, 2, far)
+    assert acts == [Persist(3, VOTE_LOST, (3, 40))] and not c.recovering
+
+
+def test_the_wiped_rewinder_of_the_issue_cannot_vote_twice_in_a_term():
+    """rw-1 voted for seq-a in term 1, lost its disk, restarted empty: seq-b, still asking in term 1,
+    must be refused (before: granted, as the empty log counted every candidate up to date)."""
+    c = recovering()
+    for voter, term in ((A, 1), (B, 1), (R2, 1)):
+        c.on_peer_hello(voter, term, 0, 0, 0)
+    far = 10_000 * MS
+    assert c.term == 1
+    assert c.on_vote_request(1, B, 0, 0, False, far)[0] is False  # the term it may have voted in
+    assert c.on_vote_request(1, A, 0, 0, False, far)[0] is False  # anyone, even the one it voted for
+    granted, acts = c.on_vote_request(2, B, 0, 0, False, far)
+    assert granted and acts[-1] == Persist(2, B, (0, 0))  # a later term is a new vote
+
+
+def test_a_recovered_voter_votes_only_for_logs_as_up_to_date_as_any_it_heard():
+    """Its own log is gone, so it takes the best log heard for its own: a candidate missing what
+    a majority may have committed cannot win with its vote."""
+    c = recovering()
+    c.on_peer_hello(A, 4, 100, 4, 0)
+    c.on_peer_hello(B, 4, 90, 3, 0)
+    c.on_peer_hello(R2, 4, 100, 4, 0)
+    far = 10_000 * MS
+    assert c.on_vote_request(5, B, 90, 3, True, far)[0] is False  # behind the floor: refused
+    assert c.on_vote_request(5, B, 100, 4, True, far)[0] is True  # caught up (fetched from a voter)
+    assert c.on_vote_request(5, B, 100, 4, False, far)[0] is True
+
+
+def test_a_voter_alone_needs_no_hello():
+    c = ElectionCore(A, [A], True, lambda: (0, 0), random.Random(1), (300 * MS, 600 * MS), recovering=True)
+    assert not c.recovering and c.on_tick(600 * MS)[-1] == Lead(1)

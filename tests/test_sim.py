@@ -39,10 +39,13 @@ def test_the_simulator_catches_votes_without_the_election_restriction(monkeypatc
     )
     failures = [sim.run_seed(s)[1] for s in range(1, 501)]
     failures = [f for f in failures if f]
-    # A sequencer elected with a shorter log tells voters to drop what was committed, or publishes over it.
+    # A sequencer elected with a shorter log tells voters to drop what was committed, or publishes over it,
+    # or (after a voter's disk was wiped) makes a voter take another message at a committed seq.
     assert len(failures) > 5
     assert all(re.match(r"Violation: ([\w-]+ refused: .* sends entries from seq \d+ that differ from those committed"
-                        r"|seq-[ab] published a different message at seq \d+)", f) for f in failures), failures
+                        r"|seq-[ab] published a different message at seq \d+"
+                        r"|[\w-]+ holds at committed seq \d+ a message other than the one published)", f)
+               for f in failures), failures
 
 
 def test_a_failing_seed_prints_its_reproduction(monkeypatch, capsys):
@@ -126,11 +129,32 @@ def test_the_simulator_catches_a_new_leader_that_stamps_by_its_own_clock(monkeyp
 
 def test_the_simulator_catches_listeners_that_take_unsealed_packets(monkeypatch):
     # The garbage fault sends every listener well-formed packets at the seqs it needs next, unsealed
-    # and sealed with another key: a listener that does not check seals takes them.
+    # and sealed with another key: a listener that does not check seals takes them (and may then wait
+    # forever for seqs that were never published).
     monkeypatch.setattr(sim.StreamKeys, "verify", lambda self, data: None)
     failures = [f for f in (sim.run_seed(s)[1] for s in range(1, 101)) if f]
     assert len(failures) >= 5
     assert all(re.match(r"Violation: ((c\d|replica-[AB]) delivered (at seq \d+ a message other than the one published"
                         r"|a stream that is not the committed log)"
-                        r"|replica-[AB] and replica-[AB] applied up to seq \d+ with different digests)$",
+                        r"|replica-[AB] and replica-[AB] applied up to seq \d+ with different digests"
+                        r"|no progress: the healed cluster did not finish within 60 s of virtual time)$",
                         f.splitlines()[0]) for f in failures), failures
+
+
+def test_the_simulator_catches_voters_that_vote_after_losing_their_disk(monkeypatch):
+    # A wiped voter that starts voting at once (as before issue 15) may vote twice in a term or
+    # elect a candidate that lacks what was committed on the lost disks.
+    original = VoterCore.__init__
+
+    def forgetful(self, *args, **kwargs):
+        original(self, *args, **{**kwargs, "recovering": False})
+
+    monkeypatch.setattr(VoterCore, "__init__", forgetful)
+    monkeypatch.setattr(sim, "FAULT_KINDS", ("wipe", "partition", "crash", "isolate", "pause"))
+    failures = [f for f in (sim.run_seed(s)[1] for s in range(1, 1001)) if f]
+    assert len(failures) >= 3
+    assert all(re.match(r"Violation: (two leaders in term \d+"
+                        r"|seq-[ab] published a different message at seq \d+"
+                        r"|[\w-]+ refused: .* sends entries from seq \d+ that differ from those committed"
+                        r"|[\w-]+ holds at committed seq \d+ a message other than the one published)", f)
+               for f in failures), failures

@@ -4,8 +4,9 @@ can be elected when the leader died after replicating only to rewinders."""
 
 import asyncio
 import tomllib
+from pathlib import Path
 
-from tape.node.voter import Voter
+from tape.node.voter import Voter, VoteStore
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 
@@ -21,6 +22,9 @@ async def test_a_sequencer_behind_a_rewinder_fetches_what_it_lacks(tmp_path):
     behind, ahead = cfg.open_journal(seq_b), cfg.open_journal(rw_1)
     behind.append(records(1, 60))
     ahead.append(records(1, 100))
+    for node in (seq_b, rw_1, cfg.node("seq-a")):  # election state on disk: none would mean recovering first
+        Path(node.data).mkdir(parents=True, exist_ok=True)
+        VoteStore(Path(node.data) / "election.json").save(1, None)
     rewinder = Voter(cfg, rw_1, ahead, can_lead=False)
     sequencer = Voter(cfg, seq_b, behind, can_lead=True)
     server = await asyncio.start_server(rewinder.serve, rw_1.host, rw_1.replication_port)
