@@ -51,17 +51,28 @@ def audit(journal: str, alerts: str, cfg: Config, master: str, report_path: str 
     return 1 if report["findings"] else 0
 
 
-def replay(journal: str, to_lmdb: str, cfg: Config) -> int:
-    """Rebuild a replica's LMDB state from a journal through the same state machine."""
+def replay(journal: str, to_lmdb: str, cfg: Config, resume: bool = False) -> int:
+    """Rebuild a replica's LMDB state from a journal through the same state machine: from seq 1
+    into an empty directory (a snapshot already there is moved aside), or with `resume` from the
+    snapshot there, which must verify."""
     from tape.node.journal_store import Journal, JournalCorruption
     from tape.protocol import messages as M
     from tape.replicas.audit import AuditMachine
-    from tape.replicas.snapshot import SnapshotStore
+    from tape.replicas.snapshot import SnapshotInvalid, SnapshotStore, move_aside
 
     machine = AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9))
-    store = SnapshotStore(to_lmdb)
-    if store.last_seq():
-        store.load(machine)
+    target, aside = Path(to_lmdb), None
+    if not resume and target.exists() and any(target.iterdir()):
+        aside = move_aside(target)
+    try:
+        store = SnapshotStore(target)
+        if resume:
+            store.load(machine)
+    except SnapshotInvalid as e:
+        print(f"tape replay: refusing to resume from {target}: {e}; run without --resume to rebuild from seq 1",
+              file=sys.stderr)
+        return 1
+    started_from = machine.last_seq
     try:
         j = Journal(journal, readonly=True)
         run, first = [], machine.last_seq + 1
@@ -81,5 +92,6 @@ def replay(journal: str, to_lmdb: str, cfg: Config) -> int:
     store.save(machine, {"node": "replay"})
     store.close()
     print(json.dumps({"last_seq": machine.last_seq, "digest": machine.digest(), "alerts_raised": machine.alerts_raised,
-                      "open_books": len(machine.books), "rejects": machine.rejects}))
+                      "open_books": len(machine.books), "rejects": machine.rejects, "resumed_after": started_from,
+                      "moved_aside": str(aside) if aside else None}))
     return 0

@@ -181,7 +181,7 @@ def _analytics(args) -> int:
 def _replay(args) -> int:
     from tape.ops.audit_cmd import replay
 
-    return replay(args.journal, args.to_lmdb, _config(args))
+    return replay(args.journal, args.to_lmdb, _config(args), args.resume)
 
 
 def _node_replace(args) -> int:
@@ -391,10 +391,14 @@ def _add_analytics(sub) -> None:
 def _add_replay(sub) -> None:
     p = sub.add_parser("replay", help="rebuild a replica's LMDB state from a journal",
                        description="Apply a journal to the audit state machine and write its LMDB snapshot, so that "
-                                   "a lost replica can be restored without the network; prints seq and digest.")
+                                   "a lost or corrupt replica can be restored without the network; prints seq, "
+                                   "digest, where it started and what it moved aside.")
     _cluster_options(p, drop=False)
     p.add_argument("--journal", required=True, help="journal directory")
-    p.add_argument("--to-lmdb", required=True, help="LMDB directory to write (resumes if it holds a snapshot)")
+    p.add_argument("--to-lmdb", required=True,
+                   help="LMDB directory to write, from seq 1 (a snapshot already there is moved aside)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the snapshot in --to-lmdb instead; refused if it does not verify")
     p.set_defaults(func=_replay)
 
 

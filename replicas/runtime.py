@@ -28,7 +28,7 @@ from tape.protocol.limits import CONTROL_READ, REPLAY_CLIENT_HEARTBEAT_S, STREAM
 from tape.protocol.packets import PacketBuilder
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, Snapshot
-from tape.replicas.snapshot import SnapshotStore
+from tape.replicas.snapshot import open_verified
 
 log = logging.getLogger("tape.replica")
 ALERT_SIZE = len(Alert(0, 0, 0, 0, b" " * 16, b" " * 8, 0, 0, 0).encode())
@@ -41,11 +41,9 @@ class Replica(NodeProcess):
         super().__init__(cfg, node, log)
         self.exit_on_end = exit_on_end
         self.data = Path(node.data)
-        self.machine = AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9))
-        self.store = SnapshotStore(self.data / "lmdb")
-        self.store.load(self.machine)
+        self.store, self.machine, raw, self.discarded = open_verified(
+            self.data / "lmdb", lambda: AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9)), log)
         self.resumed_from = self.machine.last_seq
-        raw = self.store.outbox()
         outbox = [Alert.decode(raw[i:i + ALERT_SIZE]) for i in range(0, len(raw), ALERT_SIZE)]
         self.core = ReplicaCore(self.machine, outbox, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000, exit_on_end,
                                 time.monotonic_ns())
@@ -73,6 +71,8 @@ class Replica(NodeProcess):
         yield "replayed_messages", "counter", "messages caught up over TCP replay", self.replayed
         yield "snapshots", "counter", "LMDB snapshots written", self.store.saves
         yield "resumed_from_seq", "gauge", "seq of the snapshot this process started from", self.resumed_from
+        yield "snapshots_discarded", "counter", "snapshots found corrupt at start-up, moved aside, never used", \
+            1 if self.discarded else 0
         # The digest chain at the last fold point (a multiple of 4096 seqs), as a 48-bit number
         # labelled with that seq: replicas at the same fold_seq must show the same value.
         fold = m.last_seq - m.last_seq % DIGEST_BLOCK

@@ -6,12 +6,21 @@ digest chain, so that a snapshot is all-or-nothing: a crash leaves the
 previous one. A restarted replica loads it and replays from last seq + 1.
 
 Databases: `books` and `orphans` keyed by order id (u64 big-endian), and
-`meta` with one record, `state`. The expiry queues are not stored: they are
+`meta` with `state` and `outbox`. The expiry queues are not stored: they are
 rebuilt from the books and orphans, whose order they follow.
+
+Checked: `state` holds a checksum of every book and orphan record (the sum,
+mod 2^128, of a BLAKE2b hash of each record: kept up to date from the dirty
+keys alone, so a save costs no full pass) and of the outbox. `load` recomputes
+it over what it reads, and the store refuses a data file shorter than its own
+pages say (reading the missing pages would kill the process with SIGBUS). A
+snapshot that fails either is SnapshotInvalid: never used.
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import struct
 from collections import deque
@@ -25,18 +34,48 @@ from tape.replicas.audit import AuditMachine
 BOOK = struct.Struct(">qq16s8sQ?Q")  # requested, cumulative, client, stock, opened_ns, alerted, request_seq
 ORPHAN = struct.Struct(">Q")  # seq, followed by the 75-byte message
 STATE = struct.Struct(">QQQ16sI")  # last_seq, now_ns, applied, chain, len(pending)
-FORMAT = 1
+FORMAT = 2  # 2: with checksums
+SUM_MOD = 1 << 128
+
+
+class SnapshotInvalid(Exception):
+    """A snapshot that cannot be verified (corrupt, truncated, another format): never used."""
+
+
+def record_hash(db: bytes, key: bytes, value: bytes) -> int:
+    """One record's share of the checksum (keys are 8 bytes, so db:key:value is unambiguous)."""
+    return int.from_bytes(hashlib.blake2b(db + b":" + key + value, digest_size=16).digest(), "big")
+
+
+def outbox_hash(outbox: bytes) -> str:
+    return hashlib.blake2b(outbox, digest_size=16).hexdigest()
 
 
 class SnapshotStore:
     def __init__(self, path: str | Path, map_size: int = 8 << 30):
         Path(path).mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, metasync=False)
+        try:
+            self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, metasync=False)
+        except lmdb.Error as e:
+            raise SnapshotInvalid(f"{path}: LMDB will not open it ({e})") from None
+        self._check_size(Path(path) / "data.mdb")
         self.books = self.env.open_db(b"books")
         self.orphans = self.env.open_db(b"orphans")
         self.meta = self.env.open_db(b"meta")
         self.saves = 0
         self.keys_written = 0
+        self.state_sum = 0  # of the records on disk: known for an empty store, else once loaded
+        self.outbox_sum = outbox_hash(b"")
+        self._sums_known = self.last_seq() == 0
+
+    def _check_size(self, data: Path) -> None:
+        """Refuse a file shorter than its last page: LMDB maps it, and touching a page past the
+        end of the file is SIGBUS, a silent death."""
+        size = data.stat().st_size
+        need = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        if size < need:
+            self.env.close()
+            raise SnapshotInvalid(f"{data} is truncated: {size:,} bytes, its pages need {need:,}")
 
     def close(self) -> None:
         self.env.close()
@@ -44,36 +83,52 @@ class SnapshotStore:
     def save(self, m: AuditMachine, extra: dict | None = None, outbox: bytes | None = None) -> int:
         """Write what changed since the last save, atomically; returns keys
         written. `outbox`: the alerts not yet acknowledged, saved with it."""
+        assert self._sums_known, "save() onto a snapshot that was not loaded: its checksum is unknown"
         dirty = sorted(m.dirty)
+        total = self.state_sum
+        out_sum = self.outbox_sum if outbox is None else outbox_hash(outbox)
         with self.env.begin(write=True) as txn:
             for order_id in dirty:
                 key = order_id.to_bytes(8, "big")
                 book = m.books.get(order_id)
-                if book is None:
-                    txn.delete(key, db=self.books)
-                else:
-                    txn.put(key, BOOK.pack(*book), db=self.books)
                 held = m.orphans.get(order_id)
-                if not held:
-                    txn.delete(key, db=self.orphans)
-                else:
-                    txn.put(key, b"".join(ORPHAN.pack(seq) + M.SEQUENCED.pack(*msg) for seq, _, msg in held),
-                            db=self.orphans)
+                total += self._put(txn, self.books, b"books", key, BOOK.pack(*book) if book is not None else None)
+                total += self._put(txn, self.orphans, b"orphans", key, b"".join(
+                    ORPHAN.pack(seq) + M.SEQUENCED.pack(*msg) for seq, _, msg in held) if held else None)
+            total %= SUM_MOD
             pending = m.pending_effects
             meta = {"format": FORMAT, "rejects": m.rejects, "alerts_raised": m.alerts_raised,
-                    "book_ttl_ns": m.book_ttl_ns, "orphan_ttl_ns": m.orphan_ttl_ns, **(extra or {})}
+                    "book_ttl_ns": m.book_ttl_ns, "orphan_ttl_ns": m.orphan_ttl_ns, "records_sum": f"{total:032x}",
+                    "outbox_sum": out_sum, **(extra or {})}
             if outbox is not None:
                 txn.put(b"outbox", outbox, db=self.meta)
             txn.put(b"state", STATE.pack(m.last_seq, m.now_ns, m.applied, m.chain, len(pending)) + pending
                     + json.dumps(meta, sort_keys=True).encode(), db=self.meta)
+        self.state_sum, self.outbox_sum = total, out_sum  # only once the transaction committed
         m.dirty.clear()
         self.saves += 1
         self.keys_written += len(dirty)
         return len(dirty)
 
+    @staticmethod
+    def _put(txn, db, name: bytes, key: bytes, value: bytes | None) -> int:
+        """Write (or with None delete) one record; returns what the checksum moves by."""
+        old = txn.get(key, db=db)
+        change = -record_hash(name, key, bytes(old)) if old is not None else 0
+        if value is None:
+            if old is not None:
+                txn.delete(key, db=db)
+            return change
+        txn.put(key, value, db=db)
+        return change + record_hash(name, key, value)
+
     def outbox(self) -> bytes:
+        """The alerts not yet acknowledged, as of the loaded snapshot (checked against its sum)."""
         with self.env.begin() as txn:
-            return bytes(txn.get(b"outbox", b"", db=self.meta))
+            raw = bytes(txn.get(b"outbox", b"", db=self.meta))
+        if outbox_hash(raw) != self.outbox_sum:
+            raise SnapshotInvalid("the outbox does not match its checksum")
+        return raw
 
     def last_seq(self) -> int:
         with self.env.begin() as txn:
@@ -82,30 +137,26 @@ class SnapshotStore:
 
     def load(self, m: AuditMachine) -> dict | None:
         """Fill a fresh machine from the snapshot; returns its extra metadata,
-        or None if there is no snapshot yet."""
-        with self.env.begin() as txn:
-            raw = txn.get(b"state", db=self.meta)
-            if raw is None:
-                return None
-            last_seq, now_ns, applied, chain, npend = STATE.unpack_from(raw)
-            pending = raw[STATE.size:STATE.size + npend]
-            meta = json.loads(raw[STATE.size + npend:])
-            if meta.get("format") != FORMAT:
-                raise RuntimeError(f"snapshot format {meta.get('format')} is not {FORMAT}")
-            if (meta["book_ttl_ns"], meta["orphan_ttl_ns"]) != (m.book_ttl_ns, m.orphan_ttl_ns):
-                raise RuntimeError("snapshot was taken with other book/orphan windows: replay from the journal instead")
-            books = {}
-            for key, value in txn.cursor(db=self.books):
-                books[int.from_bytes(key, "big")] = list(BOOK.unpack(value))
-            orphans = {}
-            step = ORPHAN.size + M.SEQUENCED_SIZE
-            for key, value in txn.cursor(db=self.orphans):
-                held = []
-                for off in range(0, len(value), step):
-                    seq = ORPHAN.unpack_from(value, off)[0]
-                    msg = M.SEQUENCED.unpack_from(value, off + ORPHAN.size)
-                    held.append((seq, msg[M.STAMP], msg))
-                orphans[int.from_bytes(key, "big")] = held
+        or None if there is no snapshot yet. SnapshotInvalid if it does not verify."""
+        try:
+            with self.env.begin() as txn:
+                raw = txn.get(b"state", db=self.meta)
+                if raw is None:
+                    return None
+                last_seq, now_ns, applied, chain, npend = STATE.unpack_from(raw)
+                pending = bytes(raw[STATE.size:STATE.size + npend])
+                meta = json.loads(bytes(raw[STATE.size + npend:]))
+                if meta.get("format") != FORMAT:
+                    raise SnapshotInvalid(f"snapshot format {meta.get('format')} is not {FORMAT}")
+                books, orphans, total = self._read_records(txn)
+        except (lmdb.Error, struct.error, ValueError, KeyError) as e:
+            raise SnapshotInvalid(f"unreadable snapshot ({type(e).__name__}: {e})") from None
+        if f"{total:032x}" != meta.get("records_sum"):
+            raise SnapshotInvalid(f"the books and orphans of the snapshot at seq {last_seq:,} do not match its "
+                                  f"checksum (a corrupt or altered file)")
+        if (meta["book_ttl_ns"], meta["orphan_ttl_ns"]) != (m.book_ttl_ns, m.orphan_ttl_ns):
+            raise RuntimeError("snapshot was taken with other book/orphan windows: replay from the journal instead")
+        self.state_sum, self.outbox_sum, self._sums_known = total, meta["outbox_sum"], True
         m.books, m.orphans = books, orphans
         m.last_seq, m.now_ns, m.applied = last_seq, now_ns, applied
         m.rejects, m.alerts_raised = meta["rejects"], meta["alerts_raised"]
@@ -115,4 +166,49 @@ class SnapshotStore:
         m._orphan_expiry = deque(sorted(((stamp + m.orphan_ttl_ns, oid, seq) for oid, held in orphans.items()
                                          for seq, stamp, _ in held), key=lambda e: e[2]))
         m.dirty.clear()
-        return {k: v for k, v in meta.items() if k not in ("format", "rejects", "alerts_raised")}
+        return {k: v for k, v in meta.items()
+                if k not in ("format", "rejects", "alerts_raised", "records_sum", "outbox_sum")}
+
+    def _read_records(self, txn) -> tuple[dict, dict, int]:
+        """Every book and orphan record, decoded, and their checksum."""
+        books, orphans, total = {}, {}, 0
+        for key, value in txn.cursor(db=self.books):
+            total += record_hash(b"books", bytes(key), bytes(value))
+            books[int.from_bytes(key, "big")] = list(BOOK.unpack(value))
+        step = ORPHAN.size + M.SEQUENCED_SIZE
+        for key, value in txn.cursor(db=self.orphans):
+            total += record_hash(b"orphans", bytes(key), bytes(value))
+            held = []
+            for off in range(0, len(value), step):
+                seq = ORPHAN.unpack_from(value, off)[0]
+                msg = M.SEQUENCED.unpack_from(value, off + ORPHAN.size)
+                held.append((seq, msg[M.STAMP], msg))
+            orphans[int.from_bytes(key, "big")] = held
+        return books, orphans, total % SUM_MOD
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a snapshot directory out of the way (kept for a post-mortem, never deleted)."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside = path.with_name(f"{path.name}.bad-{stamp}")
+    path.rename(aside)
+    return aside
+
+
+def open_verified(path: Path, new_machine, log) -> tuple["SnapshotStore", AuditMachine, bytes, str | None]:
+    """The store at `path`, a machine (`new_machine()`) loaded from it, and its outbox. A snapshot
+    that does not verify is moved aside with an ERROR line and a fresh store and machine are
+    started (the replica then rebuilds from seq 1). The last item says why, or is None."""
+    try:
+        store = SnapshotStore(path)
+        try:
+            m = new_machine()
+            store.load(m)
+            return store, m, store.outbox(), None
+        except SnapshotInvalid:
+            store.close()
+            raise
+    except SnapshotInvalid as e:
+        aside = move_aside(path)
+        log.error("snapshot discarded, never used: %s; moved to %s; rebuilding from seq 1", e, aside)
+        return SnapshotStore(path), new_machine(), b"", str(e)

@@ -1,13 +1,23 @@
 """LMDB snapshots: a replica restarted from any snapshot ends identical to
 one that never stopped."""
 
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import lmdb
 import pytest
 
+from tape.node.journal_store import Journal
+from tape.ops.config import default_toml
+from tape.ops.local import TAPE
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.replicas.audit import DIGEST_BLOCK, AuditMachine
-from tape.replicas.snapshot import SnapshotStore
+from tape.replicas.snapshot import BOOK, SnapshotInvalid, SnapshotStore, open_verified
 
 ORIGIN = moldudp64.session_bytes("load0")
 
@@ -110,3 +120,119 @@ def test_other_windows_refuse_the_snapshot(tmp_path):
     store.save(m)
     with pytest.raises(RuntimeError, match="windows"):
         store.load(AuditMachine())
+
+
+# --- snapshots that do not verify are never used (issue 15) ------------------------------------
+
+
+def saved(tmp_path, n: int = 3000):
+    """A snapshot (with an outbox) of a machine that applied `n` trades; returns (dir, digest, last_seq)."""
+    m = machine()
+    store = SnapshotStore(tmp_path / "lmdb")
+    apply(m, stream(n), 1)
+    store.save(m, outbox=b"alert bytes")
+    store.close()
+    return tmp_path / "lmdb", m.digest(), m.last_seq
+
+
+def test_an_altered_book_in_a_valid_lmdb_is_refused(tmp_path):
+    path, _, _ = saved(tmp_path)
+    env = lmdb.open(str(path), max_dbs=4)
+    books = env.open_db(b"books")
+    with env.begin(write=True) as txn:
+        key, value = next(iter(txn.cursor(db=books)))
+        txn.put(key, value[:-1] + bytes([value[-1] ^ 1]), db=books)  # still decodes: only the checksum knows
+    env.close()
+    with pytest.raises(SnapshotInvalid, match="do not match its checksum"):
+        SnapshotStore(path).load(machine())
+
+
+def test_an_altered_outbox_is_refused(tmp_path):
+    path, _, _ = saved(tmp_path)
+    env = lmdb.open(str(path), max_dbs=4)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(b"outbox", b"other bytes", db=meta)
+    env.close()
+    store = SnapshotStore(path)
+    store.load(machine())
+    with pytest.raises(SnapshotInvalid, match="outbox"):
+        store.outbox()
+
+
+def test_a_truncated_or_zeroed_file_is_refused_not_a_sigbus(tmp_path):
+    path, _, _ = saved(tmp_path, 20_000)
+    data = path / "data.mdb"
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    # In a child: were the check missing, reading a page past the end would kill it with SIGBUS.
+    child = subprocess.run([sys.executable, "-c", "import sys; from tape.replicas.snapshot import *\n"
+                            f"try: SnapshotStore({str(path)!r}).load(__import__('tape.replicas.audit').replicas."
+                            "audit.AuditMachine(200 * 10**6, 3 * 10**6))\n"
+                            "except SnapshotInvalid as e: sys.exit(f'invalid: {e}')"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 1 and "is truncated" in child.stderr, child
+    with open(data, "r+b") as f:  # the two meta pages zeroed
+        f.write(bytes(2 * 4096))
+    with pytest.raises(SnapshotInvalid, match="LMDB will not open it"):
+        SnapshotStore(path)
+
+
+def test_a_replica_moves_a_bad_snapshot_aside_and_starts_from_seq_1(tmp_path, caplog):
+    path, _, _ = saved(tmp_path)
+    env = lmdb.open(str(path), max_dbs=4)
+    orphans_or_books = env.open_db(b"books")
+    with env.begin(write=True) as txn:
+        txn.put((2**40).to_bytes(8, "big"), bytes(BOOK.size), db=orphans_or_books)  # a book that never was
+    env.close()
+    store, m, outbox, why = open_verified(path, machine, logging.getLogger("test"))
+    assert m.last_seq == 0 and outbox == b"" and "checksum" in why
+    assert "snapshot discarded, never used" in caplog.text
+    assert [p.name.split("-")[0] for p in tmp_path.glob("lmdb.bad-*")] == ["lmdb.bad"]  # kept for a post-mortem
+    assert store.last_seq() == 0
+    apply(m, stream(100), 1)
+    store.save(m)  # the fresh store takes snapshots again
+
+
+def write_journal(path, msgs) -> None:
+    j = Journal(path, moldudp64.session_bytes("TEST"))
+    j.append([(seq, 1, M.SEQUENCED.pack(*msg)) for seq, msg in enumerate(msgs, 1)])
+    j.close()
+
+
+def replay_cli(tmp_path, *extra):
+    cfg = tmp_path / "cluster.toml"
+    if not cfg.exists():
+        cfg.write_text(default_toml(tmp_path / "data").replace(  # the windows of machine() above
+            "[journal]", "[audit]\nbook_ttl_s = 0.2\norphan_ttl_s = 0.003\n\n[journal]"))
+    out = subprocess.run([*TAPE, "replay", "--config", str(cfg), "--journal", str(tmp_path / "journal"),
+                          "--to-lmdb", str(tmp_path / "lmdb"), *extra], capture_output=True, text=True, timeout=120)
+    return out.returncode, json.loads(out.stdout) if out.returncode == 0 else out.stderr
+
+
+def test_replay_rebuilds_from_scratch_unless_told_to_resume(tmp_path):
+    msgs = stream(6000)
+    whole = machine()
+    apply(whole, msgs, 1)
+    write_journal(tmp_path / "journal", msgs)
+    # The snapshot of a replica gone wrong: valid LMDB, one book altered.
+    m = machine()
+    apply(m, msgs[:4000], 1)
+    m.books[next(iter(m.books))][1] += 1
+    m.dirty.update(m.books)
+    store = SnapshotStore(tmp_path / "lmdb")
+    store.save(m)
+    store.close()
+    rc, result = replay_cli(tmp_path)
+    assert rc == 0 and result["resumed_after"] == 0 and "lmdb.bad-" in result["moved_aside"]
+    assert (result["last_seq"], result["digest"]) == (whole.last_seq, whole.digest())
+    rc, result = replay_cli(tmp_path, "--resume")  # a good snapshot: nothing left to apply
+    assert rc == 0 and result["resumed_after"] == whole.last_seq and result["digest"] == whole.digest()
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=4)
+    with env.begin(write=True) as txn:  # now spoil it
+        books = env.open_db(b"books", txn=txn)
+        key, value = next(iter(txn.cursor(db=books)))
+        txn.put(key, bytes(len(value)), db=books)
+    env.close()
+    rc, err = replay_cli(tmp_path, "--resume")
+    assert rc == 1 and "refusing to resume" in err and "checksum" in err
