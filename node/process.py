@@ -4,7 +4,10 @@ Every role's runtime is a `NodeProcess`. A core that finds its own state
 impossible raises `InvariantViolation`; wherever that surfaces in the shell
 (a task, a reader callback, a connection handler, the main coroutine), the
 process logs one CRITICAL line and stops with exit 4, which systemd does
-not restart (`RestartPreventExitStatus=4`): an operator looks first. Any
+not restart (`RestartPreventExitStatus=4`): an operator looks first. A
+damaged journal record met while serving stops it with exit 5, which
+systemd restarts: the start-up cuts the journal at the damage
+(node/journal_repair.py). Any
 other exception that escapes a task or callback is a bug: CRITICAL with its
 traceback, exit 1 (systemd restarts it). A silently dead task would leave a
 process that looks alive and does nothing.
@@ -18,12 +21,14 @@ import signal
 from typing import Coroutine
 
 from tape.node import authlink
+from tape.node.journal_store import JournalCorruption
 from tape.node.settings import Config, Node
 from tape.protocol.errors import InvariantViolation
 
 EXIT_OK = 0
 EXIT_INTERNAL_ERROR = 1
 EXIT_INVARIANT = 4
+EXIT_JOURNAL_DAMAGED = 5  # systemd restarts it; the restart cuts the journal there (node/journal_repair.py)
 
 
 class NodeProcess:
@@ -75,6 +80,9 @@ class NodeProcess:
     def unhandled(self, exc: BaseException) -> None:
         if isinstance(exc, InvariantViolation):
             self.fail(f"impossible state: {exc}")
+        elif isinstance(exc, JournalCorruption):
+            self.fail(f"{exc}; a restart cuts the journal there and recovers the rest from the other voters",
+                      EXIT_JOURNAL_DAMAGED)
         else:
             self.fail(f"internal error: {exc!r}", EXIT_INTERNAL_ERROR, exc)
 

@@ -7,10 +7,10 @@ it can never vote twice in a term, then the leader catches its journal up."""
 
 from __future__ import annotations
 
-import datetime
 import socket
 from pathlib import Path
 
+from tape.node.aside import aside_path
 from tape.node.settings import Config
 
 VOTER_ROLES = ("sequencer", "rewinder")
@@ -40,8 +40,7 @@ def replace(cfg: Config, name: str, out) -> int:
         return 1
     data = Path(node.data)
     if data.exists() and any(data.iterdir()):
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        aside = data.with_name(f"{data.name}.replaced-{stamp}")
+        aside = aside_path(data, "replaced")
         data.rename(aside)
         print(f"{name}: moved {data} to {aside} (delete it once the node has caught up)", file=out)
     data.mkdir(parents=True, exist_ok=True)

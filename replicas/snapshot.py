@@ -19,7 +19,6 @@ snapshot that fails either is SnapshotInvalid: never used.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import struct
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import lmdb
 
+from tape.node.aside import aside_path
 from tape.protocol import messages as M
 from tape.replicas.audit import AuditMachine
 
@@ -189,8 +189,7 @@ class SnapshotStore:
 
 def move_aside(path: Path) -> Path:
     """Rename a snapshot directory out of the way (kept for a post-mortem, never deleted)."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    aside = path.with_name(f"{path.name}.bad-{stamp}")
+    aside = aside_path(path, "bad")
     path.rename(aside)
     return aside
 

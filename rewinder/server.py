@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
+from tape.node.journal_repair import open_checked
 from tape.node.process import NodeProcess
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
@@ -47,9 +49,10 @@ class Rewinder(NodeProcess):
         super().__init__(cfg, node, log)
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
-        self.journal = cfg.open_journal(node)
-        self.voter = Voter(cfg, node, self.journal, can_lead=False, on_fatal=self.fail,
-                           link_refused=self.link_refused)  # votes, never leads
+        self.journal, self.voter, self.journal_repaired = open_checked(
+            lambda: cfg.open_journal(node), Path(node.data),
+            lambda journal: Voter(cfg, node, journal, can_lead=False, on_fatal=self.fail,
+                                  link_refused=self.link_refused))  # votes, never leads
         self.gapfill = GapFillCore(cfg.session_bytes, cfg.max_packet, cfg.stream_auth)
         self.sealed = bool(cfg.stream_keys)  # the log's packets are sealed ranges
         self.replay_sessions = 0
@@ -81,6 +84,8 @@ class Rewinder(NodeProcess):
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
         yield "term", "gauge", "current term", self.voter.election.term
+        yield "journal_repaired", "gauge", "1 if this start found the journal damaged and cut it there", \
+            1 if self.journal_repaired else 0
         yield "recovering", "gauge", "1 while the election state (a wiped disk) is recovered from the other voters", \
             1 if self.voter.core.recovering else 0
         yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations

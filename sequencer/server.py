@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tape.node.journal_repair import open_checked
 from tape.node.process import NodeProcess
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
@@ -64,9 +65,10 @@ class Sequencer(NodeProcess):
         super().__init__(cfg, node, log)
         self.loss = LossInjector(drop, seed)
         self.badlog = RateLimitedLog(log)
-        self.journal = cfg.open_journal(node)
-        self.voter = Voter(cfg, node, self.journal, can_lead=True, on_action=self._on_election, on_fatal=self.fail,
-                           on_partition=self._partition, link_refused=self.link_refused)
+        self.journal, self.voter, self.journal_repaired = open_checked(
+            lambda: cfg.open_journal(node), Path(node.data),
+            lambda journal: Voter(cfg, node, journal, can_lead=True, on_action=self._on_election, on_fatal=self.fail,
+                                  on_partition=self._partition, link_refused=self.link_refused))
         self.followers = [n for n in cfg.voters if n is not node]
         self.core: LeaderCore | None = None  # while leading
         self.followers_core: FollowerLinks | None = None  # while leading
@@ -115,6 +117,8 @@ class Sequencer(NodeProcess):
         yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
         yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
         yield "term", "gauge", "current term", e.term
+        yield "journal_repaired", "gauge", "1 if this start found the journal damaged and cut it there", \
+            1 if self.journal_repaired else 0
         yield "recovering", "gauge", "1 while the election state (a wiped disk) is recovered from the other voters", \
             1 if self.voter.core.recovering else 0
         yield "leader", "gauge", "1 while this node leads", 1 if c else 0

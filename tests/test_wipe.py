@@ -3,15 +3,20 @@ election state from every other voter before it votes or follows, then catches u
 was committed survives."""
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import wait_for
 
+from tape.node.journal_store import iter_segment_file
+from tape.ops.config import load
 from tape.ops.journal_tool import digest as journal_digest
 from tape.ops.local import TAPE, LocalCluster
+from tape.protocol import moldudp64
 from tape.protocol.election import VOTE_LOST
+from tape.protocol.journal import RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE
 
 pytestmark = pytest.mark.process
 TOTAL = 24_000
@@ -65,3 +70,52 @@ def test_a_wiped_rewinder_waits_for_every_voter_then_rejoins(tmp_path):
         assert len(set(digests.values())) == 1, digests
     finally:
         cluster.close()
+
+
+def test_a_damaged_sealed_segment_stops_the_rewinder_and_its_restart_repairs_it(tmp_path, requester):
+    """A flipped byte in an old segment: met while serving, exit 5 naming it; the restart cuts the
+    journal at the damage (kept aside), recovers as a voter that lost its disk, and catches up."""
+    cluster = LocalCluster(tmp_path, extra="[timeouts]\nclient_resend_ms = 100\n")
+    cluster.config_path.write_text(cluster.config_path.read_text().replace("[journal]", "[journal]\nsegment_mb = 1"))
+    cluster.cfg = load(cluster.config_path)
+    try:
+        cluster.start_all()
+        load_proc = cluster.start("load", "load", "--rate", "8000", "--messages", "30000", "--seed", "5")
+        assert load_proc.wait(timeout=120) == 0, cluster.output("load")
+        segments = sorted(cluster.journal_dir("rw-1").glob("*.seg"))
+        assert len(segments) >= 2, segments  # the first is sealed
+        records = list(iter_segment_file(segments[0], SEGMENT_HEADER_SIZE, 1))
+        seq, _, _, offset = records[len(records) // 2]
+        with open(segments[0], "r+b") as f:  # one byte of a message, under its CRC
+            f.seek(offset + RECORD_HEADER_SIZE + 20)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+        keys = cluster.cfg.stream_auth
+        request = keys.sign_request(moldudp64.encode_request(cluster.cfg.session_bytes, seq, 1),
+                                    requester.getsockname())
+        requester.sendto(request, ("127.0.0.1", cluster.cfg.node("rw-1").gapfill_port))
+        cluster.let_go.add("rw-1")
+        assert cluster.procs["rw-1"].wait(timeout=30) == 5
+        assert f"journal corrupt at seq {seq}, {segments[0]} offset {offset}" in cluster.logs["rw-1"].read_text()
+        cluster.restart("rw-1")
+        wait_for(lambda: gauge(cluster, "rw-1", "journal_repaired") == 1 and gauge(cluster, "rw-1", "recovering") == 0,
+                 "rw-1 to cut its journal and recover")
+        last = gauge(cluster, "seq-a", "sequenced_seq")
+        wait_for(lambda: gauge(cluster, "rw-1", "last_seq") >= last, f"rw-1 to catch up to seq {last}")
+        assert list((tmp_path / "data" / "rw-1").glob("journal.damaged-*/" + segments[0].name))  # kept aside
+        voters = ("seq-a", "rw-1", "rw-2")
+        for name in voters:
+            assert cluster.stop(name) == 0
+        digests = {n: journal_digest(Path(cluster.cfg.node(n).data) / "journal") for n in voters}
+        assert len(set(digests.values())) == 1, digests
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def requester():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    yield s
+    s.close()
