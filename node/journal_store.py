@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from tape.node.diskspace import DiskFull, no_space
 from tape.protocol import journal as fmt
 from tape.protocol.messages import SEQUENCED_SIZE
 
@@ -198,7 +199,8 @@ class Journal:
 
     def append(self, records: list) -> None:
         """Append [(seq, term, message), ...] in one write (group commit).
-        Seqs must continue the journal with no gap."""
+        Seqs must continue the journal with no gap. A write refused for want of
+        space leaves the journal as it was and raises DiskFull."""
         if self.readonly:
             raise RuntimeError("journal opened read-only")
         if not records:
@@ -207,12 +209,24 @@ class Journal:
         expect = self.last_seq + 1 if self.segments else first
         if first != expect or records[-1][0] != first + len(records) - 1:
             raise ValueError(f"append of seqs {first}..{records[-1][0]} does not continue the journal at {expect}")
+        try:
+            self._append(records)
+        except OSError as e:
+            if not no_space(e):
+                raise
+            raise DiskFull(self.segments[-1].path if self.segments else self.dir, "journal append to") from None
+        self.maybe_sync()
+
+    def _append(self, records: list) -> None:
+        """The write of append(); a write that fails leaves the journal as it was."""
+        first = records[0][0]
         if not self.segments or (
             self.segments[-1].size >= self.segment_bytes and self.segments[-1].last_seq >= self.segments[-1].first_seq
         ):
             self._roll(first)
         seg = self.segments[-1]
         offset = seg.size
+        indexed = len(seg.idx_seqs)
         buf = fmt.encode_records(records)
         # The sparse index: the offsets of every index_every-th record.
         nxt = seg.idx_seqs[-1] + self.index_every if seg.idx_seqs else seg.first_seq
@@ -224,12 +238,16 @@ class Journal:
                     seg.idx_offsets.append(pos)
                     nxt += self.index_every
                 pos += fmt.RECORD_HEADER_SIZE + len(msg)
-        self._write(buf)
+        try:
+            self._write(buf)
+        except OSError:
+            os.ftruncate(self._fd, offset)  # a partial write would be a torn record mid-journal
+            del seg.idx_seqs[indexed:], seg.idx_offsets[indexed:]
+            raise
         seg.size = offset + len(buf)
         seg.last_seq = records[-1][0]
         self.last_term = records[-1][1]
         self._dirty = True
-        self.maybe_sync()
 
     def _write(self, buf: bytes) -> None:
         view = memoryview(buf)
@@ -244,11 +262,15 @@ class Journal:
         if self.segments:
             self._seal(self.segments[-1])
         path = self.dir / fmt.segment_name(first_seq)
-        with open(path, "wb") as f:
-            f.write(fmt.encode_segment_header(self.session, first_seq))
-            f.flush()
-            os.fsync(f.fileno())
-        self._fsync_dir()
+        try:
+            with open(path, "wb") as f:
+                f.write(fmt.encode_segment_header(self.session, first_seq))
+                f.flush()
+                os.fsync(f.fileno())
+            self._fsync_dir()
+        except OSError:
+            path.unlink(missing_ok=True)  # the next append rolls again
+            raise
         self.segments.append(Segment(first_seq, path, first_seq - 1, indexed=True))
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
 

@@ -10,7 +10,8 @@ and the vote live in `DATA/election.json`, written atomically and fsynced,
 so that a restarted voter never votes twice in a term. A voter that starts
 without that file (a new or wiped disk) recovers it first: it greets every
 connection and hangs up, and asks every other voter for its hello until all
-have answered (ElectionCore, docs/failover.md).
+have answered (ElectionCore, docs/failover.md). A voter whose disk refuses a
+write (node/diskspace.py) does the same until there is space again.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from tape.node import authlink
+from tape.node.diskspace import CHECK_EVERY_S, RESUME_FREE_BYTES, DiskFull, free_bytes, no_space
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import replication as rep
-from tape.protocol.election import ElectionAction, Persist, Refused, RequestVotes
+from tape.protocol.election import ElectionAction, Persist, Refused, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CONTROL_READ, FETCH_MAX, STREAM_READ
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 
 log = logging.getLogger("tape.voter")
+TICK_S = 0.01
 
 
 class ElectionState(NamedTuple):
@@ -64,11 +67,17 @@ class VoteStore:
 
     def save(self, term: int, voted_for: bytes | None, log_floor: tuple[int, int] = (0, 0)) -> None:
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"term": term, "voted_for": voted_for.decode("ascii") if voted_for else None,
-                       "log_floor": list(log_floor)}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"term": term, "voted_for": voted_for.decode("ascii") if voted_for else None,
+                           "log_floor": list(log_floor)}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if no_space(e):
+                raise DiskFull(self.path, "saving the election state to") from None
+            raise
         os.replace(tmp, self.path)
         dir_fd = os.open(self.path.parent, os.O_RDONLY)
         try:
@@ -111,6 +120,8 @@ class Voter:
         self.bad_frames = 0
         self.refused: dict[str, int] = {}  # peers' messages contradicting this node's state, by reason
         self.refusal_log = RateLimitedLog(log)
+        self.disk_full_events = 0
+        self._space_checked = 0.0
 
     # What the sequencer and the metrics read of the core.
     election = property(lambda self: self.core.election)
@@ -123,7 +134,16 @@ class Voter:
         return self.core.term_at(seq)
 
     def act(self, actions: list) -> None:
-        """Carry out a core's actions in order: the journal and the vote are durable before any reply."""
+        """Carry out a core's actions in order: the journal and the vote are durable before any
+        reply. A write refused for want of space stops this voter taking part (DiskFull is raised
+        on: the reply must not be sent)."""
+        try:
+            self._carry_out(actions)
+        except DiskFull as e:
+            self.disk_full(e)
+            raise
+
+    def _carry_out(self, actions: list) -> None:
         truncated = False
         for action in actions:
             if isinstance(action, Persist):
@@ -143,7 +163,36 @@ class Voter:
         if truncated:
             self.core.rebuild_log(self.journal.read())
 
+    def disk_full(self, e: DiskFull) -> None:
+        """Stop leading (the node's shell first: it hands its client seqs to the log), then take
+        no part until there is space again (tick)."""
+        self.disk_full_events += 1
+        log.error("%s; taking no part (no appends, votes or leading) until %d MiB are free on %s",
+                  e, RESUME_FREE_BYTES >> 20, self.journal.dir)
+        self.on_action(StepDown("disk full"))
+        for action in self.core.on_disk_full(self.journal.read()):
+            self.on_action(action)  # (Persist is never among them: nothing can be written)
+        self._space_checked = time.monotonic()
+
+    def _space_back(self) -> None:
+        now = time.monotonic()
+        if now - self._space_checked < CHECK_EVERY_S:
+            return
+        self._space_checked = now
+        free = free_bytes(self.journal.dir)
+        if free >= RESUME_FREE_BYTES:
+            log.warning("disk space back (%d MiB free on %s): taking part again", free >> 20, self.journal.dir)
+            self.core.on_disk_ok(time.monotonic_ns())
+
+    async def ticks(self) -> None:
+        """The election's clock, the drills' partition flag and the free space, every TICK_S."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.tick()
+
     def tick(self) -> None:
+        if self.core.election.disk_full:
+            self._space_back()
         cut = self.partition_flag.exists()
         if cut != self.partitioned:
             self.partitioned = cut
@@ -172,7 +221,7 @@ class Voter:
             return
         self._conns.add(writer)
         writer.write(rep.encode_hello(*self.core.hello()))
-        if self.core.recovering:  # a greeting is all a recovering voter gives: no vote, no ack
+        if self.core.absent:  # a greeting is all a recovering voter (or one whose disk is full) gives
             self._conns.discard(writer)
             writer.close()
             return
@@ -191,6 +240,8 @@ class Voter:
             log.warning("bad replication frame, closing: %s", e)
         except InvariantViolation as e:
             self.on_fatal(str(e))
+        except DiskFull:
+            pass  # undone and logged (disk_full): no reply, the connection closes
         except ConnectionError:
             closed_by_peer = True
         except asyncio.CancelledError:
@@ -272,7 +323,11 @@ class Voter:
                     records = self.core.take_fetched(fr)
                     if records is None:
                         return taken  # a leader appeared, or the logs do not line up
-                    self.journal.append(records)
+                    try:
+                        self.journal.append(records)
+                    except DiskFull as e:
+                        self.disk_full(e)
+                        return taken
                     taken += len(records)
         except (OSError, asyncio.TimeoutError, ProtocolError):
             return taken
@@ -313,8 +368,8 @@ class Voter:
                 if hello is not None:
                     self.act(self.core.on_peer_hello(hello, time.monotonic_ns()))
                     return
-        except (OSError, asyncio.TimeoutError, ProtocolError):
-            pass
+        except (OSError, asyncio.TimeoutError, ProtocolError, DiskFull):
+            pass  # (DiskFull: undone and logged by act)
         finally:
             writer.close()
 
@@ -351,7 +406,7 @@ class Voter:
                     if isinstance(fr, rep.Hello):
                         hello = fr
                         self.act(self.election.on_higher_term(fr.term, fr.node, time.monotonic_ns()))
-        except (OSError, asyncio.TimeoutError, ProtocolError):
-            pass
+        except (OSError, asyncio.TimeoutError, ProtocolError, DiskFull):
+            pass  # (DiskFull: undone and logged by act)
         finally:
             writer.close()

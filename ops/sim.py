@@ -65,7 +65,7 @@ CLIENTS = ("c0", "c1")
 REPLICAS = ("replica-A", "replica-B")
 EMITTER = "emitter"
 FAULTS_UNTIL = 1500 * MS
-FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe")
+FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full")
 GIVE_UP = 60_000 * MS
 # The processes' defaults (node/settings.py): the simulator runs the policies as configured.
 GAP_REQUEST_NS = default_of(Config, "gap_request_ms") * MS
@@ -96,6 +96,11 @@ class Crashed(Exception):
     """A node died while handling an event: the rest of the event never happens."""
 
 
+class DiskIsFull(Exception):
+    """A voter's write was refused for want of space: the rest of the event, its reply
+    included, never happens (node/voter.py raises DiskFull the same way)."""
+
+
 class Voter:
     """A sequencer or rewinder: durable log and vote, volatile everything else."""
 
@@ -106,6 +111,7 @@ class Voter:
         self.vote = None  # (term, voted_for, log floor): durable; None on a new or wiped disk
         self.checked = 0  # seqs of the committed log already checked against what was published
         self.up = True
+        self.full_until = 0  # a fault: the disk refuses writes until then
         self.clock_skew = sim.rng.randrange(-200, 201) * MS  # hosts' clocks differ: stamps must not go backwards
         self.restart()
 
@@ -147,16 +153,29 @@ class Voter:
     def commit_seq(self) -> int:
         return self.leader.commit_seq if self.leader else self.core.commit_seq
 
+    def write(self) -> None:
+        """Before any durable write: a full disk refuses it, as Voter.disk_full handles it (the
+        node's own step-down first, then the core's)."""
+        if self.sim.now >= self.full_until:
+            return
+        if not self.election.disk_full:
+            self.sim.trace.append(f"  {self.name} finds its disk full")
+        self.act([StepDown("disk full")])
+        self.act(self.core.on_disk_full(self.records()))
+        raise DiskIsFull(self.name)
+
     def act(self, actions: list) -> None:
         """Carry out a core's actions as the voter shell does (node/voter.py)."""
         truncated = False
         for a in actions:
             if isinstance(a, Persist):
+                self.write()
                 self.vote = (a.term, a.voted_for, a.log_floor)
             elif isinstance(a, Truncate):
                 del self.log[a.after_seq:]
                 truncated = True
             elif isinstance(a, AppendRecords):
+                self.write()
                 if a.records[0][0] != len(self.log) + 1:
                     raise Violation(f"{self.name} appends seq {a.records[0][0]} after {len(self.log)}")
                 if self.torn_write is not None:
@@ -222,6 +241,7 @@ class Voter:
             self.sim.send(self.name, name_of(f), Append(c.term, self.wire, batch.prev_seq, batch.prev_term,
                                                         c.commit_seq, batch.term, len(batch.messages),
                                                         b"".join(batch.messages)))
+        self.write()  # after replicating the batch: only followers may hold it
         if self.torn_write is not None:  # after replicating the batch: only followers may hold all of it
             self.tear(batch.records())
         self.log.extend((batch.term, m) for m in batch.messages)
@@ -254,11 +274,20 @@ class Voter:
             records = self.core.take_fetched(a)
             if records is None:
                 return
+            self.write()
             self.log.extend((term, m) for _, term, m in records)
 
     def tick(self) -> None:
-        if self.core.recovering:
-            if self.sim.now - self.greeted >= 75 * MS:
+        if self.election.disk_full and self.sim.now >= self.full_until:
+            self.core.on_disk_ok(self.sim.now)  # the shell saw space again
+        try:
+            self.tick_core()
+        except DiskIsFull:
+            pass
+
+    def tick_core(self) -> None:
+        if self.core.absent:
+            if self.core.recovering and self.sim.now - self.greeted >= 75 * MS:
                 self.greet()
             return
         self.act(self.election.on_tick(self.sim.now))
@@ -281,7 +310,14 @@ class Voter:
                                                         c.term, 0, b""))
 
     def receive(self, src: str, msg) -> None:
-        if self.core.recovering and self.receive_recovering(src, msg):
+        try:
+            self.receive_core(src, msg)
+        except DiskIsFull:
+            if isinstance(msg, (Append, VoteRequest)):
+                self.sim.send(self.name, src, ("gone",))  # no reply: the connection closes
+
+    def receive_core(self, src: str, msg) -> None:
+        if self.core.absent and self.receive_absent(src, msg):
             return
         now = self.sim.now
         if isinstance(msg, Append):
@@ -344,9 +380,10 @@ class Voter:
                     self.sim.send(self.name, src, ("packet", pkt))
 
 
-    def receive_recovering(self, src: str, msg) -> bool:
-        """What a voter recovering its election state does instead (node/voter.py): it takes
-        hellos, greets every connection and hangs up. True if `msg` was handled so."""
+    def receive_absent(self, src: str, msg) -> bool:
+        """What a voter recovering its election state, or whose disk is full, does instead
+        (node/voter.py): it takes hellos, greets every connection and hangs up. True if `msg`
+        was handled so."""
         if isinstance(msg, Hello):
             self.act(self.core.on_peer_hello(msg, self.sim.now))
         elif isinstance(msg, (VoteRequest, Append)) or msg[0] in ("follow", "greet", "fetch"):
@@ -671,6 +708,8 @@ class Sim:
                 if v.up:
                     self.crash(name, until)
                 v.log, v.vote, v.checked = [], None, 0  # the disk is gone: it restarts empty
+        elif kind == "full":
+            self.voters[node].full_until = max(self.voters[node].full_until, until)
         elif kind == "crash" and self.voters[node].up:
             if self.rng.random() < 0.5:  # in the middle of its next journal write
                 self.voters[node].torn_write = until

@@ -37,6 +37,10 @@ Rules (DESIGN.md section 5):
   it may have voted is at most its candidate's term, and every committed
   entry is in some log it heard, as long as fewer than a majority of voters
   lost their disks.
+- A voter whose disk is full (a journal or vote write refused for want of
+  space) steps down if it leads or campaigns, and neither votes, campaigns
+  nor follows until the shell says there is space again: it cannot make
+  durable what a vote or an ack would promise.
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ class ElectionCore:
         self.recovering = recovering and len(voters) > 1  # no election state: waiting for every other voter's hello
         self.heard: dict[bytes, tuple[int, int, int]] = {}  # while recovering: voter -> (term, last_term, last_seq)
         self.log_floor = log_floor
+        self.disk_full = False  # a write was refused for want of space: absent until space returns
 
     @property
     def majority(self) -> int:
@@ -177,10 +182,31 @@ class ElectionCore:
         my_seq, my_term = self.log_position()
         return (last_term, last_seq) >= max((my_term, my_seq), self.log_floor)
 
+    @property
+    def absent(self) -> bool:
+        """Recovering its election state or waiting for disk space: it takes no part."""
+        return self.recovering or self.disk_full
+
+    # --- the disk ----------------------------------------------------------------------
+
+    def on_disk_full(self) -> list[ElectionAction]:
+        """A write was refused for want of space: stop leading or campaigning, take no part."""
+        self.disk_full = True
+        was, self.role, self.votes = self.role, FOLLOWER, set()
+        if was == FOLLOWER:
+            return []
+        self.leader = None
+        return [StepDown("disk full")]
+
+    def on_disk_ok(self, now_ns: int) -> None:
+        """Space is back: take part again, after a whole timeout in which to hear a leader."""
+        self.disk_full = False
+        self.deadline = now_ns + self._timeout()
+
     # --- time ------------------------------------------------------------------------
 
     def on_tick(self, now_ns: int) -> list[ElectionAction]:
-        if self.recovering:
+        if self.absent:
             return []
         if self.role == LEADER:
             recent = 1 + sum(
@@ -230,7 +256,7 @@ class ElectionCore:
 
     def on_append(self, term: int, leader: bytes, now_ns: int) -> tuple[bool, list]:
         """An append (or heartbeat) from `leader`: (accept it?, actions)."""
-        if term < self.term or self.recovering:
+        if term < self.term or self.absent:
             return False, []
         out = []
         if term > self.term:
@@ -251,7 +277,7 @@ class ElectionCore:
     def on_vote_request(self, term: int, candidate: bytes, last_seq: int, last_term: int, pre: bool,
                         now_ns: int) -> tuple[bool, list]:
         """(grant?, actions). The reply carries self.term after the actions."""
-        if self.recovering:
+        if self.absent:
             return False, []
         up_to_date = self._up_to_date(last_seq, last_term)
         leader_alive = self.role == LEADER or (self.leader is not None and now_ns - self.heard_ns < self.timeout_lo)
@@ -272,7 +298,7 @@ class ElectionCore:
     def on_vote(self, term: int, voter: bytes, granted: bool, pre: bool, now_ns: int) -> list[ElectionAction]:
         """A vote. A granted pre-vote carries the term asked for; any other
         answer carries the voter's own term, which is adopted if higher."""
-        if voter not in self.voters or self.recovering:
+        if voter not in self.voters or self.absent:
             return []
         if pre and granted:
             if self.role == PRE_CANDIDATE and term == self.term + 1:
@@ -311,7 +337,7 @@ class ElectionCore:
 
     def on_ack(self, follower: bytes, term: int, now_ns: int) -> list[ElectionAction]:
         """A follower answered this leader (any answer proves it is reachable)."""
-        if self.recovering:
+        if self.absent:
             return []
         if term > self.term:
             return self._adopt(term, now_ns, f"{follower.decode(errors='replace').strip()} is in term {term}")
@@ -322,6 +348,6 @@ class ElectionCore:
     def on_higher_term(self, term: int, who: bytes, now_ns: int) -> list[ElectionAction]:
         return (
             self._adopt(term, now_ns, f"{who.decode(errors='replace').strip()} is in term {term}")
-            if term > self.term and not self.recovering
+            if term > self.term and not self.absent
             else []
         )

@@ -210,6 +210,25 @@ class VoterCore:
     def recovering(self) -> bool:
         return self.election.recovering
 
+    @property
+    def absent(self) -> bool:
+        """Recovering or waiting for disk space: the shell greets every connection and hangs up."""
+        return self.election.absent
+
+    def on_disk_full(self, records) -> list[VoterAction]:
+        """A journal or vote write was refused for want of space (and undone): the log is the
+        journal's `records` again, the commit point no further than them; take no part until
+        on_disk_ok. A leader's shell steps down before this (its client seqs are the log's)."""
+        out = self.election.on_disk_full()
+        commit = self.follower.commit_seq
+        self.rebuild_log(records)
+        self.follower = FollowerCore(self.name, self.last_seq, self.last_term, self.term_at, term=self.election.term)
+        self.follower.commit_seq = min(commit, self.last_seq)
+        return out
+
+    def on_disk_ok(self, now_ns: int) -> None:
+        self.election.on_disk_ok(now_ns)
+
     def on_peer_hello(self, h: rep.Hello, now_ns: int) -> list[VoterAction]:
         """While recovering: another voter's greeting (term and log position)."""
         out = self.election.on_peer_hello(h.node, h.term, h.last_seq, h.last_term, now_ns)

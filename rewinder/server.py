@@ -88,6 +88,9 @@ class Rewinder(NodeProcess):
             1 if self.journal_repaired else 0
         yield "recovering", "gauge", "1 while the election state (a wiped disk) is recovered from the other voters", \
             1 if self.voter.core.recovering else 0
+        yield "disk_full", "gauge", "1 while a write refused for want of space keeps this node from taking part", \
+            1 if self.voter.election.disk_full else 0
+        yield "disk_full_events", "counter", "writes refused for want of space", self.voter.disk_full_events
         yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
 
     async def main(self) -> None:
@@ -98,7 +101,8 @@ class Rewinder(NodeProcess):
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.gap_sock, self._on_gap_requests)
-        recovery = asyncio.ensure_future(self.voter.recover())
+        recovery = self.spawn(self.voter.recover())
+        ticker = self.spawn(self.voter.ticks())  # (a rewinder never campaigns: the flag and the free space)
         log.info(
             "%s at seq %d: replication :%d, gap fill :%d (rcvbuf %d), replay :%d",
             self.node.name,
@@ -110,6 +114,7 @@ class Rewinder(NodeProcess):
         )
         await self.stop.wait()
         recovery.cancel()
+        ticker.cancel()
         loop.remove_reader(self.gap_sock)
         repl.close()
         replay.close()

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tape.node.diskspace import DiskFull
 from tape.node.journal_repair import open_checked
 from tape.node.process import NodeProcess
 from tape.node.ratelog import RateLimitedLog
@@ -121,6 +122,9 @@ class Sequencer(NodeProcess):
             1 if self.journal_repaired else 0
         yield "recovering", "gauge", "1 while the election state (a wiped disk) is recovered from the other voters", \
             1 if self.voter.core.recovering else 0
+        yield "disk_full", "gauge", "1 while a write refused for want of space keeps this node from taking part", \
+            1 if self.voter.election.disk_full else 0
+        yield "disk_full_events", "counter", "writes refused for want of space", self.voter.disk_full_events
         yield "leader", "gauge", "1 while this node leads", 1 if c else 0
         yield "elections", "counter", "elections this node started (after a won pre-vote)", e.elections
         yield "leader_changes", "counter", "times the leader this node knows changed", e.leader_changes
@@ -145,7 +149,7 @@ class Sequencer(NodeProcess):
         log.info("%s at seq %d, term %d; replication :%d, inbound %s:%d (rcvbuf %d), publishing %s:%d; %d voters",
                  self.node.name, self.journal.last_seq, self.voter.election.term, self.node.replication_port,
                  self.node.host, self.node.inbound_port, granted, *self.dest, len(self.cfg.voters))
-        ticker = self.spawn(self._election_ticker())
+        ticker = self.spawn(self.voter.ticks())
         recovery = self.spawn(self.voter.recover())
         loop.add_reader(self.inbound, self._on_inbound)
         await self.stop.wait()
@@ -154,11 +158,6 @@ class Sequencer(NodeProcess):
         recovery.cancel()
         server.close()
         await self._shutdown()
-
-    async def _election_ticker(self) -> None:
-        while True:
-            await asyncio.sleep(0.01)
-            self.voter.tick()
 
     def _on_election(self, action: ElectionAction) -> None:
         if isinstance(action, RequestVotes):
@@ -293,6 +292,8 @@ class Sequencer(NodeProcess):
                 self.badlog.warn(reason, "dropped inbound datagram of %d bytes: %s", len(data), reason)
             if core.pending >= MAX_BATCH_MESSAGES:  # one batch must fit one append frame
                 self._process(core.flush(now))
+                if self.core is not core:
+                    return  # stepped down (disk full): the rest waits in the socket for whoever leads
         batch = core.flush(now)
         if batch is not None:
             self._process(batch)
@@ -312,7 +313,11 @@ class Sequencer(NodeProcess):
                     wake.append(f)
         for f in wake:
             self.links[f].wake.set()
-        self.journal.append(batch.records())
+        try:
+            self.journal.append(batch.records())
+        except DiskFull as e:  # not journaled here: step down (the followers may hold it; clients resend)
+            self.voter.disk_full(e)
+            return
         self.voter.note_own(batch.first_seq, batch.last_seq, batch.term, batch.messages[-1][0] == M.AUTH)
         self._publish(self.core.on_journaled(batch.last_seq))
 
@@ -345,6 +350,8 @@ class Sequencer(NodeProcess):
             batch, heartbeat = self.core.on_timer(time.time_ns())
             if batch is not None:
                 self._process(batch)
+                if self.core is None:
+                    return  # stepped down (disk full)
             if heartbeat is not None:
                 self._publish([heartbeat])
             self._send_commit()
@@ -399,7 +406,7 @@ class Sequencer(NodeProcess):
                     for fr in frames.feed(data):
                         if isinstance(fr, rep.Ack):
                             self._on_ack(link, fr)
-            except (ConnectionError, OSError, ProtocolError) as e:
+            except (ConnectionError, OSError, ProtocolError, DiskFull) as e:
                 log.warning("follower %s link lost: %s", f.name, e)
             finally:
                 if sender:
@@ -440,6 +447,9 @@ class Sequencer(NodeProcess):
                 link.writer.write(rep.encode_runs(self.core.term, self.node.wire_name, prev, self.voter.term_at(prev),
                                                   self.core.commit_seq, records))
                 self.followers_core.sent(f, records[-1][0])
-                await link.writer.drain()
+                try:
+                    await link.writer.drain()
+                except ConnectionError:
+                    return  # the follower hung up: _follower_link sees the close and connects again
             await link.wake.wait()
 

@@ -1,7 +1,10 @@
+import contextlib
 import os
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -51,3 +54,26 @@ def spark():
     s = session("local[2]", "tape-tests")
     yield s
     s.stop()
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` for the test (root only); yields the filler's path."""
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path / "filler"
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill_disk(filler: Path) -> None:
+    """Write until the file system refuses."""
+    chunk = b"\0" * (1 << 20)
+    with open(filler, "wb") as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(chunk)
+                f.flush()

@@ -13,6 +13,7 @@ from tape.protocol.election import (
     Lead,
     Persist,
     RequestVotes,
+    StepDown,
 )
 
 A, B, R1, R2 = b"seq-a     ", b"seq-b     ", b"rw-1      ", b"rw-2      "
@@ -204,3 +205,18 @@ def test_a_recovered_voter_votes_only_for_logs_as_up_to_date_as_any_it_heard():
 def test_a_voter_alone_needs_no_hello():
     c = ElectionCore(A, [A], True, lambda: (0, 0), random.Random(1), (300 * MS, 600 * MS), recovering=True)
     assert not c.recovering and c.on_tick(600 * MS)[-1] == Lead(1)
+
+
+def test_a_voter_whose_disk_is_full_steps_down_and_takes_no_part_until_space_returns():
+    c = core()
+    elect(c, 400 * MS)
+    assert c.role == LEADER
+    assert c.on_disk_full() == [StepDown("disk full")] and c.role == FOLLOWER and c.leader is None
+    far = 10_000 * MS
+    assert c.on_tick(far) == []  # no campaign: it could not persist its own vote
+    assert c.on_vote_request(c.term + 1, B, 10**6, 9, False, far) == (False, [])
+    assert c.on_append(c.term + 1, B, far) == (False, []) and c.on_higher_term(c.term + 5, B, far) == []
+    assert c.on_disk_full() == []  # already out: nothing to step down from
+    c.on_disk_ok(far)
+    assert c.on_tick(far + 299 * MS) == []  # a whole timeout to hear the leader first
+    assert kinds(c.on_tick(far + 600 * MS)) == ["RequestVotes"]

@@ -2,10 +2,11 @@ import json
 import subprocess
 
 import pytest
-from conftest import TAPE
+from conftest import TAPE, fill_disk, small_disk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tape.node.diskspace import DiskFull
 from tape.node.journal_store import Journal, JournalCorruption
 from tape.protocol import journal as fmt
 from tape.protocol import messages as msg
@@ -186,3 +187,25 @@ def test_dump_cli_prints_every_record(tmp_path):
                        "client": "Sendence", "stock": "AAPL", "stamp_ns": 100, "origin": "client1", "client_seq": 10}
     out = subprocess.run(TAPE + ["journal", "verify", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0 and "60 records" in out.stdout
+
+
+def test_a_write_refused_for_want_of_space_leaves_the_journal_as_it_was(tmp_path):
+    """A real full file system (a 2 MiB tmpfs): the refused append raises DiskFull and leaves no
+    partial record; with space back the same seqs append, and a reopen reads every record once."""
+    with small_disk(tmp_path, "2m") as filler:
+        j = Journal(tmp_path / "journal", S, segment_bytes=1 << 20)
+        j.append(batch(1, 100))
+        fill_disk(filler)
+        size = j.segments[-1].path.stat().st_size
+        with pytest.raises(DiskFull, match="disk full: journal append to"):
+            j.append(batch(101, 5_000))  # larger than what is left
+        assert j.last_seq == 100 and j.segments[-1].path.stat().st_size == size
+        filler.unlink()
+        j.append(batch(101, 5_000))
+        j.close()
+        again = Journal(tmp_path / "journal", readonly=True)
+        assert [r[0] for r in again.read()] == list(range(1, 5_101)) and not again.recovery
+
+
+def batch(first: int, n: int) -> list:
+    return [(s, 1, message(s)) for s in range(first, first + n)]

@@ -1,6 +1,7 @@
-"""A voter's disk lost (issue 15), with real processes: the wiped voter recovers its
-election state from every other voter before it votes or follows, then catches up; what
-was committed survives."""
+"""Voters' disks failing (issue 15), with real processes: a wiped voter recovers its
+election state from every other voter before it votes or follows, then catches up; a
+damaged journal is cut at the damage and refilled; a full disk (a real tmpfs) stops a
+voter taking part until space returns. What was committed survives each."""
 
 import json
 import socket
@@ -8,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import fill_disk, small_disk, wait_for
 
 from tape.node.journal_store import iter_segment_file
 from tape.ops.config import load
@@ -119,3 +120,44 @@ def requester():
     s.bind(("127.0.0.1", 0))
     yield s
     s.close()
+
+
+@pytest.mark.parametrize("node", ["rw-1", "seq-a"])
+def test_a_full_disk_stops_a_voter_taking_part_until_space_returns(tmp_path, node):
+    """The journal on a 32 MiB tmpfs, filled mid-load: the refused write is undone, the node logs
+    'disk full' and takes no part (a leader steps down; the others go on), never exits; once the
+    filler is removed it takes part again and catches up, with a journal equal to the others'."""
+    cluster = LocalCluster(tmp_path, sequencers=2, extra="[timeouts]\nclient_resend_ms = 100\n")
+    data = Path(cluster.cfg.node(node).data)
+    data.mkdir(parents=True)
+    with small_disk(data, "32m") as filler:
+        try:
+            cluster.start_all()
+            load = cluster.start("load", "load", "--rate", "3000", "--messages", str(TOTAL), "--seed", "7")
+            wait_for(lambda: gauge(cluster, "seq-a", "commit_seq") >= 3000, "3,000 trades committed")
+            fill_disk(filler)
+            wait_for(lambda: gauge(cluster, node, "disk_full") == 1, f"{node} to find its disk full")
+            text = cluster.logs[node].read_text()
+            assert "disk full: journal append to" in text or "disk full: saving the election state" in text
+            if node == "seq-a":
+                wait_for(lambda: gauge(cluster, "seq-b", "leader") == 1, "seq-b to lead")
+                steps = cluster.metrics("seq-a")
+                assert steps['tape_sequencer_step_downs_total{node="seq-a",reason="disk full"}'] == 1, steps
+            held = gauge(cluster, node, "last_seq" if node.startswith("rw") else "sequenced_seq")
+            wait_for(lambda: gauge(cluster, "rw-2", "last_seq") > held + 3000, "3,000 more trades without it")
+            assert cluster.alive(node) and gauge(cluster, node, "disk_full") == 1
+            filler.unlink()
+            wait_for(lambda: gauge(cluster, node, "disk_full") == 0, f"{node} to see space again")
+            assert load.wait(timeout=180) == 0, cluster.output("load")
+            assert json.loads(cluster.output("load"))["acked"] == TOTAL
+            leader = max(("seq-a", "seq-b"), key=lambda s: gauge(cluster, s, "leader"))
+            last = gauge(cluster, leader, "sequenced_seq")
+            position = "last_seq" if node.startswith("rw") else "sequenced_seq"
+            wait_for(lambda: gauge(cluster, node, position) >= last, f"{node} to catch up to seq {last}")
+            voters = (leader, *(v for v in ("seq-a", "seq-b", "rw-1", "rw-2") if v != leader))
+            for name in voters:  # the leader first: its session end reaches the others
+                assert cluster.stop(name) == 0, cluster.logs[name].read_text()[-2000:]
+            digests = {n: journal_digest(Path(cluster.cfg.node(n).data) / "journal") for n in voters}
+            assert len(set(digests.values())) == 1, digests
+        finally:
+            cluster.close()
