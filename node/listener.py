@@ -67,6 +67,7 @@ class StreamListener:
     def stop(self) -> None:
         asyncio.get_running_loop().remove_reader(self.mcast)
         self.mcast.close()
+        self.req.close()
         if self._task:
             self._task.cancel()
 

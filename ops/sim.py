@@ -433,7 +433,9 @@ class Listener:
 
     def receive(self, src: str, msg) -> None:
         if msg[0] == "welcome":  # the alert channel is up: what the emitter lacks goes again
-            self.send_alerts(self.replica.on_welcome(msg[1]))
+            for action in self.replica.on_welcome(msg[1]):
+                if isinstance(action, SendAlerts):  # (runs here end before a fold point: no digests)
+                    self.send_alerts(action)
         elif msg[0] == "ack":
             self.replica.on_ack(msg[1])
         elif msg[0] == "link_lost":

@@ -6,9 +6,14 @@ Frames: length u32 (of what follows), type u8, payload.
     'W' welcome  mark u64: highest emit seq the emitter has recorded
     'A' alert    one alert record (replicas.audit.Alert.encode)
     'K' ack      mark u64
+    'D' digest   fold seq u64, digest chain (16)    replica -> emitter, at each fold point
+    'X' rebuild  fold seq u64                       emitter -> replica: the other replicas
+                                                    agree on another digest there
 
 A replica sends its alerts in emit-seq order and, on (re)connecting,
-resends everything after the welcome's mark.
+resends everything after the welcome's mark, then its last fold's digest.
+A replica told to rebuild discards its state and applies the journal again
+from seq 1 (docs/replicas.md, "A replica that diverged").
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from . import framing
 
 FRAME = framing.FRAME
 MARK = struct.Struct(">Q")
-HELLO, WELCOME, ALERT, ACK = ord("H"), ord("W"), ord("A"), ord("K")
+HELLO, WELCOME, ALERT, ACK, DIGEST, REBUILD = (ord(c) for c in "HWAKDX")
+FOLD = struct.Struct(">Q16s")
 MAX_FRAME = 4096
 
 
@@ -43,9 +49,17 @@ def alert(record: bytes) -> bytes:
     return frame(ALERT, record)
 
 
+def digest(fold_seq: int, chain: bytes) -> bytes:
+    return frame(DIGEST, FOLD.pack(fold_seq, chain))
+
+
+def rebuild(fold_seq: int) -> bytes:
+    return frame(REBUILD, MARK.pack(fold_seq))
+
+
 class Reader:
     def __init__(self):
-        self._reader = framing.FrameReader(MAX_FRAME, bytes((HELLO, WELCOME, ALERT, ACK)))
+        self._reader = framing.FrameReader(MAX_FRAME, bytes((HELLO, WELCOME, ALERT, ACK, DIGEST, REBUILD)))
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         return [(kind, payload) for kind, payload, _ in self._reader.frames(data)]

@@ -76,6 +76,7 @@ class Emitter(NodeProcess):
         self.rejected: dict[str, int] = {}
         self._lock = asyncio.Lock()  # one delivery at a time, whichever replica it came from
         self.links: set = set()  # every welcomed replica connection: acks go to all
+        self.by_replica: dict[bytes, asyncio.StreamWriter] = {}  # its latest connection: where a rebuild order goes
 
     @property
     def mark(self) -> int:
@@ -89,6 +90,11 @@ class Emitter(NodeProcess):
         yield "divergences", "counter", "alert copies differing from the delivered one", c.divergences
         yield "in_doubt", "counter", "alerts in doubt after a crash, resolved at start", c.in_doubt
         yield "pending", "gauge", "alerts awaiting a quorum (delivery = quorum)", len(c.pending)
+        yield "replicas_diverged", "gauge", "replicas outvoted on their digest, rebuilding (their alerts ignored)", \
+            len(c.diverged)
+        yield "rebuilds_ordered", "counter", "replicas told to rebuild: a quorum agreed on another digest", \
+            c.rebuilds_ordered
+        yield "ignored_alerts", "counter", "alerts of a diverged replica, ignored", c.ignored
         yield "in_doubt_listed", "counter", "alerts in doubt listed for the operator (non-idempotent sink)", \
             self.in_doubt_listed
         yield "rejected", "counter", "connections or frames refused, by reason", self.rejected
@@ -144,12 +150,17 @@ class Emitter(NodeProcess):
                             return self._reject("unknown_replica", f"hello {payload[:16]!r}")
                         name = payload
                         self.links.add(writer)
+                        self.by_replica[name] = writer
                         writer.write(alertlink.welcome(mark))
+                        if name in self.core.diverged:  # (one that already rebuilds for it ignores this)
+                            writer.write(alertlink.rebuild(self.core.diverged[name]))
                     elif kind == alertlink.ALERT:
                         try:
                             fresh.append(Alert.decode(payload))
                         except Exception as e:
                             return self._reject("malformed_alert", f"from {name!r}: {e}")
+                    elif kind == alertlink.DIGEST and len(payload) == alertlink.FOLD.size:
+                        await self._on_digest(name, *alertlink.FOLD.unpack(payload))
                     else:
                         return self._reject("unexpected_frame", f"type {kind!r} from {name!r}")
                 if fresh:
@@ -167,7 +178,20 @@ class Emitter(NodeProcess):
             pass
         finally:
             self.links.discard(writer)
+            if name is not None and self.by_replica.get(name) is writer:
+                del self.by_replica[name]
             writer.close()
+
+    async def _on_digest(self, replica: bytes, fold_seq: int, chain: bytes) -> None:
+        async with self._lock:
+            rebuild, ready, alarms = self.core.on_digest(replica, fold_seq, chain)
+            for r in rebuild:
+                log.error("DIVERGENCE: %s's digest at fold seq %d differs from the one a quorum of replicas agree "
+                          "on: told to rebuild from seq 1; its alerts are ignored until it agrees again",
+                          r.decode(errors="replace").strip(), fold_seq)
+                if r in self.by_replica:
+                    self.by_replica[r].write(alertlink.rebuild(fold_seq))
+            await self._settled(ready, alarms)
 
     async def _handle(self, alerts: list[Alert], replica: bytes) -> None:
         async with self._lock:
@@ -176,11 +200,14 @@ class Emitter(NodeProcess):
             new, copies, alarms = self.core.on_alerts(replica, alerts)
             for a in copies:
                 self._judge(a)
-            for a in alarms:
-                log.error("DIVERGENCE: alert at emit seq %d reached no quorum of replicas; not delivered: %s",
-                          a.emit_seq, a)
-            if new:
-                await self._carry_out(self.core.deliver(new))
+            await self._settled(new, alarms)
+
+    async def _settled(self, new: list[Alert], alarms: list[Alert]) -> None:
+        for a in alarms:
+            log.error("DIVERGENCE: alert at emit seq %d reached no quorum of replicas; not delivered: %s",
+                      a.emit_seq, a)
+        if new:
+            await self._carry_out(self.core.deliver(new))
 
     async def _carry_out(self, actions: list) -> None:
         for action in actions:

@@ -32,6 +32,14 @@ each channel is ordered. Two delivery modes:
 
 An alert at or below the mark was recorded before: the same bytes are a
 duplicate, other bytes (or none recorded at all) a divergence alarm.
+
+Replicas also send their digest chain at each fold point. Where a quorum
+agrees on one and a replica shows another, that replica diverged: it is told
+to rebuild from seq 1, and until it agrees with the quorum at a later fold
+point its alerts are ignored in both modes (its votes pending a quorum are
+withdrawn). Under `first`, what it sent first before its digest showed the
+divergence was delivered: `quorum` is the mode that never delivers a
+minority's alert.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from tape.replicas.audit import Alert
 
 CRASH_POINTS = ("before_intent", "after_intent", "after_deliver", "after_done")
 DELIVERY = ("first", "quorum")
+FOLDS_KEPT = 64  # fold points whose replica digests are remembered (64 x 4096 seqs)
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,10 @@ class EmitterCore:
         self._pending_order: list[int] = []  # a heap of the pending emit seqs
         self.frontier: dict[bytes, int] = {}  # quorum: the highest emit seq each replica has sent
         self.held: dict[bytes, int] = {}  # quorum: pending emit seqs each replica has voted on
+        self.folds: dict[int, dict[bytes, bytes]] = {}  # fold seq -> replica -> its digest chain there
+        self.diverged: dict[bytes, int] = {}  # replica -> the fold seq where a quorum outvoted it
+        self.rebuilds_ordered = 0
+        self.ignored = 0  # alerts of a diverged replica
         self.mark = mark
         self.crash_at = crash_at
         self.crash_after = crash_after
@@ -110,6 +123,9 @@ class EmitterCore:
     def on_alerts(self, replica: bytes, alerts: list[Alert]) -> tuple[list[Alert], list[Alert], list[Alert]]:
         """(new alerts to deliver, copies of recorded ones to judge, alarms: alerts dropped as no quorum's)
         of one batch of `replica`'s ordered channel. Raises TooFarAhead (nothing taken) in quorum mode."""
+        if replica in self.diverged:
+            self.ignored += len(alerts)
+            return [], [], []
         if self.delivery == "quorum":
             return self._vote(alerts, replica)
         new, copies = [], []
@@ -151,7 +167,8 @@ class EmitterCore:
             versions = self.pending[seq]
             best = max(versions.values(), key=len)
             if len(best) < self.quorum:
-                may_still_send = sum(1 for r in self.replicas if self.frontier.get(r, 0) < seq)
+                may_still_send = sum(1 for r in self.replicas
+                                     if r not in self.diverged and self.frontier.get(r, 0) < seq)
                 if len(best) + may_still_send >= self.quorum:
                     break  # it may still reach a quorum: everything after it waits
                 best = set()  # it cannot: every version is an alarm
@@ -163,6 +180,44 @@ class EmitterCore:
                     self.held[r] -= 1
         self.divergences += len(alarms)
         return ready, alarms
+
+    def on_digest(self, replica: bytes, fold_seq: int, chain: bytes) -> tuple[list[bytes], list[Alert], list[Alert]]:
+        """A replica's digest chain at a fold point: (replicas to tell to rebuild, alerts a quorum
+        now delivers, alarms), the last two only under quorum, once a diverged replica's votes
+        are withdrawn."""
+        if replica not in self.replicas:
+            return [], [], []
+        seen = self.folds.setdefault(fold_seq, {})
+        seen[replica] = chain
+        while len(self.folds) > FOLDS_KEPT:
+            del self.folds[min(self.folds)]
+        agreed = next((c for c in sorted(set(seen.values())) if list(seen.values()).count(c) >= self.quorum), None)
+        if agreed is None:
+            return [], [], []
+        rebuild = []
+        for r, c in sorted(seen.items()):
+            if c != agreed and r not in self.diverged:
+                self.diverged[r] = fold_seq
+                rebuild.append(r)
+                self._withdraw(r)
+            elif c == agreed and self.diverged.get(r, fold_seq) < fold_seq:
+                del self.diverged[r]  # rebuilt: it agrees again past the point where it diverged
+        self.rebuilds_ordered += len(rebuild)
+        ready, alarms = self._settle() if rebuild and self.delivery == "quorum" else ([], [])
+        return rebuild, ready, alarms
+
+    def _withdraw(self, replica: bytes) -> None:
+        """A diverged replica's votes no longer count."""
+        for seq in list(self.pending):
+            versions = self.pending[seq]
+            for raw in [raw for raw, senders in versions.items() if replica in senders]:
+                versions[raw].discard(replica)
+                if not versions[raw]:
+                    del versions[raw]
+            if not versions:
+                del self.pending[seq]
+        self.held[replica] = 0
+        self._pending_order = sorted(self.pending)  # (a sorted list is a heap)
 
     def deliver(self, new: list[Alert]) -> list[EmitterAction]:
         """Intent, deliver, done: the steps for new alerts, which move the mark."""

@@ -5,6 +5,8 @@ acks on the alert channel, the channel's loss, the time, the stream's state.
 Actions out, carried out by the shell (replicas/runtime.py):
 
     SendAlerts(alerts)   write them to the alert channel, in emit-seq order
+    SendDigest(fold_seq, chain)  the digest chain at the last fold point crossed,
+                         to the alert channel (the emitter compares replicas)
     Snapshot()           save the machine and the outbox to LMDB, atomically
     Exit()               the session's end entry is applied and every alert
                          acknowledged (with --exit-on-end); an end-of-session
@@ -25,12 +27,18 @@ from dataclasses import dataclass
 from tape.protocol.limits import REPLAY_BEHIND
 from tape.protocol.messages import SESSION_END
 from tape.protocol.receiver import StreamReceiver
-from tape.replicas.audit import Alert, AuditMachine
+from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 
 
 @dataclass(frozen=True)
 class SendAlerts:
     alerts: list
+
+
+@dataclass(frozen=True)
+class SendDigest:
+    fold_seq: int
+    chain: bytes
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class Exit:
     pass
 
 
-ReplicaAction = SendAlerts | Snapshot | Exit
+ReplicaAction = SendAlerts | SendDigest | Snapshot | Exit
 
 
 class ReplicaCore:
@@ -59,11 +67,14 @@ class ReplicaCore:
         self.session_ended = False  # the session's end entry was applied
         self._since_snapshot = 0
         self._snapshot_at = now_ns
+        self.last_fold: SendDigest | None = None  # resent on every welcome
 
     def on_run(self, first_seq: int, msgs: list) -> list[ReplicaAction]:
         """Apply consecutive decoded messages (an impossible order raises InvariantViolation)."""
         alerts = self.machine.apply_run(first_seq, msgs)
         self._since_snapshot += len(msgs)
+        last = self.machine.last_seq
+        folded = last // DIGEST_BLOCK > (first_seq - 1) // DIGEST_BLOCK
         if any(m[0] == SESSION_END for m in msgs[-2:]):  # only its seal may follow it
             self.session_ended = True
         out: list[ReplicaAction] = []
@@ -71,15 +82,19 @@ class ReplicaCore:
             self.outbox.extend(alerts)
             if self.linked:
                 out.append(SendAlerts(alerts))
+        if folded:  # the chain changes only at fold points: it is the last one's
+            self.last_fold = SendDigest(last - last % DIGEST_BLOCK, self.machine.chain)
+            if self.linked:
+                out.append(self.last_fold)
         if self._since_snapshot >= self.snapshot_every:
             out.append(Snapshot())
         return out
 
-    def on_welcome(self, mark: int) -> SendAlerts:
-        """The channel is up: everything after the emitter's mark goes (again)."""
+    def on_welcome(self, mark: int) -> list[ReplicaAction]:
+        """The channel is up: everything after the emitter's mark goes (again), then the last fold's digest."""
         self.on_ack(mark)
         self.linked = True
-        return SendAlerts(list(self.outbox))
+        return [SendAlerts(list(self.outbox))] + ([self.last_fold] if self.last_fold else [])
 
     def on_ack(self, mark: int) -> None:
         self.acked = max(self.acked, mark)

@@ -4,7 +4,10 @@ Loads its LMDB snapshot (or starts at seq 1), joins the public stream from
 the next seq, catches up over SoupBinTCP replay from a rewinder when far
 behind, applies strictly in seq order, snapshots every N messages or T ms,
 and sends its alerts in emit-seq order to the emitter, resending from the
-emitter's mark on every (re)connection. With `--exit-on-end` it stops once
+emitter's mark on every (re)connection, and its digest at each fold point;
+told by the emitter that a quorum of replicas agree on another digest, it
+moves its snapshot aside and applies again from seq 1, without a restart.
+With `--exit-on-end` it stops once
 it has applied everything up to the stream's end of session, and writes
 `status.json` (last seq, digest, counts) either way when it stops.
 """
@@ -27,8 +30,8 @@ from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CONTROL_READ, REPLAY_CLIENT_HEARTBEAT_S, STREAM_READ
 from tape.protocol.packets import PacketBuilder
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
-from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, Snapshot
-from tape.replicas.snapshot import open_verified
+from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
+from tape.replicas.snapshot import move_aside, open_verified
 
 log = logging.getLogger("tape.replica")
 ALERT_SIZE = len(Alert(0, 0, 0, 0, b" " * 16, b" " * 8, 0, 0, 0).encode())
@@ -41,20 +44,48 @@ class Replica(NodeProcess):
         super().__init__(cfg, node, log)
         self.exit_on_end = exit_on_end
         self.data = Path(node.data)
-        self.store, self.machine, raw, self.discarded = open_verified(
-            self.data / "lmdb", lambda: AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9)), log)
-        self.resumed_from = self.machine.last_seq
-        outbox = [Alert.decode(raw[i:i + ALERT_SIZE]) for i in range(0, len(raw), ALERT_SIZE)]
-        self.core = ReplicaCore(self.machine, outbox, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000, exit_on_end,
-                                time.monotonic_ns())
-        self.listener = StreamListener(cfg, self._deliver, drop, seed, next_seq=self.machine.last_seq + 1,
-                                       on_undecodable=self._undecodable)
+        self.drop, self.seed = drop, seed
+        self.discarded = False
+        self.rebuilds = 0
+        self.rebuilt_for = 0  # the fold seq of the last rebuild order carried out
+        self._open()
         self.emitters = cfg.by_role("emitter")
         self._writer: asyncio.StreamWriter | None = None
         self.replayed = 0
         # Sequencer stamp -> applied here (wall clock, same host or PTP-synced hosts):
         # for the report only, never for state.
         self.latency = LatencySamples()
+
+    def _open(self) -> None:
+        """The state from the snapshot (a fresh one if there is none), and a listener from the seq after it."""
+        cfg = self.cfg
+        self.store, self.machine, raw, discarded = open_verified(
+            self.data / "lmdb", lambda: AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9)), log)
+        self.discarded = self.discarded or discarded
+        self.resumed_from = self.machine.last_seq
+        outbox = [Alert.decode(raw[i:i + ALERT_SIZE]) for i in range(0, len(raw), ALERT_SIZE)]
+        self.core = ReplicaCore(self.machine, outbox, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000,
+                                self.exit_on_end, time.monotonic_ns())
+        self.listener = StreamListener(cfg, self._deliver, self.drop, self.seed, next_seq=self.machine.last_seq + 1,
+                                       on_undecodable=self._undecodable)
+
+    def _rebuild(self, fold_seq: int) -> bool:
+        """The emitter's order: a quorum of replicas agree on another digest at fold_seq. Discard
+        this state (kept aside) and apply again from seq 1. False if already done for that fold."""
+        if fold_seq <= self.rebuilt_for:
+            return False
+        self.rebuilt_for = fold_seq
+        self.rebuilds += 1
+        self.listener.stop()
+        self.store.close()
+        aside = move_aside(self.data / "lmdb")
+        log.error("DIVERGED: the other replicas agree on another digest at fold seq %d: this state (moved to %s) "
+                  "is discarded; applying again from seq 1", fold_seq, aside)
+        self._open()
+        self.listener.start()
+        self._catching_up.cancel()  # its replay fed the old listener
+        self._catching_up = self.spawn(self._catch_up())
+        return True
 
     def report(self):
         m = self.machine
@@ -73,6 +104,8 @@ class Replica(NodeProcess):
         yield "resumed_from_seq", "gauge", "seq of the snapshot this process started from", self.resumed_from
         yield "snapshots_discarded", "counter", "snapshots found corrupt at start-up, moved aside, never used", \
             1 if self.discarded else 0
+        yield "rebuilds", "counter", "times outvoted on its digest and applied again from seq 1", \
+            self.rebuilds
         # The digest chain at the last fold point (a multiple of 4096 seqs), as a 48-bit number
         # labelled with that seq: replicas at the same fold_seq must show the same value.
         fold = m.last_seq - m.last_seq % DIGEST_BLOCK
@@ -87,9 +120,10 @@ class Replica(NodeProcess):
             len(self.core.outbox),
         )
         self.listener.start()
-        tasks = [self.spawn(self._emitter_link()), self.spawn(self._catch_up()), self.spawn(self._housekeeping())]
+        self._catching_up = self.spawn(self._catch_up())
+        tasks = [self.spawn(self._emitter_link()), self.spawn(self._housekeeping())]
         await self.stop.wait()
-        for t in tasks:
+        for t in [*tasks, self._catching_up]:
             t.cancel()
         self.listener.stop()
         self._snapshot()
@@ -124,6 +158,9 @@ class Replica(NodeProcess):
             if isinstance(a, SendAlerts):
                 if self._writer is not None and a.alerts:
                     self._writer.write(b"".join(alertlink.alert(x.encode()) for x in a.alerts))
+            elif isinstance(a, SendDigest):
+                if self._writer is not None:
+                    self._writer.write(alertlink.digest(a.fold_seq, a.chain))
             elif isinstance(a, Snapshot):
                 self._snapshot()
             elif isinstance(a, Exit):
@@ -221,7 +258,10 @@ class Replica(NodeProcess):
                         mark = alertlink.MARK.unpack(payload)[0] if len(payload) == 8 else 0
                         if kind == alertlink.WELCOME:  # resend everything after the emitter's mark
                             self._writer = writer
-                            self._carry_out([self.core.on_welcome(mark)])
+                            self._carry_out(self.core.on_welcome(mark))
+                        elif kind == alertlink.REBUILD:
+                            if self._rebuild(mark):
+                                raise ConnectionResetError("rebuilding: the new state links anew")
                         else:
                             self.core.on_ack(mark)
             except (OSError, ProtocolError) as e:

@@ -110,3 +110,33 @@ def test_alerts_in_doubt_are_delivered_again_then_done():
     doubt = [alert(3), alert(4)]
     assert core.recover(doubt) == [Redeliver(doubt), RecordDone(doubt)] and core.in_doubt == 2
     assert core.recover([]) == []
+
+
+GOOD, BAD = b"g" * 16, b"b" * 16
+
+
+@pytest.mark.parametrize("delivery", ["first", "quorum"])
+def test_a_replica_outvoted_at_a_fold_point_is_told_to_rebuild_and_ignored_until_it_agrees(delivery):
+    core = EmitterCore({A, B, C}, delivery=delivery)
+    assert core.on_digest(C, 4096, BAD) == ([], [], [])  # alone: nothing to compare
+    assert core.on_digest(A, 4096, GOOD) == ([], [], [])  # one against one: no quorum
+    assert core.on_digest(B, 4096, GOOD)[0] == [C] and core.diverged == {C: 4096}
+    assert core.on_alerts(C, [alert(7, cumulative=999)]) == ([], [], []) and core.ignored == 1
+    assert core.on_digest(C, 4096, GOOD)[0] == []  # rebuilding: agreeing where it diverged is not enough
+    assert C in core.diverged
+    core.on_digest(A, 8192, GOOD)
+    assert core.on_digest(C, 8192, GOOD) == ([], [], []) and core.diverged == {}  # rebuilt: counted again
+    assert core.rebuilds_ordered == 1
+    assert core.on_digest(b"mallory   ", 8192, BAD) == ([], [], [])
+
+
+def test_under_quorum_a_diverged_replicas_votes_are_withdrawn():
+    core = EmitterCore({A, B, C}, delivery="quorum")
+    assert core.on_alerts(C, [alert(3, cumulative=999)]) == ([], [], [])  # C's version awaits a quorum
+    assert core.on_alerts(A, [alert(3)]) == ([], [], [])  # one each: B may still send
+    core.on_digest(A, 4096, GOOD)
+    core.on_digest(C, 4096, BAD)
+    rebuild, ready, alarms = core.on_digest(B, 4096, GOOD)
+    assert rebuild == [C] and ready == [] and alarms == []  # A's alone waits for B; C's vote is gone
+    new, _, alarms = core.on_alerts(B, [alert(3)])
+    assert seqs(new) == [3] and new[0].cumulative == 150 and alarms == []  # no alarm for the withdrawn version

@@ -3,7 +3,7 @@
 from tape.protocol import messages as M
 from tape.protocol.receiver import StreamReceiver
 from tape.replicas.audit import AuditMachine
-from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, Snapshot
+from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
 
 MS = 1_000_000
 C, S = b"c".ljust(16), b"S".ljust(8)
@@ -30,14 +30,14 @@ def test_alerts_wait_in_the_outbox_until_the_channel_is_up_and_acknowledged():
     c = core()
     assert c.on_run(1, overfill(1, 2)) == []  # no channel yet: kept, not sent
     assert len(c.outbox) == 2
-    sent = c.on_welcome(0)
+    sent, = c.on_welcome(0)  # no fold point crossed yet: no digest
     assert [a.emit_seq for a in sent.alerts] == [2, 4]
     actions = c.on_run(5, overfill(3, 1))
     assert actions == [SendAlerts([c.outbox[-1]])]
     c.on_ack(4)
     assert [a.emit_seq for a in c.outbox] == [6]
     c.on_link_lost()
-    assert c.on_welcome(4).alerts == list(c.outbox)  # what the emitter has not recorded goes again
+    assert c.on_welcome(4)[0].alerts == list(c.outbox)  # what the emitter has not recorded goes again
 
 
 def test_snapshots_every_n_messages_or_t_nanoseconds():
@@ -61,3 +61,14 @@ def test_exit_only_once_the_end_entry_is_applied_and_every_alert_acknowledged():
     assert Exit() not in c.on_timer(0, rx)  # alerts not acknowledged
     c.on_welcome(4)
     assert Exit() in c.on_timer(0, rx)
+
+
+def test_the_digest_at_each_fold_point_crossed_goes_to_the_emitter_and_again_on_every_welcome():
+    c = core(snapshot_every=10**6)
+    c.on_welcome(0)
+    msgs = overfill(1, 2100)  # 4,200 messages: past the fold at 4,096
+    assert not any(isinstance(a, SendDigest) for a in c.on_run(1, msgs[:4000]))
+    sent = [a for a in c.on_run(4001, msgs[4000:]) if isinstance(a, SendDigest)]
+    assert sent == [SendDigest(4096, c.machine.chain)] and c.machine.last_seq == 4200
+    c.on_link_lost()
+    assert c.on_welcome(0)[-1] == SendDigest(4096, c.machine.chain)
