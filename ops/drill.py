@@ -22,10 +22,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tape.node.aside import aside_path
+from tape.ops.faults import alter_books, fill, flip_record_byte, mount_tmpfs, unmount_keeping
 from tape.ops.local import LocalCluster
+from tape.protocol import journal as fmt
 
 DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
-          "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart", "hostile")
+          "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart", "hostile",
+          "wipe-rewinder", "wipe-standby", "corrupt-snapshot", "corrupt-segment", "disk-full")
+DISK_FULL_SIZE = "256m"  # the disk-full drill's tmpfs under rw-1: room for the default run's journal
 LOSSY = ("loss", "failover-under-loss")  # the drills run with --loss at every receiver
 STALL_S = 1.0  # nothing committed for this long: the cluster has stopped (no majority)
 
@@ -56,7 +61,7 @@ class Drill:
         self.committed_at_fault = 0.0
 
     def step(self, cluster: LocalCluster, elapsed: float) -> str | None:
-        if not self.injected and elapsed >= 0.3 * self.duration:
+        if not self.injected and elapsed >= 0.3 * self.duration and self.ready(cluster):
             self.injected = True
             self.committed_at_fault = _committed(cluster)
             return self.inject(cluster)
@@ -64,6 +69,10 @@ class Drill:
             self.healed = True
             return self.heal(cluster)
         return None
+
+    def ready(self, cluster: LocalCluster) -> bool:
+        """What the fault needs before it can be injected (from 30% of the run on)."""
+        return True
 
     def healable(self, cluster: LocalCluster) -> bool:
         """The event that ends the fault: the cluster went on without the node."""
@@ -78,6 +87,12 @@ class Drill:
 
     def observe(self, cluster: LocalCluster) -> None:
         pass
+
+    def prepare(self, cluster: LocalCluster) -> None:
+        """Before the nodes start (FaultUnavailable if this machine cannot inject the fault)."""
+
+    def release(self, cluster: LocalCluster) -> None:
+        """After the nodes stopped, before the run's files are arranged."""
 
     def inject(self, cluster: LocalCluster) -> str | None:
         return None
@@ -277,6 +292,107 @@ class Hostile(Drill):
         return out
 
 
+class DiskFault(Drill):
+    """wipe-rewinder, wipe-standby, corrupt-snapshot, corrupt-segment: the node is killed (a disk
+    failing takes its host down), its disk wiped or damaged, and it is started again once the
+    cluster has gone on without it; it must recover by itself, which its metrics show."""
+
+    def __init__(self, name: str, duration: float, trades: int, pick):
+        super().__init__(name, duration, trades)
+        self.pick = pick  # cluster -> node name
+        self.done = ""
+
+    def ready(self, cluster):
+        """A snapshot to corrupt: the replica has written one."""
+        return self.name != "corrupt-snapshot" or (
+            _metric(cluster, self.pick(cluster), "tape_replica_snapshots_total") or 0) >= 1
+
+    def inject(self, cluster):
+        self.target = self.pick(cluster)
+        if not self.target:
+            return "no target found"
+        cluster.kill(self.target)
+        data = Path(cluster.cfg.node(self.target).data)
+        if self.name.startswith("wipe-"):
+            aside = aside_path(data, "replaced")
+            data.rename(aside)  # the runbook's `tape node replace`: an empty data directory
+            data.mkdir()
+            self.done = f"its data moved to {aside.name}"
+        elif self.name == "corrupt-snapshot":
+            self.done = f"{alter_books(data / 'lmdb')} books of its snapshot altered under the checksum"
+        else:
+            segment = max((data / "journal").glob("*" + fmt.SEGMENT_SUFFIX))
+            seq, offset = flip_record_byte(segment)
+            self.done = f"a bit flipped at seq {seq} ({segment.name} offset {offset})"
+        return f"kill -9 {self.target}; {self.done}"
+
+    def heal(self, cluster):
+        if self.target:
+            cluster.restart(self.target)
+            return f"restarted {self.target}"
+        return None
+
+    def observe(self, cluster):
+        self.gauges = {}
+        if self.target:
+            role = cluster.cfg.node(self.target).role
+            for name in ("recovering", "journal_repaired", "snapshots_discarded_total"):
+                self.gauges[name] = _metric(cluster, self.target, f"tape_{role}_{name}")
+
+    def checks(self, cluster, report):
+        g = getattr(self, "gauges", {})
+        if self.name.startswith("wipe-"):
+            ok, figure = g.get("recovering") == 0, "election state recovered from every other voter"
+        elif self.name == "corrupt-snapshot":
+            ok, figure = g.get("snapshots_discarded_total") == 1, "snapshot discarded, rebuilt from seq 1"
+        else:
+            ok, figure = g.get("journal_repaired") == 1, "journal cut at the damage, refilled from the leader"
+        report["fault"] = self.done
+        return {"the node was killed, damaged and restarted": (self.healed, f"{self.target}: {self.done}"),
+                "recovered without an operator": (ok, figure)}
+
+
+class DiskFull(Drill):
+    """disk-full: rw-1's data on a tmpfs of its own, filled at 30% of the run; it must stop taking
+    part without exiting (the others go on), then take part again and catch up once the filler
+    is removed (after the cluster committed a quarter of the trades without it)."""
+
+    def prepare(self, cluster):
+        self.target = "rw-1"
+        self.data = Path(cluster.cfg.node(self.target).data)
+        self.data.mkdir(parents=True, exist_ok=True)
+        mount_tmpfs(self.data, DISK_FULL_SIZE)
+        self.mounted = True
+
+    def inject(self, cluster):
+        fill(self.data / "filler")
+        return f"filled {self.target}'s file system"
+
+    def healable(self, cluster):
+        return super().healable(cluster) and _metric(cluster, self.target, "tape_rewinder_disk_full") == 1
+
+    def heal(self, cluster):
+        (self.data / "filler").unlink()
+        return f"removed the filler: {self.target}'s disk has space again"
+
+    def observe(self, cluster):
+        deadline = time.monotonic() + 10  # it looks at the free space once a second
+        while _metric(cluster, self.target, "tape_rewinder_disk_full") != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.full = _metric(cluster, self.target, "tape_rewinder_disk_full")
+        self.events = _metric(cluster, self.target, "tape_rewinder_disk_full_events_total")
+
+    def release(self, cluster):
+        if getattr(self, "mounted", False):
+            unmount_keeping(self.data)
+
+    def checks(self, cluster, report):
+        events = getattr(self, "events", None) or 0
+        return {"it found its disk full and took no part, without exiting": (events >= 1, f"{events:.0f} refused"),
+                "recovered without an operator once space returned": (getattr(self, "full", None) == 0,
+                                                                       "took part again, caught up")}
+
+
 def make(name: str, duration: float, trades: int) -> Drill:
     if name in ("kill-leader", "pause-leader", "partition-leader", "failover-under-loss"):
         return LeaderFault(name, duration, trades)
@@ -296,6 +412,16 @@ def make(name: str, duration: float, trades: int) -> Drill:
         return ClientRestart(name, duration, trades)
     if name == "hostile":
         return Hostile(name, duration, trades)
+    disks = {
+        "wipe-rewinder": lambda c: "rw-1",
+        "wipe-standby": lambda c: next((s.name for s in c.cfg.by_role("sequencer") if s.name != c.leader()), None),
+        "corrupt-snapshot": lambda c: "replica-B",
+        "corrupt-segment": lambda c: "rw-1",
+    }
+    if name in disks:
+        return DiskFault(name, duration, trades, disks[name])
+    if name == "disk-full":
+        return DiskFull(name, duration, trades)
     raise SystemExit(f"unknown drill {name!r}: {', '.join(DRILLS)} or all")
 
 

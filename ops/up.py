@@ -23,6 +23,7 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from tape.ops.faults import FaultUnavailable
 from tape.ops.local import ClusterError, LocalCluster
 from tape.ops.verdict import judge, read_run
 
@@ -54,6 +55,8 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
                       f"{cluster.cfg.group}:{cluster.cfg.port}; {total:,} trades at {rate:,.0f}/s, "
                       f"{drop:.0%} loss at every receiver; alerts delivered on the {delivery} copy; data in {root}")
         try:
+            if drill:
+                drill.prepare(cluster)
             cluster.start_all(drop)
             cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
                           "--seed", str(seed))
@@ -61,12 +64,14 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
             if drill:
                 drill.finish(cluster)
             _stop_in_order(cluster)
-        except ClusterError as e:  # fail now, saying why, rather than wait for a verdict that cannot come
+        except (ClusterError, FaultUnavailable) as e:  # fail now, saying why, rather than wait for a verdict
             report = _aborted(console, what, str(e), drill)
         else:
             report = _verdict(console, cluster, total, rate, drill)
     finally:
         cluster.close()
+        if drill:
+            drill.release(cluster)
     _arrange(cluster, root)
     (root / "report.json").write_text(json.dumps(report, indent=1))
     if out:

@@ -59,21 +59,13 @@ def spark():
 @contextlib.contextmanager
 def small_disk(path: Path, size: str):
     """A tmpfs of `size` mounted at `path` for the test (root only); yields the filler's path."""
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    from tape.ops.faults import FaultUnavailable, mount_tmpfs
+
+    try:
+        mount_tmpfs(path, size)
+    except FaultUnavailable as e:
+        pytest.skip(str(e))
     try:
         yield path / "filler"
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-def fill_disk(filler: Path) -> None:
-    """Write until the file system refuses."""
-    chunk = b"\0" * (1 << 20)
-    with open(filler, "wb") as f:
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(chunk)
-                f.flush()

@@ -9,15 +9,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import fill_disk, small_disk, wait_for
+from conftest import small_disk, wait_for
 
-from tape.node.journal_store import iter_segment_file
 from tape.ops.config import load
+from tape.ops.faults import fill, flip_record_byte
 from tape.ops.journal_tool import digest as journal_digest
 from tape.ops.local import TAPE, LocalCluster
 from tape.protocol import moldudp64
 from tape.protocol.election import VOTE_LOST
-from tape.protocol.journal import RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE
 
 pytestmark = pytest.mark.process
 TOTAL = 24_000
@@ -85,13 +84,7 @@ def test_a_damaged_sealed_segment_stops_the_rewinder_and_its_restart_repairs_it(
         assert load_proc.wait(timeout=120) == 0, cluster.output("load")
         segments = sorted(cluster.journal_dir("rw-1").glob("*.seg"))
         assert len(segments) >= 2, segments  # the first is sealed
-        records = list(iter_segment_file(segments[0], SEGMENT_HEADER_SIZE, 1))
-        seq, _, _, offset = records[len(records) // 2]
-        with open(segments[0], "r+b") as f:  # one byte of a message, under its CRC
-            f.seek(offset + RECORD_HEADER_SIZE + 20)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 0x40]))
+        seq, offset = flip_record_byte(segments[0])  # one bit of a message, under its CRC
         keys = cluster.cfg.stream_auth
         request = keys.sign_request(moldudp64.encode_request(cluster.cfg.session_bytes, seq, 1),
                                     requester.getsockname())
@@ -135,7 +128,7 @@ def test_a_full_disk_stops_a_voter_taking_part_until_space_returns(tmp_path, nod
             cluster.start_all()
             load = cluster.start("load", "load", "--rate", "3000", "--messages", str(TOTAL), "--seed", "7")
             wait_for(lambda: gauge(cluster, "seq-a", "commit_seq") >= 3000, "3,000 trades committed")
-            fill_disk(filler)
+            fill(filler)
             wait_for(lambda: gauge(cluster, node, "disk_full") == 1, f"{node} to find its disk full")
             text = cluster.logs[node].read_text()
             assert "disk full: journal append to" in text or "disk full: saving the election state" in text

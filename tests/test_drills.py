@@ -34,6 +34,9 @@ def test_every_drill_passes_its_verdict(tmp_path, drill):
     elif drill == "hostile":  # every attack sent, every kind refused where it landed, no forged term
         assert len(report["attacks"]) == 9 and report["checks"]["no forged term taken"]
         assert len(report["refused"]) == 5 and all(n > 0 for n in report["refused"].values())
+    elif drill in ("wipe-rewinder", "wipe-standby", "corrupt-snapshot", "corrupt-segment", "disk-full"):
+        assert report["checks"]["recovered without an operator"] if drill != "disk-full" else \
+            report["checks"]["recovered without an operator once space returned"]
     elif drill != "loss":
         assert report["checks"]["the node was killed and restarted"]
 

@@ -2,12 +2,13 @@ import json
 import subprocess
 
 import pytest
-from conftest import TAPE, fill_disk, small_disk
+from conftest import TAPE, small_disk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tape.node.diskspace import DiskFull
 from tape.node.journal_store import Journal, JournalCorruption
+from tape.ops.faults import fill as fill_disk
 from tape.protocol import journal as fmt
 from tape.protocol import messages as msg
 

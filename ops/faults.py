@@ -1,0 +1,80 @@
+"""Disk faults for the drills and the tests: a small file system to fill, a byte flipped
+under a journal record's CRC, a snapshot altered behind its checksum. Each does to real
+files what a failing disk does; none reaches into a process."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import lmdb
+
+from tape.node.journal_store import iter_segment_file
+from tape.protocol import journal as fmt
+
+FILL_CHUNK = 1 << 20
+
+
+class FaultUnavailable(Exception):
+    """This machine cannot inject the fault (mounting needs root)."""
+
+
+def mount_tmpfs(path: Path, size: str) -> None:
+    """A tmpfs of `size` ("256m") at `path`, which must exist and be empty."""
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise FaultUnavailable(f"cannot mount a tmpfs at {path} (needs root): {done.stderr.strip()}")
+
+
+def unmount_keeping(path: Path) -> None:
+    """Unmount the tmpfs at `path`, leaving a copy of what it held in its place."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as keep:
+        copy = Path(keep) / "copy"
+        shutil.copytree(path, copy, symlinks=True)
+        subprocess.run(["umount", "-l", str(path)], check=True)
+        shutil.copytree(copy, path, symlinks=True, dirs_exist_ok=True)
+
+
+def fill(filler: Path) -> None:
+    """Write `filler` until its file system refuses: every block taken."""
+    chunk = bytes(FILL_CHUNK)
+    with open(filler, "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(chunk)
+            f.flush()
+
+
+def flip_record_byte(segment: Path) -> tuple[int, int]:
+    """Flip one bit of the message of the record in the middle of `segment` (under its CRC):
+    returns (seq, offset of the record)."""
+    first = int(segment.stem)
+    records = list(iter_segment_file(segment, fmt.SEGMENT_HEADER_SIZE, first, sealed=False))
+    seq, _, _, offset = records[len(records) // 2]
+    with open(segment, "r+b") as f:
+        f.seek(offset + fmt.RECORD_HEADER_SIZE + 20)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return seq, offset
+
+
+def alter_books(lmdb_dir: Path, every: int = 2) -> int:
+    """Change a byte of every `every`-th book in a replica's snapshot, leaving the LMDB valid and
+    its checksum as it was (a disk or a bug that changed data under the file system): returns
+    how many."""
+    env = lmdb.open(str(lmdb_dir), max_dbs=4, subdir=True)
+    try:
+        books = env.open_db(b"books")
+        with env.begin(write=True) as txn:
+            keys = [bytes(k) for k, _ in txn.cursor(db=books)][::every]
+            for key in keys:
+                value = bytearray(txn.get(key, db=books))
+                value[7] ^= 0x01  # the low byte of the requested quantity
+                txn.put(key, bytes(value), db=books)
+    finally:
+        env.close()
+    return len(keys)
