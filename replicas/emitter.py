@@ -33,6 +33,7 @@ import lmdb
 
 from tape.node.latency import LatencySamples
 from tape.node.process import NodeProcess
+from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import alertlink
 from tape.protocol.errors import ProtocolError
@@ -50,6 +51,10 @@ from tape.replicas.emitter_core import (
 )
 
 log = logging.getLogger("tape.emitter")
+class IntentNotRecorded(Exception):
+    """The disk refused the intent transaction: nothing was delivered, the mark is back."""
+
+
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
 
 
@@ -76,6 +81,8 @@ class Emitter(NodeProcess):
         self.rejected: dict[str, int] = {}
         self._lock = asyncio.Lock()  # one delivery at a time, whichever replica it came from
         self.links: set = set()  # every welcomed replica connection: acks go to all
+        self.record_failures = 0
+        self.refusal_log = RateLimitedLog(log)
         self.by_replica: dict[bytes, asyncio.StreamWriter] = {}  # its latest connection: where a rebuild order goes
 
     @property
@@ -95,6 +102,8 @@ class Emitter(NodeProcess):
         yield "rebuilds_ordered", "counter", "replicas told to rebuild: a quorum agreed on another digest", \
             c.rebuilds_ordered
         yield "ignored_alerts", "counter", "alerts of a diverged replica, ignored", c.ignored
+        yield "record_failures", "counter", "LMDB transactions the disk refused (intent: nothing delivered)", \
+            self.record_failures
         yield "in_doubt_listed", "counter", "alerts in doubt listed for the operator (non-idempotent sink)", \
             self.in_doubt_listed
         yield "rejected", "counter", "connections or frames refused, by reason", self.rejected
@@ -160,7 +169,10 @@ class Emitter(NodeProcess):
                         except Exception as e:
                             return self._reject("malformed_alert", f"from {name!r}: {e}")
                     elif kind == alertlink.DIGEST and len(payload) == alertlink.FOLD.size:
-                        await self._on_digest(name, *alertlink.FOLD.unpack(payload))
+                        try:
+                            await self._on_digest(name, *alertlink.FOLD.unpack(payload))
+                        except IntentNotRecorded as e:
+                            return self._intent_failed(str(e))
                     else:
                         return self._reject("unexpected_frame", f"type {kind!r} from {name!r}")
                 if fresh:
@@ -168,6 +180,8 @@ class Emitter(NodeProcess):
                         await self._handle(fresh, name)
                     except TooFarAhead as e:
                         return self._reject("too_far_ahead", f"{name!r}: {e}")
+                    except IntentNotRecorded as e:
+                        return self._intent_failed(str(e))
                     for link in self.links:  # under quorum another replica's copy may have been the one
                         link.write(alertlink.ack(self.mark))
         except ProtocolError as e:
@@ -181,6 +195,14 @@ class Emitter(NodeProcess):
             if name is not None and self.by_replica.get(name) is writer:
                 del self.by_replica[name]
             writer.close()
+
+    def _intent_failed(self, error: str) -> None:
+        """Nothing was delivered and the mark is back: every replica sends again from it."""
+        self.refusal_log.warn("intent", "alerts not recorded before delivery (%s; a full or failing disk?): none "
+                              "delivered; every replica link closed, they send again from mark %d",
+                              error, self.mark)
+        for link in list(self.links):
+            link.close()
 
     async def _on_digest(self, replica: bytes, fold_seq: int, chain: bytes) -> None:
         async with self._lock:
@@ -212,10 +234,15 @@ class Emitter(NodeProcess):
     async def _carry_out(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, RecordIntent):
-                with self.env.begin(write=True) as txn:
-                    for a in action.alerts:
-                        txn.put(a.emit_seq.to_bytes(8, "big"), a.encode(), db=self.outbox)
-                    txn.put(b"mark", action.alerts[-1].emit_seq.to_bytes(8, "big"), db=self.meta)
+                try:
+                    with self.env.begin(write=True) as txn:
+                        for a in action.alerts:
+                            txn.put(a.emit_seq.to_bytes(8, "big"), a.encode(), db=self.outbox)
+                        txn.put(b"mark", action.alerts[-1].emit_seq.to_bytes(8, "big"), db=self.meta)
+                except lmdb.Error as e:
+                    self.core.on_intent_failed(action.alerts)
+                    self.record_failures += 1
+                    raise IntentNotRecorded(str(e)) from None
             elif isinstance(action, DeliverAlerts):
                 records = [a.to_dict(self.cfg.session) for a in action.alerts]
                 await asyncio.to_thread(self._deliver_all, records)
@@ -252,11 +279,18 @@ class Emitter(NodeProcess):
             sink.deliver(records)
 
     def _done(self, alerts: list[Alert]) -> None:
-        with self.env.begin(write=True) as txn:
-            for a in alerts:
-                key = a.emit_seq.to_bytes(8, "big")
-                txn.delete(key, db=self.outbox)
-                txn.put(key, a.encode(), db=self.delivered_db)
+        """Outbox to delivered. Refused by the disk, the alerts stay in the outbox: delivered, and in
+        doubt at the next start (sent again to the idempotent sinks), never lost."""
+        try:
+            with self.env.begin(write=True) as txn:
+                for a in alerts:
+                    key = a.emit_seq.to_bytes(8, "big")
+                    txn.delete(key, db=self.outbox)
+                    txn.put(key, a.encode(), db=self.delivered_db)
+        except lmdb.Error as e:
+            self.record_failures += 1
+            log.error("delivered alerts %d-%d not recorded as done (%s; a full or failing disk?): they stay in "
+                      "the outbox, in doubt at the next start", alerts[0].emit_seq, alerts[-1].emit_seq, e)
 
     def _judge(self, a: Alert) -> None:
         key = a.emit_seq.to_bytes(8, "big")

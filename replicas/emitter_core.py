@@ -115,6 +115,7 @@ class EmitterCore:
         self.duplicates = 0
         self.divergences = 0
         self.in_doubt = 0
+        self._mark_before = mark
 
     def on_hello(self, replica: bytes) -> int | None:
         """The mark to welcome a replica with (it resends what follows), or None: not a replica of ours."""
@@ -223,6 +224,7 @@ class EmitterCore:
         """Intent, deliver, done: the steps for new alerts, which move the mark."""
         assert new and new[0].emit_seq > self.mark, "only alerts above the mark are delivered"
         self.batches += 1
+        self._mark_before = self.mark
         self.mark = new[-1].emit_seq
         self.delivered += len(new)
         steps = [RecordIntent(new), DeliverAlerts(new), RecordDone(new)]
@@ -233,6 +235,14 @@ class EmitterCore:
             if step is not None:
                 out.append(step)
         return out
+
+    def on_intent_failed(self, new: list[Alert]) -> None:
+        """The intent of the last delivery was not recorded (a full or failing disk): nothing of it
+        happened. The mark goes back, and everything heard above it is forgotten: the shell closes
+        every replica's link, and each sends again from the mark when it is welcomed back."""
+        self.mark = self._mark_before
+        self.delivered -= len(new)
+        self.pending, self._pending_order, self.held, self.frontier = {}, [], {}, {}
 
     def judge_copy(self, alert: Alert, recorded: bytes | None) -> bool:
         """A copy of an alert at or below the mark, against the bytes recorded for its

@@ -20,6 +20,8 @@ import logging
 import time
 from pathlib import Path
 
+import lmdb
+
 from tape.node.latency import LatencySamples
 from tape.node.listener import StreamListener
 from tape.node.process import NodeProcess
@@ -47,6 +49,7 @@ class Replica(NodeProcess):
         self.drop, self.seed = drop, seed
         self.discarded = False
         self.rebuilds = 0
+        self.snapshot_failures = 0
         self.rebuilt_for = 0  # the fold seq of the last rebuild order carried out
         self._open()
         self.emitters = cfg.by_role("emitter")
@@ -101,6 +104,8 @@ class Replica(NodeProcess):
             dict(self.listener.bad)
         yield "replayed_messages", "counter", "messages caught up over TCP replay", self.replayed
         yield "snapshots", "counter", "LMDB snapshots written", self.store.saves
+        yield "snapshot_failures", "counter", "snapshots the disk refused (the last one written stands)", \
+            self.snapshot_failures
         yield "resumed_from_seq", "gauge", "seq of the snapshot this process started from", self.resumed_from
         yield "snapshots_discarded", "counter", "snapshots found corrupt at start-up, moved aside, never used", \
             1 if self.discarded else 0
@@ -170,8 +175,16 @@ class Replica(NodeProcess):
         self.fail(f"the committed message at seq {seq} cannot be decoded ({error}); skipping it would diverge")
 
     def _snapshot(self) -> None:
-        self.store.save(self.machine, {"node": self.node.name},
-                        outbox=b"".join(a.encode() for a in self.core.outbox))
+        """Save the state; a save the disk refuses (full or failing) is not fatal: the last
+        snapshot stays as it was, the state stays in memory, and the next one tries again."""
+        try:
+            self.store.save(self.machine, {"node": self.node.name},
+                            outbox=b"".join(a.encode() for a in self.core.outbox))
+        except lmdb.Error as e:
+            self.snapshot_failures += 1
+            log.error("snapshot not written (%s; a full or failing disk?): the last one on disk stands and the "
+                      "state stays in memory; trying again after the next %d messages or %d ms", e,
+                      self.cfg.snapshot_every, self.cfg.snapshot_ms)
         self.core.snapshot_taken(time.monotonic_ns())
 
     async def _housekeeping(self) -> None:

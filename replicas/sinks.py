@@ -32,13 +32,19 @@ def _line(record: dict) -> str:
 
 class JsonLinesSink:
     """Appends one alert a line and fsyncs each batch; idempotent by alert id
-    against its own tail, which it reads (and cuts a torn last line off) on open."""
+    against its own tail, which it reads (and cuts a torn last line off) on open.
+    A write the disk refuses (full) is cut back off and tried again with backoff,
+    the alerts held in order, as the webhook holds them while its endpoint fails."""
 
     idempotent = True
     name = "jsonl"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, backoff_s: float = 0.05, max_backoff_s: float = 5.0,
+                 stopping: threading.Event | None = None):
         self.path = path
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.stopping = stopping or threading.Event()
+        self.retries = 0
         self.recent: set[str] = set()
         if path.exists():
             with open(path, "rb") as f:
@@ -54,19 +60,38 @@ class JsonLinesSink:
                     self.recent.add(json.loads(line)["alert_id"])
                 except (ValueError, KeyError, TypeError):
                     continue
-        self._file = open(path, "ab")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def deliver(self, records: list[dict]) -> int:
         fresh = [r for r in records if r["alert_id"] not in self.recent]
         if fresh:
-            self._file.write("".join(_line(r) + "\n" for r in fresh).encode())
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            data = "".join(_line(r) + "\n" for r in fresh).encode()
+            delay = self.backoff_s
+            while not self._append(data):
+                if self.stopping.is_set():
+                    raise SinkStopped(fresh[0]["alert_id"])
+                self.retries += 1
+                self.stopping.wait(delay)
+                delay = min(delay * 2, self.max_backoff_s)
             self.recent.update(r["alert_id"] for r in fresh)
         return len(fresh)
 
+    def _append(self, data: bytes) -> bool:
+        """Write and fsync `data` whole, or cut back what was written and say False."""
+        size = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            os.fsync(self._fd)
+            return True
+        except OSError as e:
+            os.ftruncate(self._fd, size)
+            log.warning("%s: %d bytes of alerts not written (%s); retrying", self.path, len(data), e)
+            return False
+
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
 
 class StdoutSink:
@@ -173,7 +198,7 @@ def build(kinds: list[str], data: Path, webhook_url: str = "", webhook_timeout_s
     sinks = []
     for kind in kinds:
         if kind == "jsonl":
-            sinks.append(JsonLinesSink(data / "alerts.jsonl"))
+            sinks.append(JsonLinesSink(data / "alerts.jsonl", stopping=stopping))
         elif kind == "stdout":
             sinks.append(StdoutSink())
         elif kind == "webhook":

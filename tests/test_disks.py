@@ -3,6 +3,7 @@ election state from every other voter before it votes or follows, then catches u
 damaged journal is cut at the damage and refilled; a full disk (a real tmpfs) stops a
 voter taking part until space returns. What was committed survives each."""
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -154,3 +155,56 @@ def test_a_full_disk_stops_a_voter_taking_part_until_space_returns(tmp_path, nod
             assert len(set(digests.values())) == 1, digests
         finally:
             cluster.close()
+
+
+def test_a_full_disk_under_the_emitter_and_a_replica_holds_alerts_and_snapshots_until_space_returns(tmp_path):
+    """The emitter's and replica-B's data each on a 64 MiB tmpfs, filled mid-load: the emitter records
+    no intent and delivers nothing (its links close; replicas send again from the mark), the
+    replica's snapshots fail and it goes on applying; neither exits. Once the fillers are removed,
+    every alert is delivered exactly once and the three replicas end with one digest."""
+    cluster = LocalCluster(tmp_path, replicas=3, extra="[audit]\nsnapshot_every = 2000\nsnapshot_ms = 100\n")
+    disks = [Path(cluster.cfg.node(n).data) for n in ("emitter", "replica-B")]
+    with contextlib.ExitStack() as stack:
+        fillers = []
+        for data in disks:
+            data.mkdir(parents=True)
+            fillers.append(stack.enter_context(small_disk(data, "64m")))
+        try:
+            cluster.start_all()
+            trades = cluster.start("load", "load", "--rate", "6000", "--messages", "36000", "--seed", "8")
+            wait_for(lambda: gauge(cluster, "emitter", "alerts_delivered_total") > 100, "100 alerts delivered")
+            for filler in fillers:
+                fill(filler)
+            wait_for(lambda: refused(cluster) > 0 and gauge(cluster, "replica-B", "snapshot_failures_total") > 0,
+                     "the full disks to refuse writes", 60)
+            held = gauge(cluster, "replica-A", "applied_seq")
+            wait_for(lambda: gauge(cluster, "replica-A", "applied_seq") > held + 4000, "4,000 more trades applied")
+            assert cluster.alive("emitter") and cluster.alive("replica-B")
+            for filler in fillers:
+                filler.unlink()
+            finish_replicas(cluster, trades)
+            status = {r: json.loads((Path(cluster.cfg.node(r).data) / "status.json").read_text())
+                      for r in ("replica-A", "replica-B", "replica-C")}
+            assert len({s["digest"] for s in status.values()}) == 1
+            sink = Path(cluster.cfg.node("emitter").data) / "alerts.jsonl"
+            ids = [json.loads(line)["alert_id"] for line in sink.read_text().splitlines()]
+            assert len(ids) == len(set(ids)) == status["replica-A"]["alerts_raised"]
+        finally:
+            cluster.close()
+
+
+def refused(cluster: LocalCluster) -> float:
+    """The emitter's writes the disk refused: LMDB transactions, and sink writes retried."""
+    m = cluster.metrics("emitter")
+    return m['tape_emitter_record_failures_total{node="emitter"}'] + sum(
+        v for k, v in m.items() if k.startswith("tape_emitter_sink_retries_total"))
+
+
+def finish_replicas(cluster: LocalCluster, trades) -> None:
+    """The load done, the session ended: each replica applies everything, then exits by itself."""
+    assert trades.wait(timeout=180) == 0, cluster.output("load")
+    cluster.stop("seq-a")
+    for r in ("replica-A", "replica-B", "replica-C"):
+        wait_for(lambda: cluster.procs[r].poll() is not None, f"{r} to exit at the end of the session", 90)
+        assert cluster.procs[r].returncode == 0, cluster.logs[r].read_text()[-2000:]
+    assert cluster.stop("emitter") == 0, cluster.logs["emitter"].read_text()[-2000:]

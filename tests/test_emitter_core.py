@@ -140,3 +140,18 @@ def test_under_quorum_a_diverged_replicas_votes_are_withdrawn():
     assert rebuild == [C] and ready == [] and alarms == []  # A's alone waits for B; C's vote is gone
     new, _, alarms = core.on_alerts(B, [alert(3)])
     assert seqs(new) == [3] and new[0].cumulative == 150 and alarms == []  # no alarm for the withdrawn version
+
+
+@pytest.mark.parametrize("delivery", ["first", "quorum"])
+def test_an_intent_the_disk_refused_moves_nothing_and_the_alerts_come_again(delivery):
+    core = EmitterCore({A, B, C}, mark=2, delivery=delivery)
+    for replica in (A, B):
+        new, _, _ = core.on_alerts(replica, [alert(3), alert(5)])
+    assert seqs(new) == [3, 5]
+    core.deliver(new)
+    core.on_intent_failed(new)  # the shell closes every link: each sends again from the mark
+    assert core.mark == 2 and core.delivered == 0 and core.pending == {}
+    for replica in (B, A):
+        new, copies, alarms = core.on_alerts(replica, [alert(3), alert(5)])
+    assert seqs(new) == [3, 5] and alarms == []  # the same alerts, delivered this time
+    assert core.deliver(new)[0] == RecordIntent(new) and core.mark == 5

@@ -9,9 +9,11 @@ import sys
 
 import lmdb
 import pytest
+from conftest import small_disk
 
 from tape.node.journal_store import Journal
 from tape.ops.config import default_toml
+from tape.ops.faults import fill
 from tape.ops.local import TAPE
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
@@ -111,6 +113,32 @@ def test_a_snapshot_is_all_or_nothing(tmp_path):
     fresh = machine()
     store.load(fresh)
     assert fresh.last_seq == 1000
+
+
+def test_a_save_the_full_disk_refuses_leaves_the_last_snapshot_and_the_next_save_catches_up(tmp_path):
+    """On a real 4 MiB tmpfs: the refused save raises lmdb.Error (the replica logs it and goes on);
+    the snapshot before it still verifies; with space back the next save writes all that changed."""
+    with small_disk(tmp_path, "4m") as filler:
+        m = machine()
+        store = SnapshotStore(tmp_path / "lmdb")
+        msgs = stream(30_000)
+        apply(m, msgs[:1000], 1)
+        store.save(m)
+        fill(filler)
+        apply(m, msgs[1000:], 1001)
+        with pytest.raises(lmdb.Error):
+            store.save(m)
+        fresh = machine()
+        store.load(fresh)  # what a restart would read
+        assert fresh.last_seq == 1000
+        filler.unlink()
+        store.save(m)
+        store.close()
+        fresh = machine()
+        reopened = SnapshotStore(tmp_path / "lmdb")
+        reopened.load(fresh)
+        reopened.close()
+        assert fresh.last_seq == m.last_seq and fresh.digest() == m.digest() and fresh.books == m.books
 
 
 def test_other_windows_refuse_the_snapshot(tmp_path):
