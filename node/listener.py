@@ -29,9 +29,11 @@ log = logging.getLogger("tape.listener")
 
 
 class StreamListener:
-    def __init__(self, cfg: Config, deliver: Callable[[int, bytes, int], None], drop: float = 0.0, seed: int = 0,
-                 next_seq: int = 1, on_undecodable: Callable[[int, ProtocolError], None] | None = None):
+    def __init__(self, cfg: Config, interface: str, deliver: Callable[[int, bytes, int], None], drop: float = 0.0,
+                 seed: int = 0, next_seq: int = 1, on_undecodable: Callable[[int, ProtocolError], None] | None = None):
+        """`interface`: the local address multicast arrives on (netif.resolve'd)."""
         self.cfg = cfg
+        self.interface = interface
         self.deliver = deliver
         # Called when a verified (sealed) packet, the committed log itself, holds a
         # message this listener cannot decode: skipping it would diverge.
@@ -56,10 +58,10 @@ class StreamListener:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.mcast, self.rcvbuf = multicast_receiver(self.cfg.group, self.cfg.port, self.cfg.interface)
+        self.mcast, self.rcvbuf = multicast_receiver(self.cfg.group, self.cfg.port, self.interface)
         # Bound to the multicast interface's address: the source address rewinders see, which a
         # signed request names as where its answer goes.
-        self.req, _ = udp_socket(self.cfg.interface)
+        self.req, _ = udp_socket(self.interface)
         self.core.reply_at(*self.req.getsockname())
         loop.add_reader(self.mcast, self._drain)
         self._task = asyncio.create_task(self._gap_exchange())

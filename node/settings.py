@@ -22,6 +22,7 @@ class Node:
     name: str
     role: str
     host: str = "127.0.0.1"
+    interface: str = ""  # multicast: an address or interface name of its host; "": [stream] interface, else host
     data: str = ""
     inbound_port: int = 0
     replication_port: int = 0
@@ -43,6 +44,7 @@ class Node:
 class Client:
     name: str
     key: bytes | None = None
+    interface: str = ""  # where it hears the stream (its acks): as a node's
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Config:
     port: int
     session: str = "TAPE"
     # [stream]
-    interface: str = "127.0.0.1"
+    interface: str = ""  # one multicast interface for every node: only where each host has it (a name, loopback)
     max_packet: int = moldudp64.DEFAULT_MAX_PACKET
     heartbeat_ms: int = 1000
     tick_ms: int = 1000
@@ -98,6 +100,12 @@ class Config:
     @property
     def session_bytes(self) -> bytes:
         return moldudp64.session_bytes(self.session)
+
+    def interface_of(self, who: Node | Client) -> str:
+        """The multicast interface of a node or client: its own, else the cluster's, else its host's
+        address (loopback for a client, or a node bound to every address)."""
+        host = getattr(who, "host", "")
+        return who.interface or self.interface or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
 
     def node(self, name: str) -> Node:
         for n in self.nodes:

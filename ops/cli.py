@@ -76,22 +76,41 @@ def _demo(args) -> int:
     return run_demo(args.messages, args.rate, args.out, args.drop, args.seed)
 
 
+EXIT_CONFIG = 2  # the config does not fit this host: systemd does not restart it (RestartPreventExitStatus)
+
+
 def _config(args):
     from tape.ops.config import ConfigError, load
 
     try:
         return load(args.config, getattr(args, "data", "."))
     except ConfigError as e:
-        raise SystemExit(f"tape: config error: {e}")
+        print(f"tape: config error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
 
 
 def _node(cfg, name: str, role: str):
+    """The node `name` of `role`, checked against this host: the address it binds is one of this
+    host's, and its multicast interface (resolved to an address) too, where the role uses one."""
+    from tape.node import netif
+
     try:
         node = cfg.node(name)
     except KeyError as e:
-        raise SystemExit(f"tape: {e.args[0]}") from None
+        print(f"tape: {e.args[0]}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
     if node.role != role:
-        raise SystemExit(f"tape: node {name} is a {node.role}, not a {role}")
+        print(f"tape: node {name} is a {node.role}, not a {role}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
+    if not netif.is_local(node.host):
+        raise netif.InterfaceError(f"node {name}: host {node.host} is not an address of this host (have: "
+                                   f"{', '.join(a for addrs in netif.local_ipv4().values() for a in addrs)}): "
+                                   f"is this the host it lives on?")
+    if role in ("sequencer", "replica"):
+        try:
+            node.interface = netif.resolve(cfg.interface_of(node))
+        except netif.InterfaceError as e:
+            raise netif.InterfaceError(f"node {name}: {e}") from None
     return node
 
 
@@ -193,15 +212,21 @@ def _node_replace(args) -> int:
 def _load(args) -> int:
     from tape.ops.load import main
 
-    return main(
-        _config(args), args.client, args.rate, args.duration, args.messages, args.seed, args.drop, args.overfill,
-        args.resume)
+    cfg = _config(args)
+    if args.interface:
+        for c in cfg.clients:
+            c.interface = args.interface
+    return main(cfg, args.client, args.rate, args.duration, args.messages, args.seed, args.drop, args.overfill,
+                args.resume)
 
 
 def _tail(args) -> int:
     from tape.ops.tail import main
 
-    return main(_config(args), args.stats, args.until, args.drop, args.seed, args.summary, args.idle_exit)
+    cfg = _config(args)
+    if args.interface:
+        cfg.interface = args.interface
+    return main(cfg, args.stats, args.until, args.drop, args.seed, args.summary, args.idle_exit)
 
 
 def _onramp(args) -> int:
@@ -214,8 +239,18 @@ def _onramp(args) -> int:
 def _config_default(args) -> int:
     from tape.ops.config import default_toml, new_keys
 
+    if args.action == "check":
+        from rich.console import Console
+
+        from tape.ops.config_check import check
+
+        if not args.file:
+            raise SystemExit("tape config check: which file? (tape config check FILE)")
+        return check(args.file, args.node, Console())
     keys = None if args.no_keys else new_keys(args.clients)
-    sys.stdout.write(default_toml(args.data, args.rewinders, args.clients, free=args.free_ports, keys=keys))
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else None
+    sys.stdout.write(default_toml(args.data, args.rewinders, args.clients, free=args.free_ports, keys=keys,
+                                  replicas=args.replicas, sequencers=args.sequencers, hosts=hosts))
     return 0
 
 
@@ -428,6 +463,8 @@ def _add_load(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="a restart with the same options: read the stream up to its head and go on after the last "
                         "trade of each client found there (each client seq is regenerated as the same trade)")
+    p.add_argument("--interface", default=None, help="this host's multicast interface, an address or a name "
+                   "(default: the client's interface in the config)")
     p.set_defaults(func=_load)
 
 
@@ -439,6 +476,8 @@ def _add_tail(sub) -> None:
     p.add_argument("--summary", action="store_true", help="print only a JSON summary (count, digest) at the end")
     p.add_argument("--until", type=int, default=None, help="stop after delivering this seq")
     p.add_argument("--idle-exit", type=float, default=None, help="stop after this many seconds with nothing new")
+    p.add_argument("--interface", default=None, help="this host's multicast interface, an address or a name "
+                   "(default: the config's [stream] interface, else loopback)")
     p.set_defaults(func=_tail)
 
 
@@ -454,9 +493,21 @@ def _add_onramp(sub) -> None:
 
 
 def _add_config(sub) -> None:
-    p = sub.add_parser("config", help="print a cluster config", description="Print the embedded default cluster "
-                       "config as TOML, to copy and edit.")
+    p = sub.add_parser("config", help="print a cluster config, or check one on this host",
+                       description="Print a cluster config as TOML, to copy and edit: the default topology on "
+                       "loopback, or with --hosts spread over a LAN (one file for every host). `tape config check "
+                       "FILE` validates a config and, for the nodes that live on this host, that their addresses "
+                       "and multicast interfaces exist here (exit 2 if not).")
+    p.add_argument("action", nargs="?", choices=["check"], help="check FILE instead of printing a config")
+    p.add_argument("file", nargs="?", help="the config to check")
+    p.add_argument("--node", default=None, help="check: the node to check here (default: every node whose host is "
+                   "one of this host's addresses)")
+    p.add_argument("--hosts", default=None, help="a LAN: comma-separated host addresses, one a voter, then the "
+                   "replicas, emitter and clients on the rest (each address is also that node's multicast "
+                   "interface; edit interface to a name like eth0 if you prefer)")
     p.add_argument("--data", default="data", help="directory for the nodes' data (default data)")
+    p.add_argument("--sequencers", type=int, default=2, help="number of sequencers (default 2)")
+    p.add_argument("--replicas", type=int, default=3, help="number of replicas, with an emitter (default 3)")
     p.add_argument("--rewinders", type=int, default=2, help="number of rewinders (default 2)")
     p.add_argument("--clients", type=int, default=2, help="number of clients (default 2)")
     p.add_argument(
@@ -542,8 +593,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    from tape.node.netif import InterfaceError
+
     try:
         return args.func(args) or 0
+    except InterfaceError as e:  # a config written for another host: say so, and do not be restarted
+        logging.getLogger("tape").critical("%s", e)
+        return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -1,14 +1,19 @@
 """Cluster configuration: one TOML file, or the embedded loopback default.
 
     session = "TAPE"
-    [stream]    group, port, interface, max_packet, heartbeat_ms, tick_ms
+    [stream]    group, port, max_packet, heartbeat_ms, tick_ms; interface (one
+                multicast interface for every node and client: only where
+                every host has it, e.g. loopback or a common interface name)
     [journal]   fsync ("batch" | "never" | ms), segment_mb
     [timeouts]  client_resend_ms, gap_request_ms, election_ms (minimum election
                 timeout; each wait is drawn from [election_ms, 2 x election_ms]),
                 leader_heartbeat_ms
     [audit]     book_ttl_s, orphan_ttl_s, snapshot_every, snapshot_ms
     [[node]]    name, role ("sequencer" | "rewinder" | "replica" | "emitter"),
-                host, data, metrics_port (0 = none); sequencer: inbound_port,
+                host (the address it binds), interface (its host's multicast
+                interface: an address or a name like "eth0"; default:
+                [stream] interface, else host), data, metrics_port (0 =
+                none); sequencer: inbound_port,
                 replication_port; rewinder: replication_port, gapfill_port,
                 replay_port; emitter: alert_port, sinks (["jsonl", "webhook",
                 "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms,
@@ -16,7 +21,8 @@
     [keys]      stream, cluster: a hex key, or a list of up to two during a
                 rotation (the first signs, either verifies); absent: that
                 link is not authenticated (docs/security.md)
-    [[client]]  name, key (hex HMAC-SHA256 key, optional)
+    [[client]]  name, key (hex HMAC-SHA256 key, optional), interface (as a
+                node's; default [stream] interface, else loopback)
 
 Every problem raises ConfigError naming the key.
 """
@@ -182,8 +188,8 @@ def _parse_node(n: dict, where: str, base: Path | None) -> Node:
     data = _get(n, "data", str, where, f"data/{name}")
     if base is not None and not Path(data).is_absolute():
         data = str(base / data)
-    node = Node(name, role, _get(n, "host", str, where, default_of(Node, "host")), data,
-                metrics_port=_port(n, "metrics_port", where))
+    node = Node(name, role, _get(n, "host", str, where, default_of(Node, "host")), data=data,
+                interface=_get(n, "interface", str, where, ""), metrics_port=_port(n, "metrics_port", where))
     if role in VOTER_ROLES:
         node.replication_port = _port(n, "replication_port", where, required=True)
     if role == "sequencer":
@@ -216,7 +222,7 @@ def _parse_client(c: dict, where: str) -> Client:
     key = _get(c, "key", str, where)
     try:
         moldudp64.session_bytes(name)
-        return Client(name, bytes.fromhex(key) if key else None)
+        return Client(name, bytes.fromhex(key) if key else None, _get(c, "interface", str, where, ""))
     except ValueError:
         raise ConfigError(f"{where}: client name {name!r} (1-10 ASCII) or key (hex) is malformed") from None
 
@@ -245,12 +251,24 @@ def new_keys(clients: int) -> dict:
             "clients": [secrets.token_hex(KEY_BYTES) for _ in range(clients)]}
 
 
+def place(hosts: list[str], names: list[str]) -> dict[str, str]:
+    """Which host each node lives on: the voters one a host (a host's failure costs one vote), the
+    replicas, the emitter and the clients on the hosts after them (or on the voters' hosts, round
+    robin, if there are no more)."""
+    voters = [n for n in names if n.startswith(("seq-", "rw-"))]
+    rest_hosts = hosts[len(voters):] or hosts
+    where = {n: hosts[i % len(hosts)] for i, n in enumerate(voters)}
+    where.update({n: rest_hosts[i % len(rest_hosts)] for i, n in enumerate(n for n in names if n not in where)})
+    return where
+
+
 def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 2, free: bool = False,
                  seed: int | None = None, replicas: int = 0, sequencers: int = 1, keys: dict | None = None,
-                 delivery: str = "first") -> str:
+                 delivery: str = "first", hosts: list[str] | None = None) -> str:
     """The embedded default: `sequencers` sequencers (seq-a, and seq-b as the
     standby) and `rewinders` rewinders on loopback. Fixed ports and group, so that separate processes agree; with
-    `free`, free ports and a random group (tests, parallel runs). `keys` (from new_keys): every link authenticated."""
+    `free`, free ports and a random group (tests, parallel runs). `keys` (from new_keys): every link authenticated.
+    `hosts`: a LAN, each node on one of these addresses (place), which is also its multicast interface."""
     if free:
         rng = random.Random(seed)
         group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
@@ -266,30 +284,39 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         counter = iter(range(DEFAULT_BASE_PORT, DEFAULT_BASE_PORT + 100))
         port = lambda: next(counter)  # noqa: E731
     data = Path(data_dir)
+    shared = "" if hosts else '\ninterface = "127.0.0.1"'
     lines = [
         'session = "TAPE"',
-        f'[stream]\ngroup = "{group}"\nport = {port()}\ninterface = "127.0.0.1"\nheartbeat_ms = 200\ntick_ms = 1000',
+        f'[stream]\ngroup = "{group}"\nport = {port()}{shared}\nheartbeat_ms = 200\ntick_ms = 1000',
         '[journal]\nfsync = "batch"',
     ]
+    names = [*("seq-a", "seq-b", "seq-c")[:sequencers], *(f"rw-{i}" for i in range(1, rewinders + 1)),
+             *(f"replica-{r}" for r in "ABCDEFGH"[:replicas]), *(["emitter"] if replicas else []),
+             *(f"load{i}" for i in range(clients))]
+    where = place(hosts, names) if hosts else {}
+
+    def at(name: str) -> str:  # a node's (or client's) host and interface lines, on a LAN
+        return f'\nhost = "{where[name]}"\ninterface = "{where[name]}"' if name in where else ""
     if keys:
         lines.append(f'[keys]\nstream = "{keys["stream"]}"\ncluster = "{keys["cluster"]}"')
     for name in ("seq-a", "seq-b", "seq-c")[:sequencers]:
-        lines.append(f'[[node]]\nname = "{name}"\nrole = "sequencer"\ndata = "{data / name}"\n'
+        lines.append(f'[[node]]\nname = "{name}"\nrole = "sequencer"{at(name)}\ndata = "{data / name}"\n'
                      f'inbound_port = {port()}\nreplication_port = {port()}\nmetrics_port = {port()}')
     for i in range(1, rewinders + 1):
         lines.append(
-            f'[[node]]\nname = "rw-{i}"\nrole = "rewinder"\ndata = "{data / f"rw-{i}"}"\n'
+            f'[[node]]\nname = "rw-{i}"\nrole = "rewinder"{at(f"rw-{i}")}\ndata = "{data / f"rw-{i}"}"\n'
             f'replication_port = {port()}\ngapfill_port = {port()}\nreplay_port = {port()}\n'
             f'metrics_port = {port()}')
     for name in "ABCDEFGH"[:replicas]:
-        lines.append(f'[[node]]\nname = "replica-{name}"\nrole = "replica"\ndata = "{data / f"replica-{name}"}"\n'
-                     f'metrics_port = {port()}')
+        lines.append(f'[[node]]\nname = "replica-{name}"\nrole = "replica"{at(f"replica-{name}")}\n'
+                     f'data = "{data / f"replica-{name}"}"\nmetrics_port = {port()}')
     if replicas:
-        lines.append(f'[[node]]\nname = "emitter"\nrole = "emitter"\ndata = "{data / "emitter"}"\n'
+        lines.append(f'[[node]]\nname = "emitter"\nrole = "emitter"{at("emitter")}\ndata = "{data / "emitter"}"\n'
                      f'alert_port = {port()}\nmetrics_port = {port()}\ndelivery = "{delivery}"')
     for i in range(clients):
         key = f'\nkey = "{keys["clients"][i]}"' if keys else ""
-        lines.append(f'[[client]]\nname = "load{i}"{key}')
+        iface = f'\ninterface = "{where[f"load{i}"]}"' if where else ""
+        lines.append(f'[[client]]\nname = "load{i}"{key}{iface}')
     return "\n\n".join(lines) + "\n"
 
 

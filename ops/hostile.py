@@ -75,7 +75,7 @@ def _commit_seq(cluster: LocalCluster) -> int:
 
 def _to_group(cluster: LocalCluster, packets: list[bytes]) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cluster.cfg.interface))
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cluster.cfg.interface or "127.0.0.1"))
         for p in packets:
             s.sendto(p, (cluster.cfg.group, cluster.cfg.port))
 

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 
+from tape.node import netif
 from tape.node.listener import StreamListener
 from tape.ops.config import Config
 from tape.ops.journal_tool import record_dict
@@ -46,7 +47,7 @@ async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, see
         if until is not None and state["last"] >= until:
             done.set()
 
-    listener = StreamListener(cfg, deliver, drop, seed)
+    listener = StreamListener(cfg, netif.resolve(cfg.interface or "127.0.0.1"), deliver, drop, seed)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, done.set)

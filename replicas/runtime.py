@@ -69,8 +69,8 @@ class Replica(NodeProcess):
         outbox = [Alert.decode(raw[i:i + ALERT_SIZE]) for i in range(0, len(raw), ALERT_SIZE)]
         self.core = ReplicaCore(self.machine, outbox, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000,
                                 self.exit_on_end, time.monotonic_ns())
-        self.listener = StreamListener(cfg, self._deliver, self.drop, self.seed, next_seq=self.machine.last_seq + 1,
-                                       on_undecodable=self._undecodable)
+        self.listener = StreamListener(cfg, cfg.interface_of(self.node), self._deliver, self.drop, self.seed,
+                                       next_seq=self.machine.last_seq + 1, on_undecodable=self._undecodable)
 
     def _rebuild(self, fold_seq: int) -> bool:
         """The emitter's order: a quorum of replicas agree on another digest at fold_seq. Discard

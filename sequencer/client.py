@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from tape.node import netif
 from tape.node.listener import StreamListener
 from tape.node.settings import Config
 from tape.node.transport import udp_socket
@@ -27,7 +28,8 @@ class Client:
                                cfg.client_resend_ms * 1_000_000)
         self.sequencers = [(n.host, n.inbound_port) for n in cfg.by_role("sequencer")]
         self.max_in_flight = max_in_flight
-        self.listener = StreamListener(cfg, self._on_stream, drop, seed)
+        self.interface = netif.resolve(cfg.interface_of(cfg.client(name)))
+        self.listener = StreamListener(cfg, self.interface, self._on_stream, drop, seed)
         self._progress = asyncio.Event()
         self._task = None
 
@@ -40,7 +42,7 @@ class Client:
     latencies_ns = property(lambda self: self.core.latencies_ns)
 
     async def start(self) -> None:
-        self.sock, _ = udp_socket("127.0.0.1" if self.cfg.interface.startswith("127.") else "0.0.0.0")
+        self.sock, _ = udp_socket("127.0.0.1" if self.interface.startswith("127.") else "0.0.0.0")
         self.listener.start()
         self._task = asyncio.create_task(self._resend_loop())
 

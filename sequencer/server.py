@@ -141,7 +141,7 @@ class Sequencer(NodeProcess):
     async def main(self) -> None:
         loop = asyncio.get_running_loop()
         self.inbound, granted = udp_socket(self.node.host, self.node.inbound_port)
-        self.publisher = multicast_sender(self.cfg.interface)
+        self.publisher = multicast_sender(self.cfg.interface_of(self.node))
         self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         self.dest = (self.cfg.group, self.cfg.port)
         server = await asyncio.start_server(self.link_server(self.voter.serve, self.cfg.cluster_link),

@@ -32,3 +32,22 @@ def test_bad_arguments_give_one_clear_error():
     assert out.returncode == 2 and "path" in out.stderr
     out = subprocess.run(TAPE + ["journal", "dump", "/nonexistent/journal"], capture_output=True, text=True)
     assert out.returncode == 1 and "no journal segments" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_node_started_on_the_wrong_host_says_so_and_exits_2(tmp_path):
+    """A LAN config's node started where its address does not exist: one CRITICAL line naming
+    the node and this host's addresses, exit 2 (systemd does not restart it), no traceback."""
+    cfg = tmp_path / "lan.toml"
+    made = subprocess.run(TAPE + ["config", "--hosts", "203.0.113.1,203.0.113.2", "--data", str(tmp_path)],
+                          capture_output=True, text=True, check=True)
+    cfg.write_text(made.stdout)
+    checked = subprocess.run(TAPE + ["config", "check", str(cfg)], capture_output=True, text=True)
+    assert checked.returncode == 0 and "elsewhere" in checked.stdout  # valid, and nothing of it lives here
+    for role, node in (("sequencer", "seq-a"), ("rewinder", "rw-1"), ("replica", "replica-A")):
+        out = subprocess.run(TAPE + [role, "--config", str(cfg), "--node", node], capture_output=True, text=True,
+                             timeout=30)
+        assert out.returncode == 2, out.stderr
+        assert f"node {node}: host 203.0.113." in out.stderr and "Traceback" not in out.stderr
+    checked = subprocess.run(TAPE + ["config", "check", str(cfg), "--node", "seq-a"], capture_output=True,
+                             text=True)
+    assert checked.returncode == 2 and "seq-a: host 203.0.113.1 is not an address of this host" in checked.stdout

@@ -40,3 +40,59 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("session = ")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load(bad)
+
+
+# --- one config for every host (issue 14) ----------------------------------------------------
+
+HOSTS = ["10.9.0.1", "10.9.0.2", "10.9.0.3", "10.9.0.4", "10.9.0.5"]
+
+
+def lan(hosts=HOSTS):
+    return parse(tomllib.loads(default_toml("/var/lib/tape", replicas=3, sequencers=2, hosts=hosts)))
+
+
+def test_a_lan_config_puts_each_voter_on_its_own_host_and_each_node_on_its_hosts_interface():
+    cfg = lan()
+    where = {n.name: n.host for n in cfg.nodes}
+    assert [where[v] for v in ("seq-a", "seq-b", "rw-1", "rw-2")] == HOSTS[:4]
+    assert {where[r] for r in ("replica-A", "replica-B", "replica-C", "emitter")} == {HOSTS[4]}
+    assert all(cfg.interface_of(n) == n.host for n in cfg.nodes) and cfg.interface == ""
+    assert cfg.interface_of(cfg.clients[0]) == HOSTS[4]
+    three = {n.name: n.host for n in lan(HOSTS[:3]).nodes}  # fewer hosts than voters: round robin
+    assert three["rw-2"] == HOSTS[0] and three["emitter"] in HOSTS[:3]
+
+
+def test_an_interface_is_a_nodes_own_then_the_clusters_then_its_hosts():
+    doc = tomllib.loads(default_toml("/x", hosts=HOSTS[:2]))
+    doc["node"][0]["interface"] = "eth1"
+    del doc["node"][1]["interface"]
+    cfg = parse(doc)
+    assert cfg.interface_of(cfg.nodes[0]) == "eth1" and cfg.interface_of(cfg.nodes[1]) == HOSTS[1]
+    doc["stream"]["interface"] = "bond0"
+    cfg = parse(doc)
+    assert cfg.interface_of(cfg.nodes[0]) == "eth1" and cfg.interface_of(cfg.nodes[1]) == "bond0"
+
+
+def test_config_check_finds_what_cannot_work_on_any_host(tmp_path):
+    from tape.ops.config_check import problems_anywhere
+
+    assert problems_anywhere(lan()) == []
+    doc = tomllib.loads(default_toml("/x", replicas=3, sequencers=2, hosts=HOSTS))
+    doc["stream"]["interface"] = HOSTS[0]  # the runbook's old advice: every other host fails
+    doc["node"][5]["metrics_port"] = doc["node"][4]["metrics_port"]  # two replicas of one host, one port
+    found = problems_anywhere(parse(doc))
+    assert len(found) == 2 and "is one host's address" in found[1] and "is also replica-A" in found[0]
+    doc["stream"]["interface"] = "eth0"  # a name every host may have
+    del doc["node"][5]["metrics_port"]
+    assert problems_anywhere(parse(doc)) == []
+
+
+def test_netif_resolves_this_hosts_addresses_and_interface_names_and_names_what_it_has():
+    from tape.node import netif
+
+    assert netif.resolve("lo") == "127.0.0.1" and netif.resolve("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(netif.InterfaceError, match=r"not an address of this host \(have: .*lo 127.0.0.1"):
+        netif.resolve("203.0.113.77")
+    with pytest.raises(netif.InterfaceError, match="no network interface of that name"):
+        netif.resolve("nosuch0")
+    assert netif.is_local("0.0.0.0") and not netif.is_local("203.0.113.77")

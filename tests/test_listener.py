@@ -31,7 +31,7 @@ def sealed(seq, raw_messages):
 
 def listener(keys: bool):
     delivered, failures = [], []
-    lst = StreamListener(config(keys), lambda f, p, s: delivered.append(f),
+    lst = StreamListener(config(keys), "127.0.0.1", lambda f, p, s: delivered.append(f),
                          on_undecodable=lambda seq, e: failures.append((seq, e.reason)))
     return lst, delivered, failures
 

@@ -53,3 +53,14 @@ def test_systemd_units_run_real_subcommands():
         args = line.split()[1:]
         parsed = parser.parse_args(args)  # exits on an unknown subcommand or option
         assert parsed.node == "%i" and parsed.config == "/etc/tape/cluster.toml", unit.name
+
+
+def test_the_prometheus_targets_are_the_ports_tape_config_prints():
+    import tomllib
+
+    from tape.ops.config import default_toml
+
+    cfg = tomllib.loads(default_toml("/var/lib/tape", replicas=3, sequencers=2))
+    expected = {n["name"].lower(): n["metrics_port"] for n in cfg["node"]}
+    scraped = dict(re.findall(r'"([\w-]+):(\d+)"', (ROOT / "ops" / "prometheus" / "prometheus.yml").read_text()))
+    assert {k: int(v) for k, v in scraped.items()} == expected
