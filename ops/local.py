@@ -57,7 +57,7 @@ class LocalCluster:
         self.logs[name] = log
         self.started[name] = (args, wait_metrics, env)
         self.let_go.discard(name)
-        proc = subprocess.Popen(TAPE + list(args) + ["--config", str(self.config_path)],
+        proc = subprocess.Popen(self.command(name, list(args)),
                                 stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "a"),
                                 env={**os.environ, **(env or {})}, preexec_fn=_dies_with(os.getpid()))
         self.procs[name] = proc
@@ -91,7 +91,7 @@ class LocalCluster:
             if proc.poll() is not None:
                 raise ClusterError(self._exit_note(name))
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read()
+                self.fetch(name, port, 1.0)
                 return
             except OSError:
                 time.sleep(0.05)
@@ -108,9 +108,20 @@ class LocalCluster:
 
     def metrics(self, name: str) -> dict[str, float]:
         """The node's metrics as {'name{labels}': value}."""
-        port = self.cfg.node(name).metrics_port
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-        return parse_metrics(text)
+        return parse_metrics(self.fetch(name, self.cfg.node(name).metrics_port, 2.0).decode())
+
+    # What a cluster over other hosts (ops/lan.py) does otherwise: how a process starts, how its
+    # metrics are read.
+
+    def command(self, name: str, args: list[str]) -> list[str]:
+        return TAPE + args + ["--config", str(self.config_path)]
+
+    def fetch(self, name: str, port: int, timeout: float) -> bytes:
+        return self.fetch_url("127.0.0.1", port, timeout)
+
+    @staticmethod
+    def fetch_url(host: str, port: int, timeout: float) -> bytes:
+        return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout).read()
 
     def journal_dir(self, node: str) -> Path:
         return Path(self.cfg.node(node).data) / "journal"

@@ -1,0 +1,155 @@
+"""Hosts on one machine: Linux network namespaces on a bridge, for LAN tests and drills.
+
+    tape-<tag>-sw      the switch: a namespace holding the bridge br0 (multicast snooping off,
+                       so that the group reaches every port without an IGMP querier)
+    tape-<tag>-h1 ...  the hosts: a namespace each, eth0 = 10.X.Y.i/24 (a veth whose peer is
+                       a port of br0), lo up, and the 224.0.0.0/4 route via eth0
+
+Everything is made inside namespaces named with the LAN's tag, and nothing in the root
+namespace: destroy() kills what runs in them and deletes them by name. A LanCluster is the
+LocalCluster (ops/local.py) of the default topology spread over those hosts with one config
+file (`tape config --hosts`): each process runs in its host's namespace, and the harness
+reads metrics from inside the namespace too (a thread that enters it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import subprocess
+import threading
+from pathlib import Path
+
+from tape.ops.config import default_toml, load, new_keys
+from tape.ops.local import LocalCluster
+
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = Path("/run/netns")
+
+
+class LanUnavailable(Exception):
+    """This machine cannot make network namespaces (not root, or no `ip netns`)."""
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise LanUnavailable(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def in_netns(namespace: str, fn):
+    """fn() run in a thread that entered `namespace` (the network namespace is per thread)."""
+    out: dict = {}
+
+    def enter() -> None:
+        fd = os.open(NETNS_DIR / namespace, os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                out["error"] = OSError(ctypes.get_errno(), f"setns {namespace}")
+                return
+        finally:
+            os.close(fd)
+        try:
+            out["value"] = fn()
+        except Exception as e:  # handed to the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=enter)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+class Lan:
+    def __init__(self, hosts: int, tag: str | None = None):
+        rng = random.Random(tag)
+        self.tag = tag or f"{random.SystemRandom().randrange(16 ** 5):05x}"
+        subnet = f"10.{rng.randrange(64, 250)}.{rng.randrange(1, 250)}"
+        self.switch = f"tape-{self.tag}-sw"
+        self.hosts = [f"tape-{self.tag}-h{i}" for i in range(1, hosts + 1)]
+        self.addresses = [f"{subnet}.{i}" for i in range(1, hosts + 1)]
+        self.made: list[str] = []
+
+    def __enter__(self) -> Lan:
+        try:
+            self.create()
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def create(self) -> None:
+        self._add(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, (ns, address) in enumerate(zip(self.hosts, self.addresses), 1):
+            self._add(ns)
+            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"port{i}", "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            self.link(i - 1, up=True)
+
+    def _add(self, ns: str) -> None:
+        _ip("netns", "add", ns)
+        self.made.append(ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+    def link(self, host: int, up: bool) -> None:
+        """A host's cable: down (its multicast route goes with it) or up (the route put back, as
+        the host's network configuration would)."""
+        ns = self.hosts[host]
+        _ip("-n", ns, "link", "set", "eth0", "up" if up else "down")
+        if up:
+            _ip("-n", ns, "route", "replace", "224.0.0.0/4", "dev", "eth0")
+
+    def host_of(self, address: str) -> str:
+        return self.hosts[self.addresses.index(address)]
+
+    def destroy(self) -> None:
+        """Kill whatever still runs in our namespaces, then delete them (their veths go too)."""
+        for ns in reversed(self.made):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.made = []
+
+
+class LanCluster(LocalCluster):
+    """The default topology (2 sequencers, 2 rewinders, 3 replicas, the emitter, a load client)
+    over a Lan's hosts, from one config file; the local cluster's controls work unchanged."""
+
+    def __init__(self, root: Path, lan: Lan, extra: str = ""):
+        self.lan = lan
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.config_path = root / "cluster.toml"
+        text = default_toml(root / "data", clients=1, replicas=3, sequencers=2, keys=new_keys(1),
+                            hosts=lan.addresses)
+        rng = random.SystemRandom()
+        group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
+        text = text.replace('group = "239.77.0.1"', f'group = "{group}"')
+        self.config_path.write_text(text.replace("[journal]", extra + "\n[journal]") if extra else text)
+        self.cfg = load(self.config_path)
+        self.procs, self.logs, self.started, self.let_go = {}, {}, {}, set()
+
+    def namespace(self, name: str) -> str:
+        """The host namespace `name` (a node, or the load client) runs in."""
+        nodes = {n.name: n.host for n in self.cfg.nodes}
+        return self.lan.host_of(nodes.get(name) or self.cfg.clients[0].interface)
+
+    def command(self, name: str, args: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace(name), *super().command(name, args)]
+
+    def fetch(self, name: str, port: int, timeout: float) -> bytes:
+        host = self.cfg.node(name).host
+        return in_netns(self.namespace(name), lambda: LocalCluster.fetch_url(host, port, timeout))

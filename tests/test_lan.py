@@ -1,0 +1,66 @@
+"""The default topology over five hosts (issue 14): network namespaces on a bridge, one config
+file for all (`tape config --hosts`), each process in its host's namespace, multicast
+between hosts. Judged by the verdict of DESIGN.md section 9, as `tape up` is."""
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import TAPE, wait_for
+
+from tape.ops.lan import Lan, LanCluster, LanUnavailable
+from tape.ops.verdict import judge, read_run
+
+pytestmark = pytest.mark.process
+VOTERS = ("seq-a", "seq-b", "rw-1", "rw-2")
+REPLICAS = ("replica-A", "replica-B", "replica-C")
+TRADES = 12_000
+
+
+@pytest.fixture
+def lan():
+    if os.geteuid() != 0:
+        pytest.skip("the LAN tests make network namespaces: they need root (ip netns)")
+    try:
+        with Lan(5) as made:
+            yield made
+    except LanUnavailable as e:
+        pytest.skip(f"network namespaces are not available here: {e}")
+
+
+def test_five_hosts_one_config_file_pass_the_verdict(tmp_path, lan):
+    cluster = LanCluster(tmp_path, lan)
+    try:
+        checked = [subprocess.run(["ip", "netns", "exec", ns, *TAPE, "config", "check", str(cluster.config_path)],
+                                  capture_output=True, text=True) for ns in lan.hosts]
+        assert all(c.returncode == 0 for c in checked), [c.stdout for c in checked]
+        assert all("config ok here" in c.stdout for c in checked)
+        hosts = {n.name: n.host for n in cluster.cfg.nodes}
+        assert len({hosts[v] for v in VOTERS}) == 4 and hosts["emitter"] not in {hosts[v] for v in VOTERS}
+        cluster.start_all()
+        load = cluster.start("load", "load", "--rate", "3000", "--messages", str(TRADES), "--seed", "3")
+        wait_for(lambda: load.poll() is not None, "the load to finish", 120)
+        assert load.returncode == 0, cluster.output("load")
+        leader = cluster.leader()
+        assert leader in ("seq-a", "seq-b")
+        cluster.stop(leader)  # the end of the session: the replicas finish there
+        for r in REPLICAS:
+            wait_for(lambda: not cluster.alive(r), f"{r} to exit at the end of the session", 60)
+        for n in (*VOTERS, "emitter"):
+            cluster.stop(n)
+        run = read_run(cluster.cfg, VOTERS, REPLICAS, ("seq-a", "seq-b"), cluster.output("load"), TRADES)
+        checks, figures, report = judge(run)
+        assert all(checks.values()), {k: figures[k] for k, ok in checks.items() if not ok}
+        assert report["sequenced"] == TRADES and len(set(report["digests"].values())) == 1
+        assert json.loads(cluster.output("load"))["acked"] == TRADES
+    finally:
+        cluster.close()
+
+
+def test_a_lan_removes_every_namespace_it_made_and_nothing_else(lan):
+    listed = lambda: subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # noqa: E731
+    with Lan(2) as other:
+        names = [other.switch, *other.hosts]
+        assert all(n in listed() for n in names)
+    assert not any(n in listed() for n in names) and all(n in listed() for n in lan.hosts)
