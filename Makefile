@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# Java (for PySpark) and tshark (the independent MoldUDP64 decoder the tests use).
+# Java (for PySpark), tshark (the independent MoldUDP64 decoder the tests use) and nftables
+# (loss on the LAN tests' links).
 sysdeps:
 	@command -v java >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -23,6 +24,11 @@ sysdeps:
 	    echo "installing tshark (independent MoldUDP64 decoder for the tests)"; \
 	    $(APT_GET) update >/dev/null && $(APT_GET) install tshark >/dev/null || echo "tshark unavailable: its wire test will be skipped"; \
 	  else echo "tshark not found: its wire test will be skipped (apt-get install tshark)"; fi; }
+	@command -v nft >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing nftables (loss on the LAN tests' links: this kernel has no netem)"; \
+	    $(APT_GET) update >/dev/null && $(APT_GET) install nftables >/dev/null || echo "nftables unavailable: the LAN loss drill will be skipped"; \
+	  else echo "nft not found: the LAN loss drill will be skipped (apt-get install nftables)"; fi; }
 
 demo: $(STAMP) sysdeps
 	$(VENV)/bin/tape up --rate 10000 --duration 10 --drop 0.02 --out runs/demo

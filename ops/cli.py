@@ -165,7 +165,7 @@ def _emitter(args) -> int:
 def _up(args) -> int:
     from tape.ops.up import main
 
-    return main(args.rate, args.duration, args.drop, args.out, args.seed, args.delivery)
+    return main(args.rate, args.duration, args.drop, args.out, args.seed, args.delivery, args.lan)
 
 
 def _sim(args) -> int:
@@ -177,7 +177,7 @@ def _sim(args) -> int:
 def _drill(args) -> int:
     from tape.ops.drill import run
 
-    return run(args.name, args.rate, args.duration, args.loss, args.out, args.seed)
+    return run(args.name, args.rate, args.duration, args.loss, args.out, args.seed, args.lan)
 
 
 def _audit(args) -> int:
@@ -364,6 +364,7 @@ def _add_up(sub) -> None:
     p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
     p.add_argument("--delivery", choices=("first", "quorum"), default="first",
                    help="the emitter's delivery: the first copy of an alert, or once two of three replicas agree")
+    p.add_argument("--lan", action="store_true", help="over five hosts: network namespaces on a bridge (root)")
     p.set_defaults(func=_up)
 
 
@@ -380,20 +381,23 @@ def _add_sim(sub) -> None:
 
 
 def _add_drill(sub) -> None:
-    from tape.ops.drill import DRILLS
+    from tape.ops.drill import DRILLS, LAN_DRILLS
 
     p = sub.add_parser("drill", help="a failover or fault drill under load, with a verdict",
                        description="Run the whole cluster under load, inject a fault at 30% of the run and heal it "
                                    "once the cluster went on without the node (a new leader, or a quarter of the "
                                    "trades committed), then check DESIGN.md section 9 and the drill's own checks (a "
                                    "new leader, each term published only by its winner, failover_ms). Drills: "
-                                   + ", ".join(DRILLS) + "; all runs each in turn. Exits 1 if any verdict fails.")
-    p.add_argument("name", choices=(*DRILLS, "all"), help="which drill")
+                                   + ", ".join(DRILLS) + "; with --lan also " + ", ".join(LAN_DRILLS)
+                                   + "; all runs each in turn. Exits 1 if any verdict fails.")
+    p.add_argument("name", choices=(*DRILLS, *LAN_DRILLS, "all"), help="which drill")
     p.add_argument("--rate", type=float, default=50_000, help="trades per second (default 50000)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10)")
     p.add_argument("--loss", type=float, default=0.05, help="loss at every receiver for the loss drill (default 0.05)")
     p.add_argument("--out", default=None, help="keep journals, alerts and report.json here (all: one folder a drill)")
     p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
+    p.add_argument("--lan", action="store_true", help="over five hosts: network namespaces on a bridge, each node "
+                   "in its host's namespace (root; docs/runbook.md, Drills on a LAN)")
     p.set_defaults(func=_drill)
 
 

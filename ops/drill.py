@@ -30,6 +30,9 @@ from tape.protocol import journal as fmt
 DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
           "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart", "hostile",
           "wipe-rewinder", "wipe-standby", "corrupt-snapshot", "corrupt-segment", "disk-full")
+LAN_DRILLS = ("cut-leader-link", "unplug-rewinder", "lossy-links")  # real network faults: --lan only
+CUT_S = 3.0  # cut-leader-link: the leader's cable out at least this long
+LINK_LOSS_PERCENT = 5  # lossy-links: of every packet in and out of the replicas' and rw-1's hosts
 DISK_FULL_SIZE = "256m"  # the disk-full drill's tmpfs under rw-1: room for the default run's journal
 LOSSY = ("loss", "failover-under-loss")  # the drills run with --loss at every receiver
 STALL_S = 1.0  # nothing committed for this long: the cluster has stopped (no majority)
@@ -393,6 +396,70 @@ class DiskFull(Drill):
                                                                        "took part again, caught up")}
 
 
+class LinkFault(Drill):
+    """On a LAN (ops/lan.py), a real network fault on a host's link:
+    cut-leader-link: the leader's host's link down for at least CUT_S and until another sequencer
+        leads a higher term, then up (the old leader stepped down by check-quorum meanwhile);
+    unplug-rewinder: rw-1's host's link down until the cluster committed a quarter of the run
+        without it, then up (it catches up);
+    lossy-links: LINK_LOSS_PERCENT of every packet dropped in and out of the replicas' host and
+        rw-1's host (nftables: no netem here) until a quarter of the run is committed."""
+
+    def inject(self, cluster):
+        lan = getattr(cluster, "lan", None)
+        if lan is None:
+            return None  # (make() refuses these without --lan)
+        self.lan = lan
+        self.at = time.monotonic()
+        if self.name == "cut-leader-link":
+            self.target = cluster.leader()
+            if not self.target:
+                return "no leader found"
+            self.term_before = _metric(cluster, self.target, "tape_sequencer_term") or 0
+        else:
+            self.target = "rw-1"
+        self.hosts = [self._host(cluster, self.target)]
+        if self.name == "lossy-links":
+            self.hosts.append(self._host(cluster, "replica-A"))
+            for h in self.hosts:
+                lan.loss(h, LINK_LOSS_PERCENT)
+            return f"{LINK_LOSS_PERCENT}% loss in and out of {', '.join(lan.addresses[h] for h in self.hosts)}"
+        lan.link(self.hosts[0], up=False)
+        return f"{self.target}'s host {lan.addresses[self.hosts[0]]}: link down"
+
+    @staticmethod
+    def _host(cluster, node: str) -> int:
+        return cluster.lan.addresses.index(cluster.cfg.node(node).host)
+
+    def healable(self, cluster):
+        if self.name != "cut-leader-link":
+            return super().healable(cluster)
+        new = cluster.leader()
+        return time.monotonic() - self.at >= CUT_S and new is not None and new != self.target
+
+    def heal(self, cluster):
+        if not hasattr(self, "lan"):
+            return None
+        if self.name == "lossy-links":
+            for h in self.hosts:
+                self.lan.loss(h, 0)
+            return "loss removed"
+        self.lan.link(self.hosts[0], up=True)
+        self.out_s = time.monotonic() - self.at
+        return f"{self.target}'s link up after {self.out_s:.1f} s"
+
+    def checks(self, cluster, report):
+        if self.name == "cut-leader-link":
+            after = [t for t in report["terms"] if t["term"] > getattr(self, "term_before", 0)]
+            new = after[0]["leader"] if after else None
+            report["failover_ms"] = after[0]["ms_since_previous_stamp"] if after else None
+            return {"a new leader took over while the old one was cut off": (
+                new is not None and new != self.target, f"{self.target} -> {new}, link out "
+                                                         f"{getattr(self, 'out_s', 0):.1f} s")}
+        return {"the fault was injected and healed on the LAN": (self.healed and hasattr(self, "lan"),
+                                                                 f"{self.target}")}
+
+
 def make(name: str, duration: float, trades: int) -> Drill:
     if name in ("kill-leader", "pause-leader", "partition-leader", "failover-under-loss"):
         return LeaderFault(name, duration, trades)
@@ -422,20 +489,24 @@ def make(name: str, duration: float, trades: int) -> Drill:
         return DiskFault(name, duration, trades, disks[name])
     if name == "disk-full":
         return DiskFull(name, duration, trades)
+    if name in LAN_DRILLS:
+        return LinkFault(name, duration, trades)
     raise SystemExit(f"unknown drill {name!r}: {', '.join(DRILLS)} or all")
 
 
-def run(name: str, rate: float, duration: float, loss: float, out: str | None, seed: int) -> int:
+def run(name: str, rate: float, duration: float, loss: float, out: str | None, seed: int, lan: bool = False) -> int:
     from tape.ops.up import run_up
 
     console = Console()
-    names = DRILLS if name == "all" else (name,)
+    if name in LAN_DRILLS and not lan:
+        raise SystemExit(f"tape drill {name} is a fault on a real link: run it with --lan (root: network namespaces)")
+    names = (*DRILLS, *(LAN_DRILLS if lan else ())) if name == "all" else (name,)
     results = {}
     for n in names:
         drill = make(n, duration, int(rate * duration))
         drop = loss if n in LOSSY else 0.0
         where = str(Path(out) / n) if out and name == "all" else out
-        results[n] = run_up(rate, duration, drop, where, seed, drill=drill, console=console)
+        results[n] = run_up(rate, duration, drop, where, seed, drill=drill, console=console, lan=lan)
     if name == "all":
         table = Table(title="tape drill all")
         for col in ("drill", "verdict", "failover ms", "rate msg/s", "p99 inbound to applied ms"):

@@ -108,6 +108,20 @@ class Lan:
         if up:
             _ip("-n", ns, "route", "replace", "224.0.0.0/4", "dev", "eth0")
 
+    def loss(self, host: int, percent: int) -> None:
+        """Drop `percent`% of every packet in and out of a host (nftables; 0 removes the rules)."""
+        ns = self.hosts[host]
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "tape_loss"],
+                       capture_output=True)
+        if percent:
+            rules = "table inet tape_loss {\n" + "".join(
+                f"  chain {hook} {{ type filter hook {hook}put priority 0; numgen random mod 100 < {percent} drop; }}\n"
+                for hook in ("in", "out")) + "}\n"
+            done = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True,
+                                  text=True)
+            if done.returncode != 0:
+                raise LanUnavailable(f"nft in {ns}: {done.stderr.strip() or 'not installed'}")
+
     def host_of(self, address: str) -> str:
         return self.hosts[self.addresses.index(address)]
 
@@ -128,13 +142,13 @@ class LanCluster(LocalCluster):
     """The default topology (2 sequencers, 2 rewinders, 3 replicas, the emitter, a load client)
     over a Lan's hosts, from one config file; the local cluster's controls work unchanged."""
 
-    def __init__(self, root: Path, lan: Lan, extra: str = ""):
+    def __init__(self, root: Path, lan: Lan, extra: str = "", delivery: str = "first"):
         self.lan = lan
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.config_path = root / "cluster.toml"
         text = default_toml(root / "data", clients=1, replicas=3, sequencers=2, keys=new_keys(1),
-                            hosts=lan.addresses)
+                            hosts=lan.addresses, delivery=delivery)
         rng = random.SystemRandom()
         group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
         text = text.replace('group = "239.77.0.1"', f'group = "{group}"')

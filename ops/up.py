@@ -31,6 +31,7 @@ SEQUENCERS = ("seq-a", "seq-b")
 VOTERS = (*SEQUENCERS, "rw-1", "rw-2")
 REPLICAS = ("replica-A", "replica-B", "replica-C")
 SLACK_S = 90.0  # a run that has not finished its load this long after its duration is stuck: fail it
+LAN_HOSTS = 5  # --lan: seq-a, seq-b, rw-1, rw-2 a host each; the replicas, emitter and load on the fifth
 REPLICAS_FINISH_S = 60.0  # after the end of session, for the replicas to apply everything
 
 
@@ -39,19 +40,39 @@ def _m(metrics: dict, name: str, node: str) -> float:
 
 
 def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int, drill=None,
-           console: Console | None = None, slack_s: float = SLACK_S, delivery: str = "first") -> dict:
+           console: Console | None = None, slack_s: float = SLACK_S, delivery: str = "first",
+           lan: bool = False) -> dict:
     """Run the cluster under load (with `drill`'s fault, if any); returns the report. A node that
-    exits unbidden, or a load still running `slack_s` after `duration`, aborts the run (verdict fail)."""
+    exits unbidden, or a load still running `slack_s` after `duration`, aborts the run (verdict fail).
+    `lan`: over five hosts (network namespaces, ops/lan.py) instead of one host's loopback."""
+    if not lan:
+        return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, None)
+    from tape.ops.lan import Lan, LanUnavailable
+
+    try:
+        with Lan(LAN_HOSTS) as net:
+            return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net)
+    except LanUnavailable as e:
+        return _aborted(console or Console(), "the LAN", f"cannot build it here: {e}", drill)
+
+
+def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net) -> dict:
     console = console or Console()
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="tape-up-"))
     if out and root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     total = int(rate * duration)
-    cluster = LocalCluster(root, replicas=3, sequencers=len(SEQUENCERS), delivery=delivery)
+    if net is None:
+        cluster = LocalCluster(root, replicas=3, sequencers=len(SEQUENCERS), delivery=delivery)
+    else:
+        from tape.ops.lan import LanCluster
+
+        cluster = LanCluster(root, net, delivery=delivery)
     what = f"drill [bold]{drill.name}[/bold]" if drill else "[bold]tape up[/bold]"
+    where = f"over {len(net.hosts)} hosts ({', '.join(net.addresses)})" if net else "on loopback"
     try:
-        console.print(f"{what}: 2 sequencers, 2 rewinders, 3 replicas, emitter on "
+        console.print(f"{what}: 2 sequencers, 2 rewinders, 3 replicas, emitter {where} on "
                       f"{cluster.cfg.group}:{cluster.cfg.port}; {total:,} trades at {rate:,.0f}/s, "
                       f"{drop:.0%} loss at every receiver; alerts delivered on the {delivery} copy; data in {root}")
         try:
@@ -73,6 +94,7 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
         if drill:
             drill.release(cluster)
     _arrange(cluster, root)
+    report["hosts"] = sorted({n.host for n in cluster.cfg.nodes})
     (root / "report.json").write_text(json.dumps(report, indent=1))
     if out:
         console.print(f"report: {root / 'report.json'}")
@@ -228,5 +250,6 @@ def _arrange(cluster: LocalCluster, root: Path) -> None:
         shutil.copyfile(sink, root / "alerts.jsonl")
 
 
-def main(rate: float, duration: float, drop: float, out: str | None, seed: int, delivery: str = "first") -> int:
-    return 0 if run_up(rate, duration, drop, out, seed, delivery=delivery)["verdict"] == "pass" else 1
+def main(rate: float, duration: float, drop: float, out: str | None, seed: int, delivery: str = "first",
+         lan: bool = False) -> int:
+    return 0 if run_up(rate, duration, drop, out, seed, delivery=delivery, lan=lan)["verdict"] == "pass" else 1

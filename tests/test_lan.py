@@ -4,11 +4,13 @@ between hosts. Judged by the verdict of DESIGN.md section 9, as `tape up` is."""
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
 from conftest import TAPE, wait_for
 
+from tape.ops.drill import LAN_DRILLS
 from tape.ops.lan import Lan, LanCluster, LanUnavailable
 from tape.ops.verdict import judge, read_run
 
@@ -64,3 +66,23 @@ def test_a_lan_removes_every_namespace_it_made_and_nothing_else(lan):
         names = [other.switch, *other.hosts]
         assert all(n in listed() for n in names)
     assert not any(n in listed() for n in names) and all(n in listed() for n in lan.hosts)
+
+
+@pytest.mark.parametrize("drill", LAN_DRILLS)
+def test_every_lan_drill_passes_its_verdict(tmp_path, drill):
+    """Real network faults on the LAN: the leader's link cut (a new leader, the old one back as a
+    follower), a rewinder's host unplugged then plugged back, 5% loss on two hosts' links."""
+    if os.geteuid() != 0:
+        pytest.skip("the LAN drills make network namespaces: they need root (ip netns)")
+    if drill == "lossy-links" and not shutil.which("nft"):
+        pytest.skip("lossy-links drops packets with nftables (this kernel has no netem): apt-get install nftables")
+    out = subprocess.run(TAPE + ["drill", drill, "--lan", "--rate", "3000", "--duration", "5", "--out",
+                                 str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verdict"] == "pass" and report["drill"] == drill and all(report["checks"].values())
+    assert report["sequenced"] == 15_000 and len(report["hosts"]) == 5
+    if drill == "cut-leader-link":
+        assert report["failover_ms"] > 0 and len(report["terms"]) >= 2
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not [n for n in leftover if n.startswith("tape-")]  # the drill removed its hosts and switch
