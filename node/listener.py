@@ -67,11 +67,18 @@ class StreamListener:
         self._task = asyncio.create_task(self._gap_exchange())
 
     def stop(self) -> None:
+        """Stop receiving (the gap exchange's socket closes as its task ends)."""
         asyncio.get_running_loop().remove_reader(self.mcast)
         self.mcast.close()
-        self.req.close()
         if self._task:
             self._task.cancel()
+
+    async def close(self) -> None:
+        """Stop, and return once every socket is closed: a listener started next may reuse their
+        file descriptors, which asyncio must no longer watch."""
+        self.stop()
+        if self._task:
+            await asyncio.gather(self._task, return_exceptions=True)
 
     def _drain(self) -> None:
         loss, on_datagram, sock = self.loss, self.on_datagram, self.mcast

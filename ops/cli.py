@@ -380,6 +380,24 @@ def _add_sim(sub) -> None:
     p.set_defaults(func=_sim)
 
 
+def _status(args) -> int:
+    from tape.ops.status import main
+
+    return main(_config(args), args.json, args.watch)
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="every node of the cluster from its metrics endpoint",
+                       description="One row a node, read from its metrics endpoint: role, term, leader, sequenced, "
+                                   "committed, published and applied seqs, lag, gap fills, snapshots, digest, "
+                                   "datagrams dropped by reason. Exits 1 if a node does not answer or no sequencer "
+                                   "(or more than one) leads.")
+    p.add_argument("--config", default=None, help="cluster TOML file (default: the embedded loopback cluster)")
+    p.add_argument("--json", action="store_true", help="print it as JSON (for scripts)")
+    p.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    p.set_defaults(func=_status)
+
+
 def _add_drill(sub) -> None:
     from tape.ops.drill import DRILLS, LAN_DRILLS
 
@@ -578,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(sub)
     _add_sim(sub)
     _add_drill(sub)
+    _add_status(sub)
     _add_audit(sub)
     _add_analytics(sub)
     _add_replay(sub)

@@ -72,14 +72,14 @@ class Replica(NodeProcess):
         self.listener = StreamListener(cfg, cfg.interface_of(self.node), self._deliver, self.drop, self.seed,
                                        next_seq=self.machine.last_seq + 1, on_undecodable=self._undecodable)
 
-    def _rebuild(self, fold_seq: int) -> bool:
+    async def _rebuild(self, fold_seq: int) -> bool:
         """The emitter's order: a quorum of replicas agree on another digest at fold_seq. Discard
         this state (kept aside) and apply again from seq 1. False if already done for that fold."""
         if fold_seq <= self.rebuilt_for:
             return False
         self.rebuilt_for = fold_seq
         self.rebuilds += 1
-        self.listener.stop()
+        await self.listener.close()
         self.store.close()
         aside = move_aside(self.data / "lmdb")
         log.error("DIVERGED: the other replicas agree on another digest at fold seq %d: this state (moved to %s) "
@@ -273,7 +273,7 @@ class Replica(NodeProcess):
                             self._writer = writer
                             self._carry_out(self.core.on_welcome(mark))
                         elif kind == alertlink.REBUILD:
-                            if self._rebuild(mark):
+                            if await self._rebuild(mark):
                                 raise ConnectionResetError("rebuilding: the new state links anew")
                         else:
                             self.core.on_ack(mark)
