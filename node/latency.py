@@ -1,6 +1,34 @@
-"""Latency samples with bounded memory, summarised as p50 / p99 / max in ms."""
+"""Latency samples with bounded memory, summarised as p50 / p99 / max in ms; and a
+histogram of them for Prometheus (histogram_quantile over any window)."""
 
 from __future__ import annotations
+
+import bisect
+
+# Upper bounds of the latency histogram's buckets, in seconds (the requirement is 5 ms).
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class LatencyHistogram:
+    """Counts a bucket per observation: what Prometheus' histogram_quantile reads."""
+
+    def __init__(self, bounds_s: tuple = LATENCY_BUCKETS_S):
+        self.bounds_ns = [int(b * 1e9) for b in bounds_s]
+        self.bounds_s = bounds_s
+        self.counts = [0] * (len(bounds_s) + 1)  # the last: above every bound
+        self.sum_seconds = 0.0
+
+    def observe(self, ns: int) -> None:
+        self.counts[bisect.bisect_left(self.bounds_ns, ns)] += 1
+        self.sum_seconds += ns / 1e9
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative (le, count) pairs, +Inf last."""
+        out, total = [], 0
+        for bound, count in zip((*(str(b) for b in self.bounds_s), "+Inf"), self.counts):
+            total += count
+            out.append((bound, total))
+        return out
 
 
 class LatencySamples:

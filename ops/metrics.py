@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-# A sample: (name, kind "counter" | "gauge", help, value or {label value: value}, label name)
+# A sample: (name, kind "counter" | "gauge", help, value or {label value: value}, label name), or
+# (name, "histogram", help, a node.latency.LatencyHistogram)
 Sample = tuple
 
 
@@ -22,6 +23,11 @@ class FunctionCollector(Collector):
     def collect(self):
         for sample in self.report():
             name, kind, doc, value = sample[:4]
+            if kind == "histogram":
+                m = HistogramMetricFamily(f"{self.prefix}_{name}", doc, labels=["node"])
+                m.add_metric([self.node], value.buckets(), value.sum_seconds)
+                yield m
+                continue
             label = sample[4] if len(sample) > 4 else "reason"
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             if isinstance(value, dict):

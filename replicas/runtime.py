@@ -22,7 +22,7 @@ from pathlib import Path
 
 import lmdb
 
-from tape.node.latency import LatencySamples
+from tape.node.latency import LatencyHistogram, LatencySamples
 from tape.node.listener import StreamListener
 from tape.node.process import NodeProcess
 from tape.node.settings import Config, Node
@@ -58,6 +58,7 @@ class Replica(NodeProcess):
         # Sequencer stamp -> applied here (wall clock, same host or PTP-synced hosts):
         # for the report only, never for state.
         self.latency = LatencySamples()
+        self.latency_histogram = LatencyHistogram()
 
     def _open(self) -> None:
         """The state from the snapshot (a fresh one if there is none), and a listener from the seq after it."""
@@ -116,6 +117,8 @@ class Replica(NodeProcess):
         fold = m.last_seq - m.last_seq % DIGEST_BLOCK
         digest = {str(fold): int.from_bytes(m.chain[:6], "big")}
         yield "digest", "gauge", "digest chain at fold_seq (48 bits)", digest, "fold_seq"
+        yield "latency_seconds", "histogram", "sequencer stamp to applied here, one sample a packet (wall " \
+            "clocks: same host or synced)", self.latency_histogram
 
     async def main(self) -> None:
         log.info(
@@ -155,7 +158,10 @@ class Replica(NodeProcess):
             return
         now = time.time_ns()
         trades = (messages.REQUEST, messages.PURCHASE)
-        self.latency.extend([now - m[messages.STAMP] for m in msgs if m[messages.TYPE] in trades])
+        lags = [now - m[messages.STAMP] for m in msgs if m[messages.TYPE] in trades]
+        self.latency.extend(lags)
+        if lags:
+            self.latency_histogram.observe(lags[0])  # one a packet: its messages were stamped together
         self._carry_out(actions)
 
     def _carry_out(self, actions: list) -> None:

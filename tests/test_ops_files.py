@@ -23,7 +23,8 @@ def exported_metrics(data: Path) -> set[str]:
     names = set()
     for r in runtimes:
         for family in FunctionCollector(r.METRICS_PREFIX, r.name, r.report).collect():
-            names.add(family.name + ("_total" if family.type == "counter" else ""))
+            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+            names.update(family.name + s for s in suffixes)
     return names
 
 
@@ -64,3 +65,17 @@ def test_the_prometheus_targets_are_the_ports_tape_config_prints():
     expected = {n["name"].lower(): n["metrics_port"] for n in cfg["node"]}
     scraped = dict(re.findall(r'"([\w-]+):(\d+)"', (ROOT / "ops" / "prometheus" / "prometheus.yml").read_text()))
     assert {k: int(v) for k, v in scraped.items()} == expected
+
+
+def test_every_grafana_query_names_a_metric_the_processes_export(tmp_path):
+    import json
+
+    dashboard = json.loads((ROOT / "ops" / "grafana" / "tape.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\btape_[a-z_]+", e)}
+    exported = exported_metrics(tmp_path)
+    assert len(exprs) >= 20 and used <= exported, sorted(used - exported)
+    assert "tape_replica_latency_seconds_bucket" in used and "tape_emitter_divergences_total" in used
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    provisioning = (ROOT / "ops" / "grafana" / "provisioning" / "dashboards" / "tape.yml").read_text()
+    assert "/var/lib/grafana/dashboards/tape" in provisioning
