@@ -174,8 +174,12 @@ def session(master: str = "local[*]", app: str = "tape", conf: dict | None = Non
     """A quiet Spark session with the `tape` source registered. The JVM's
     own stderr (start-up chatter, Spark's errors) goes to a log file whose
     path is in SPARK_LOG, so that a command's output stays clean (the file
-    is removed at exit unless it holds an error)."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    is removed at exit unless it holds an error). On a cluster (a master
+    other than local), the executors' Python is the cluster's own (its
+    `spark.pyspark.python`, or PYSPARK_PYTHON on the workers) and Tape is
+    shipped to it as a zip: the workers need Python and pyarrow, not Tape."""
+    if master.startswith("local"):
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     import logging
@@ -197,9 +201,34 @@ def session(master: str = "local[*]", app: str = "tape", conf: dict | None = Non
         os.close(saved)
         os.close(log_fd)
     spark.sparkContext.setLogLevel("ERROR")
+    if not master.startswith("local"):
+        spark.sparkContext.addPyFile(package_zip())
     spark.dataSource.register(TapeDataSource)
     atexit.register(_drop_quiet_log, SPARK_LOG)
     return spark
+
+
+PACKAGES = ("protocol", "node", "sequencer", "rewinder", "replicas", "ops")  # tape.<name>, as pyproject maps them
+
+
+def package_zip() -> str:
+    """Tape's Python modules in one zip (tape/<package>/*.py), for executors that do not have Tape
+    installed (SparkContext.addPyFile puts it on their path). Made once a process."""
+    import importlib
+    import tempfile
+    import zipfile
+
+    path = os.path.join(tempfile.gettempdir(), f"tape-executors-{os.getpid()}.zip")
+    if not os.path.exists(path):
+        with zipfile.ZipFile(path + ".tmp", "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr("tape/__init__.py", "")  # (installed, tape is a namespace package)
+            for name in PACKAGES:
+                root = Path(importlib.import_module(f"tape.{name}").__path__[0])
+                for source in sorted(root.rglob("*.py")):
+                    z.write(source, f"tape/{name}/{source.relative_to(root)}")
+        os.replace(path + ".tmp", path)
+        atexit.register(os.remove, path)
+    return path
 
 
 def _drop_quiet_log(path: str) -> None:
