@@ -79,12 +79,12 @@ class Replica(NodeProcess):
         if fold_seq <= self.rebuilt_for:
             return False
         self.rebuilt_for = fold_seq
-        self.rebuilds += 1
         await self.listener.close()
         self.store.close()
         aside = move_aside(self.data / "lmdb")
         log.error("DIVERGED: the other replicas agree on another digest at fold seq %d: this state (moved to %s) "
                   "is discarded; applying again from seq 1", fold_seq, aside)
+        self.rebuilds += 1
         self._open()
         self.listener.start()
         self._catching_up.cancel()  # its replay fed the old listener

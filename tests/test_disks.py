@@ -55,8 +55,10 @@ def test_a_wiped_rewinder_waits_for_every_voter_then_rejoins(tmp_path):
         assert gauge(cluster, "rw-1", "last_seq") == 0  # nor followed anyone
         term = gauge(cluster, "seq-a", "term")
         cluster.restart("seq-b")
-        wait_for(lambda: gauge(cluster, "rw-1", "recovering") == 0, "rw-1 to recover once seq-b is back")
-        state = json.loads((Path(cluster.cfg.node("rw-1").data) / "election.json").read_text())
+        election = Path(cluster.cfg.node("rw-1").data) / "election.json"  # (written just after the gauge flips)
+        wait_for(lambda: gauge(cluster, "rw-1", "recovering") == 0 and election.exists(),
+                 "rw-1 to recover once seq-b is back")
+        state = json.loads(election.read_text())
         assert state["term"] >= term and (state["voted_for"] == VOTE_LOST.decode() or state["term"] > term)
         assert load.wait(timeout=180) == 0, cluster.output("load")
         assert json.loads(cluster.output("load"))["acked"] == TOTAL
