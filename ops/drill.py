@@ -295,14 +295,13 @@ class Hostile(Drill):
         return out
 
 
-class DiskFault(Drill):
+class DiskFault(KillNode):
     """wipe-rewinder, wipe-standby, corrupt-snapshot, corrupt-segment: the node is killed (a disk
     failing takes its host down), its disk wiped or damaged, and it is started again once the
     cluster has gone on without it; it must recover by itself, which its metrics show."""
 
     def __init__(self, name: str, duration: float, trades: int, pick):
-        super().__init__(name, duration, trades)
-        self.pick = pick  # cluster -> node name
+        super().__init__(name, duration, trades, pick)
         self.done = ""
 
     def ready(self, cluster):
@@ -328,12 +327,6 @@ class DiskFault(Drill):
             seq, offset = flip_record_byte(segment)
             self.done = f"a bit flipped at seq {seq} ({segment.name} offset {offset})"
         return f"kill -9 {self.target}; {self.done}"
-
-    def heal(self, cluster):
-        if self.target:
-            cluster.restart(self.target)
-            return f"restarted {self.target}"
-        return None
 
     def observe(self, cluster):
         self.gauges = {}

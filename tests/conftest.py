@@ -69,3 +69,13 @@ def small_disk(path: Path, size: str):
         yield path / "filler"
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real `tape up` run: journals, alerts.jsonl, replicas' status."""
+    out = tmp_path_factory.mktemp("up")
+    done = subprocess.run(TAPE + ["up", "--rate", "5000", "--duration", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return out

@@ -28,6 +28,15 @@ def gauge(cluster: LocalCluster, node: str, name: str) -> float:
     return cluster.metrics(node)[f'tape_{role}_{name}{{node="{node}"}}']
 
 
+def assert_one_journal(cluster: LocalCluster, voters: tuple) -> None:
+    """Stop the voters in order (the leader first: its session end reaches the others) and check
+    their journals are one."""
+    for name in voters:
+        assert cluster.stop(name) == 0, cluster.logs[name].read_text()[-2000:]
+    digests = {n: journal_digest(Path(cluster.cfg.node(n).data) / "journal") for n in voters}
+    assert len(set(digests.values())) == 1, digests
+
+
 def replace(cluster: LocalCluster, node: str) -> subprocess.CompletedProcess:
     """The runbook's procedure for a voter whose disk failed: `tape node replace NAME`."""
     return subprocess.run([*TAPE, "node", "replace", node, "--config", str(cluster.config_path)],
@@ -66,11 +75,7 @@ def test_a_wiped_rewinder_waits_for_every_voter_then_rejoins(tmp_path):
         last = gauge(cluster, leader, "sequenced_seq")
         wait_for(lambda: all(gauge(cluster, rw, "last_seq") >= last for rw in ("rw-1", "rw-2")),
                  f"both rewinders to hold seq {last}")
-        voters = ("seq-a", "seq-b", "rw-1", "rw-2")
-        for name in voters:
-            assert cluster.stop(name) == 0
-        digests = {n: journal_digest(Path(cluster.cfg.node(n).data) / "journal") for n in voters}
-        assert len(set(digests.values())) == 1, digests
+        assert_one_journal(cluster, ("seq-a", "seq-b", "rw-1", "rw-2"))
     finally:
         cluster.close()
 
@@ -101,11 +106,7 @@ def test_a_damaged_sealed_segment_stops_the_rewinder_and_its_restart_repairs_it(
         last = gauge(cluster, "seq-a", "sequenced_seq")
         wait_for(lambda: gauge(cluster, "rw-1", "last_seq") >= last, f"rw-1 to catch up to seq {last}")
         assert list((tmp_path / "data" / "rw-1").glob("journal.damaged-*/" + segments[0].name))  # kept aside
-        voters = ("seq-a", "rw-1", "rw-2")
-        for name in voters:
-            assert cluster.stop(name) == 0
-        digests = {n: journal_digest(Path(cluster.cfg.node(n).data) / "journal") for n in voters}
-        assert len(set(digests.values())) == 1, digests
+        assert_one_journal(cluster, ("seq-a", "rw-1", "rw-2"))
     finally:
         cluster.close()
 
@@ -150,11 +151,7 @@ def test_a_full_disk_stops_a_voter_taking_part_until_space_returns(tmp_path, nod
             last = gauge(cluster, leader, "sequenced_seq")
             position = "last_seq" if node.startswith("rw") else "sequenced_seq"
             wait_for(lambda: gauge(cluster, node, position) >= last, f"{node} to catch up to seq {last}")
-            voters = (leader, *(v for v in ("seq-a", "seq-b", "rw-1", "rw-2") if v != leader))
-            for name in voters:  # the leader first: its session end reaches the others
-                assert cluster.stop(name) == 0, cluster.logs[name].read_text()[-2000:]
-            digests = {n: journal_digest(Path(cluster.cfg.node(n).data) / "journal") for n in voters}
-            assert len(set(digests.values())) == 1, digests
+            assert_one_journal(cluster, (leader, *(v for v in ("seq-a", "seq-b", "rw-1", "rw-2") if v != leader)))
         finally:
             cluster.close()
 

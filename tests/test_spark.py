@@ -14,16 +14,6 @@ pytestmark = [pytest.mark.spark, pytest.mark.process]
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A real `tape up` run: journals, alerts.jsonl, replicas' status."""
-    out = tmp_path_factory.mktemp("up")
-    done = subprocess.run(TAPE + ["up", "--rate", "5000", "--duration", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return out
-
-
-@pytest.fixture(scope="module")
 def multi_segment(run_dir, tmp_path_factory):
     """The run's journal re-written into many small segments."""
     path = tmp_path_factory.mktemp("segments")

@@ -61,15 +61,6 @@ def standalone(tmp_path_factory):
             p.wait()
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("up")
-    done = subprocess.run(TAPE + ["up", "--rate", "5000", "--duration", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return out
-
-
 def tape(*args: str, python: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **({"PYSPARK_PYTHON": python} if python else {})}
     return subprocess.run(TAPE + list(args), capture_output=True, text=True, timeout=600, env=env)
