@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# Java (for PySpark), tshark (the independent MoldUDP64 decoder the tests use) and nftables
-# (loss on the LAN tests' links).
+# Java (for PySpark), tshark (the independent MoldUDP64 decoder the tests use), nftables and
+# ethtool (loss and a forwarder on the LAN tests' links).
 sysdeps:
 	@command -v java >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -29,6 +29,11 @@ sysdeps:
 	    echo "installing nftables (loss on the LAN tests' links: this kernel has no netem)"; \
 	    $(APT_GET) update >/dev/null && $(APT_GET) install nftables >/dev/null || echo "nftables unavailable: the LAN loss drill will be skipped"; \
 	  else echo "nft not found: the LAN loss drill will be skipped (apt-get install nftables)"; fi; }
+	@command -v ethtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing ethtool (the LAN tests' forwarder needs checksums computed in software)"; \
+	    $(APT_GET) update >/dev/null && $(APT_GET) install ethtool >/dev/null || echo "ethtool unavailable: the LAN slow-links drill will be skipped"; \
+	  else echo "ethtool not found: the LAN slow-links drill will be skipped (apt-get install ethtool)"; fi; }
 
 demo: $(STAMP) sysdeps
 	$(VENV)/bin/tape up --rate 10000 --duration 10 --drop 0.02 --out runs/demo

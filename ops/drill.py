@@ -30,9 +30,11 @@ from tape.protocol import journal as fmt
 DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
           "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart", "hostile",
           "wipe-rewinder", "wipe-standby", "corrupt-snapshot", "corrupt-segment", "disk-full")
-LAN_DRILLS = ("cut-leader-link", "unplug-rewinder", "lossy-links")  # real network faults: --lan only
+LAN_DRILLS = ("cut-leader-link", "unplug-rewinder", "lossy-links", "slow-links")  # real network faults: --lan only
 CUT_S = 3.0  # cut-leader-link: the leader's cable out at least this long
 LINK_LOSS_PERCENT = 5  # lossy-links: of every packet in and out of the replicas' and rw-1's hosts
+# slow-links: each frame 0.5-3.5 ms late (so reordered), 1% of them twice
+SLOW_LINK = {"delay_ms": 2.0, "jitter_ms": 1.5, "dup": 0.01}
 DISK_FULL_SIZE = "256m"  # the disk-full drill's tmpfs under rw-1: room for the default run's journal
 LOSSY = ("loss", "failover-under-loss")  # the drills run with --loss at every receiver
 STALL_S = 1.0  # nothing committed for this long: the cluster has stopped (no majority)
@@ -396,7 +398,9 @@ class LinkFault(Drill):
     unplug-rewinder: rw-1's host's link down until the cluster committed a quarter of the run
         without it, then up (it catches up);
     lossy-links: LINK_LOSS_PERCENT of every packet dropped in and out of the replicas' host and
-        rw-1's host (nftables: no netem here) until a quarter of the run is committed."""
+        rw-1's host (nftables: no netem here) until a quarter of the run is committed;
+    slow-links: the same two hosts' cables through a forwarder (ops/forwarder.py) that delays,
+        jitters (reorders) and duplicates frames, until a quarter of the run is committed."""
 
     def inject(self, cluster):
         lan = getattr(cluster, "lan", None)
@@ -412,11 +416,13 @@ class LinkFault(Drill):
         else:
             self.target = "rw-1"
         self.hosts = [self._host(cluster, self.target)]
-        if self.name == "lossy-links":
+        if self.name in ("lossy-links", "slow-links"):
             self.hosts.append(self._host(cluster, "replica-A"))
             for h in self.hosts:
-                lan.loss(h, LINK_LOSS_PERCENT)
-            return f"{LINK_LOSS_PERCENT}% loss in and out of {', '.join(lan.addresses[h] for h in self.hosts)}"
+                lan.loss(h, LINK_LOSS_PERCENT) if self.name == "lossy-links" else lan.impair(h, **SLOW_LINK)
+            what = f"{LINK_LOSS_PERCENT}% loss" if self.name == "lossy-links" else \
+                "{delay_ms} ± {jitter_ms} ms delay and {dup:.0%} duplicates".format(**SLOW_LINK)
+            return f"{what} in and out of {', '.join(lan.addresses[h] for h in self.hosts)}"
         lan.link(self.hosts[0], up=False)
         return f"{self.target}'s host {lan.addresses[self.hosts[0]]}: link down"
 
@@ -433,10 +439,10 @@ class LinkFault(Drill):
     def heal(self, cluster):
         if not hasattr(self, "lan"):
             return None
-        if self.name == "lossy-links":
+        if self.name in ("lossy-links", "slow-links"):
             for h in self.hosts:
-                self.lan.loss(h, 0)
-            return "loss removed"
+                self.lan.loss(h, 0) if self.name == "lossy-links" else self.lan.unimpair(h)
+            return "links plain again"
         self.lan.link(self.hosts[0], up=True)
         self.out_s = time.monotonic() - self.at
         return f"{self.target}'s link up after {self.out_s:.1f} s"

@@ -4,6 +4,8 @@
                        so that the group reaches every port without an IGMP querier)
     tape-<tag>-h1 ...  the hosts: a namespace each, eth0 = 10.X.Y.i/24 (a veth whose peer is
                        a port of br0), lo up, and the 224.0.0.0/4 route via eth0
+    tape-<tag>-f1 ...  while a host's cable is impaired: the forwarder's namespace, between the
+                       host's port and the switch (ops/forwarder.py: delay, jitter, duplication)
 
 Everything is made inside namespaces named with the LAN's tag, and nothing in the root
 namespace: destroy() kills what runs in them and deletes them by name. A LanCluster is the
@@ -18,6 +20,7 @@ import ctypes
 import os
 import random
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -72,6 +75,7 @@ class Lan:
         self.hosts = [f"tape-{self.tag}-h{i}" for i in range(1, hosts + 1)]
         self.addresses = [f"{subnet}.{i}" for i in range(1, hosts + 1)]
         self.made: list[str] = []
+        self.forwarders: dict[int, subprocess.Popen] = {}
 
     def __enter__(self) -> Lan:
         try:
@@ -93,6 +97,9 @@ class Lan:
             _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"port{i}", "netns", self.switch)
             _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            # Checksums computed when sent, not left to an offload that a forwarder copying raw frames
+            # (ops/forwarder.py) would carry on unfinished: the receiver would drop every packet.
+            subprocess.run(["ip", "netns", "exec", ns, "ethtool", "-K", "eth0", "tx", "off"], capture_output=True)
             self.link(i - 1, up=True)
 
     def _add(self, ns: str) -> None:
@@ -121,6 +128,33 @@ class Lan:
                                   text=True)
             if done.returncode != 0:
                 raise LanUnavailable(f"nft in {ns}: {done.stderr.strip() or 'not installed'}")
+
+    def impair(self, host: int, delay_ms: float = 0.0, jitter_ms: float = 0.0, dup: float = 0.0,
+               seed: int = 1) -> None:
+        """Put a forwarder on a host's cable: its switch port moves into a namespace of its own,
+        joined to the bridge by a new veth, and ops/forwarder.py copies frames between the two."""
+        i, fwd = host + 1, f"tape-{self.tag}-f{host + 1}"
+        self._add(fwd)
+        _ip("-n", self.switch, "link", "set", f"port{i}", "nomaster")
+        _ip("-n", self.switch, "link", "set", f"port{i}", "netns", fwd)
+        _ip("-n", fwd, "link", "add", f"up{i}", "type", "veth", "peer", "name", f"fport{i}", "netns", self.switch)
+        _ip("-n", self.switch, "link", "set", f"fport{i}", "master", "br0", "up")
+        for dev in (f"port{i}", f"up{i}"):
+            _ip("-n", fwd, "link", "set", dev, "up", "promisc", "on")
+        self.forwarders[host] = subprocess.Popen(
+            ["ip", "netns", "exec", fwd, sys.executable, "-m", "tape.ops.forwarder", f"port{i}", f"up{i}",
+             "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--dup", str(dup), "--seed", str(seed)])
+
+    def unimpair(self, host: int) -> None:
+        """The plain cable back: the forwarder stopped, the port returned to the bridge."""
+        proc = self.forwarders.pop(host)
+        proc.terminate()
+        proc.wait(timeout=10)
+        i, fwd = host + 1, f"tape-{self.tag}-f{host + 1}"
+        _ip("-n", fwd, "link", "set", f"port{i}", "netns", self.switch)
+        _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0", "up")
+        _ip("netns", "del", fwd)  # (its veth to the bridge goes with it)
+        self.made.remove(fwd)
 
     def host_of(self, address: str) -> str:
         return self.hosts[self.addresses.index(address)]

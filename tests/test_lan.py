@@ -71,11 +71,14 @@ def test_a_lan_removes_every_namespace_it_made_and_nothing_else(lan):
 @pytest.mark.parametrize("drill", LAN_DRILLS)
 def test_every_lan_drill_passes_its_verdict(tmp_path, drill):
     """Real network faults on the LAN: the leader's link cut (a new leader, the old one back as a
-    follower), a rewinder's host unplugged then plugged back, 5% loss on two hosts' links."""
+    follower), a rewinder's host unplugged then plugged back, 5% loss on two hosts' links, and
+    those links delayed, jittered (reordered) and duplicating through a forwarder."""
     if os.geteuid() != 0:
         pytest.skip("the LAN drills make network namespaces: they need root (ip netns)")
     if drill == "lossy-links" and not shutil.which("nft"):
         pytest.skip("lossy-links drops packets with nftables (this kernel has no netem): apt-get install nftables")
+    if drill == "slow-links" and not shutil.which("ethtool"):
+        pytest.skip("slow-links' forwarder needs checksums computed in software (ethtool): apt-get install ethtool")
     out = subprocess.run(TAPE + ["drill", drill, "--lan", "--rate", "3000", "--duration", "5", "--out",
                                  str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
