@@ -30,7 +30,8 @@ from tape.protocol import journal as fmt
 DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
           "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart", "hostile",
           "wipe-rewinder", "wipe-standby", "corrupt-snapshot", "corrupt-segment", "disk-full")
-LAN_DRILLS = ("cut-leader-link", "unplug-rewinder", "lossy-links", "slow-links")  # real network faults: --lan only
+LAN_DRILLS = ("cut-leader-link", "unplug-rewinder", "lossy-links", "slow-links",  # real network faults: --lan only
+              "webhook-unreachable")
 CUT_S = 3.0  # cut-leader-link: the leader's cable out at least this long
 LINK_LOSS_PERCENT = 5  # lossy-links: of every packet in and out of the replicas' and rw-1's hosts
 # slow-links: each frame 0.5-3.5 ms late (so reordered), 1% of them twice
@@ -459,6 +460,57 @@ class LinkFault(Drill):
                                                                  f"{self.target}")}
 
 
+class WebhookUnreachable(Drill):
+    """webhook-unreachable (--lan): the emitter also posts every alert to a webhook receiver on a
+    sixth host (ops/webhook_receiver.py); that host's link goes down until the emitter has had to
+    retry and a quarter of the run is committed, then up. Every alert must reach the webhook (once
+    by its Idempotency-Key: a consumer dedups on it), in order behind the held ones, none lost."""
+
+    webhook = True
+
+    def inject(self, cluster):
+        self.lan = cluster.lan
+        self.lan.link(len(self.lan.hosts) - 1, up=False)
+        return f"the webhook's host {self.lan.addresses[-1]}: link down"
+
+    @staticmethod
+    def _retries(cluster) -> float:
+        return sum(v for k, v in cluster.metrics("emitter").items()
+                   if k.startswith("tape_emitter_sink_retries_total") and 'sink="webhook"' in k)
+
+    def healable(self, cluster):
+        return super().healable(cluster) and self._retries(cluster) > 0
+
+    def heal(self, cluster):
+        self.retries = self._retries(cluster)
+        self.lan.link(len(self.lan.hosts) - 1, up=True)
+        return f"the webhook's host back after {self.retries:.0f} retries"
+
+    def observe(self, cluster):
+        deadline = time.monotonic() + 30  # the held alerts drain once the host answers
+        while time.monotonic() < deadline and len(self._keys(cluster)) < (
+                _metric(cluster, "emitter", "tape_emitter_alerts_delivered_total") or 0):
+            time.sleep(0.2)
+
+    @staticmethod
+    def _keys(cluster) -> list[str]:
+        posts = getattr(cluster, "posts", None)
+        if posts is None or not posts.exists():
+            return []
+        return [json.loads(line)["key"] for line in posts.read_text().splitlines()]
+
+    def checks(self, cluster, report):
+        keys = self._keys(cluster)
+        sink = Path(cluster.cfg.node("emitter").data) / "alerts.jsonl"
+        delivered = [json.loads(line)["alert_id"] for line in sink.read_text().splitlines()] if sink.exists() else []
+        report["webhook_posts"], report["webhook_retries"] = len(keys), getattr(self, "retries", 0)
+        return {"every alert reached the webhook, none lost": (
+                    set(keys) == set(delivered) and len(delivered) > 0,
+                    f"{len(set(keys)):,} alerts, {len(keys) - len(set(keys))} posted twice"),
+                "the emitter held them while the host was gone": (getattr(self, "retries", 0) > 0,
+                                                                  f"{getattr(self, 'retries', 0):.0f} retries")}
+
+
 def make(name: str, duration: float, trades: int) -> Drill:
     if name in ("kill-leader", "pause-leader", "partition-leader", "failover-under-loss"):
         return LeaderFault(name, duration, trades)
@@ -488,6 +540,8 @@ def make(name: str, duration: float, trades: int) -> Drill:
         return DiskFault(name, duration, trades, disks[name])
     if name == "disk-full":
         return DiskFull(name, duration, trades)
+    if name == "webhook-unreachable":
+        return WebhookUnreachable(name, duration, trades)
     if name in LAN_DRILLS:
         return LinkFault(name, duration, trades)
     raise SystemExit(f"unknown drill {name!r}: {', '.join(DRILLS)} or all")

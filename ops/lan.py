@@ -28,6 +28,7 @@ from tape.ops.config import default_toml, load, new_keys
 from tape.ops.local import LocalCluster
 
 CLONE_NEWNET = 0x40000000
+WEBHOOK_PORT = 8080  # the webhook receiver's, alone on its host
 NETNS_DIR = Path("/run/netns")
 
 
@@ -176,19 +177,36 @@ class LanCluster(LocalCluster):
     """The default topology (2 sequencers, 2 rewinders, 3 replicas, the emitter, a load client)
     over a Lan's hosts, from one config file; the local cluster's controls work unchanged."""
 
-    def __init__(self, root: Path, lan: Lan, extra: str = "", delivery: str = "first"):
+    def __init__(self, root: Path, lan: Lan, extra: str = "", delivery: str = "first", webhook: bool = False):
+        """`webhook`: the emitter also posts every alert to a receiver (ops/webhook_receiver.py) on
+        the LAN's last host, which then has nothing else."""
         self.lan = lan
+        self.webhook = webhook
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.config_path = root / "cluster.toml"
+        hosts = lan.addresses[:-1] if webhook else lan.addresses
         text = default_toml(root / "data", clients=1, replicas=3, sequencers=2, keys=new_keys(1),
-                            hosts=lan.addresses, delivery=delivery)
+                            hosts=hosts, delivery=delivery)
+        if webhook:
+            self.webhook_url = f"http://{lan.addresses[-1]}:{WEBHOOK_PORT}/alerts"
+            text = text.replace('role = "emitter"', f'role = "emitter"\nsinks = ["jsonl", "webhook"]\n'
+                                f'webhook_url = "{self.webhook_url}"\nwebhook_timeout_ms = 1000')
         rng = random.SystemRandom()
         group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
         text = text.replace('group = "239.77.0.1"', f'group = "{group}"')
         self.config_path.write_text(text.replace("[journal]", extra + "\n[journal]") if extra else text)
         self.cfg = load(self.config_path)
         self.procs, self.logs, self.started, self.let_go = {}, {}, {}, set()
+
+    def start_all(self, drop: float = 0.0, emitter_args: tuple = ()) -> None:
+        if self.webhook:
+            self.posts = self.root / "webhook-posts.jsonl"
+            self.procs["webhook"] = subprocess.Popen(
+                ["ip", "netns", "exec", self.lan.hosts[-1], sys.executable, "-m", "tape.ops.webhook_receiver",
+                 "--host", self.lan.addresses[-1], "--port", str(WEBHOOK_PORT), "--out", str(self.posts)])
+            self.let_go.add("webhook")  # (not a node: the LAN's end kills it)
+        super().start_all(drop, emitter_args)
 
     def namespace(self, name: str) -> str:
         """The host namespace `name` (a node, or the load client) runs in."""

@@ -50,7 +50,7 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
     from tape.ops.lan import Lan, LanUnavailable
 
     try:
-        with Lan(LAN_HOSTS) as net:
+        with Lan(LAN_HOSTS + (1 if getattr(drill, "webhook", False) else 0)) as net:
             return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net)
     except LanUnavailable as e:
         return _aborted(console or Console(), "the LAN", f"cannot build it here: {e}", drill)
@@ -68,7 +68,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
     else:
         from tape.ops.lan import LanCluster
 
-        cluster = LanCluster(root, net, delivery=delivery)
+        cluster = LanCluster(root, net, delivery=delivery, webhook=getattr(drill, "webhook", False))
     what = f"drill [bold]{drill.name}[/bold]" if drill else "[bold]tape up[/bold]"
     where = f"over {len(net.hosts)} hosts ({', '.join(net.addresses)})" if net else "on loopback"
     try:
