@@ -66,7 +66,7 @@ def tape(*args: str, python: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(TAPE + list(args), capture_output=True, text=True, timeout=600, env=env)
 
 
-def test_audit_and_export_on_a_standalone_cluster_whose_workers_lack_tape(standalone, worker_python, run_dir,
+def test_audit_analytics_and_export_on_a_standalone_cluster_whose_workers_lack_tape(standalone, worker_python, run_dir,
                                                                         tmp_path):
     journal, alerts = str(run_dir / "journal" / "seq-a"), str(run_dir / "alerts.jsonl")
     reports = {}
@@ -84,4 +84,11 @@ def test_audit_and_export_on_a_standalone_cluster_whose_workers_lack_tape(standa
     again = tape("audit", "--journal", str(exported), "--alerts", alerts, "--master", "local[2]", "--report",
                  str(tmp_path / "parquet.json"))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    charts = {}
+    for master, python in (("local[2]", None), (standalone, worker_python)):
+        out = tmp_path / f"analytics-{master.split(':')[0]}"
+        done = tape("analytics", "--journal", journal, "--out", str(out), "--master", master, python=python)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        charts[master] = {k: v for k, v in json.loads((out / "analytics.json").read_text()).items() if k != "seconds"}
+    assert charts[standalone] == charts["local[2]"]
     assert {k: v for k, v in json.loads((tmp_path / "parquet.json").read_text()).items() if k != "seconds"} == local
