@@ -163,6 +163,19 @@ class Voter:
         if truncated:
             self.core.rebuild_log(self.journal.read())
 
+    def report(self, journal_repaired: bool):
+        """The metrics every voter serves about its journal, election state and disk."""
+        yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
+        yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
+        yield "term", "gauge", "current term", self.election.term
+        yield "journal_repaired", "gauge", "1 if this start found the journal damaged and cut it there", \
+            1 if journal_repaired else 0
+        yield "recovering", "gauge", "1 while the election state (a wiped disk) is recovered from the other voters", \
+            1 if self.core.recovering else 0
+        yield "disk_full", "gauge", "1 while a write refused for want of space keeps this node from taking part", \
+            1 if self.election.disk_full else 0
+        yield "disk_full_events", "counter", "writes refused for want of space", self.disk_full_events
+
     def disk_full(self, e: DiskFull) -> None:
         """Stop leading (the node's shell first: it hands its client seqs to the log), then take
         no part until there is space again (tick)."""

@@ -511,11 +511,15 @@ class WebhookUnreachable(Drill):
                                                                   f"{getattr(self, 'retries', 0):.0f} retries")}
 
 
+def _standby(cluster: LocalCluster) -> str | None:
+    return next((s.name for s in cluster.cfg.by_role("sequencer") if s.name != cluster.leader()), None)
+
+
 def make(name: str, duration: float, trades: int) -> Drill:
     if name in ("kill-leader", "pause-leader", "partition-leader", "failover-under-loss"):
         return LeaderFault(name, duration, trades)
     picks = {
-        "kill-standby": lambda c: next((s.name for s in c.cfg.by_role("sequencer") if s.name != c.leader()), None),
+        "kill-standby": _standby,
         "kill-rewinder": lambda c: "rw-1",
         "kill-replica": lambda c: "replica-B",
         "kill-emitter": lambda c: "emitter",
@@ -532,7 +536,7 @@ def make(name: str, duration: float, trades: int) -> Drill:
         return Hostile(name, duration, trades)
     disks = {
         "wipe-rewinder": lambda c: "rw-1",
-        "wipe-standby": lambda c: next((s.name for s in c.cfg.by_role("sequencer") if s.name != c.leader()), None),
+        "wipe-standby": _standby,
         "corrupt-snapshot": lambda c: "replica-B",
         "corrupt-segment": lambda c: "rw-1",
     }

@@ -81,16 +81,7 @@ class Rewinder(NodeProcess):
         yield "bad_frames", "counter", "malformed TCP frames (connection closed)", bad
         yield "refused", "counter", "peers' messages that contradict this node's log, by reason", \
             dict(self.voter.refused)
-        yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
-        yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
-        yield "term", "gauge", "current term", self.voter.election.term
-        yield "journal_repaired", "gauge", "1 if this start found the journal damaged and cut it there", \
-            1 if self.journal_repaired else 0
-        yield "recovering", "gauge", "1 while the election state (a wiped disk) is recovered from the other voters", \
-            1 if self.voter.core.recovering else 0
-        yield "disk_full", "gauge", "1 while a write refused for want of space keeps this node from taking part", \
-            1 if self.voter.election.disk_full else 0
-        yield "disk_full_events", "counter", "writes refused for want of space", self.voter.disk_full_events
+        yield from self.voter.report(self.journal_repaired)
         yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
 
     async def main(self) -> None:

@@ -115,16 +115,7 @@ class Sequencer(NodeProcess):
             {t: span[0] for t, span in terms}, "term"
         yield "published_last_seq", "gauge", "last seq this process published, by term", \
             {t: span[1] for t, span in terms}, "term"
-        yield "journal_fsyncs", "counter", "journal fsync calls", self.journal.fsyncs
-        yield "journal_fsync_seconds", "counter", "time spent in journal fsync", self.journal.fsync_seconds
-        yield "term", "gauge", "current term", e.term
-        yield "journal_repaired", "gauge", "1 if this start found the journal damaged and cut it there", \
-            1 if self.journal_repaired else 0
-        yield "recovering", "gauge", "1 while the election state (a wiped disk) is recovered from the other voters", \
-            1 if self.voter.core.recovering else 0
-        yield "disk_full", "gauge", "1 while a write refused for want of space keeps this node from taking part", \
-            1 if self.voter.election.disk_full else 0
-        yield "disk_full_events", "counter", "writes refused for want of space", self.voter.disk_full_events
+        yield from self.voter.report(self.journal_repaired)
         yield "leader", "gauge", "1 while this node leads", 1 if c else 0
         yield "elections", "counter", "elections this node started (after a won pre-vote)", e.elections
         yield "leader_changes", "counter", "times the leader this node knows changed", e.leader_changes
