@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tape.node.diskspace import DiskFull, no_space
+from tape.node.ratelog import RateLimitedLog
 from tape.protocol import journal as fmt
 from tape.protocol.messages import SEQUENCED_SIZE
 
@@ -25,6 +26,7 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_INDEX_EVERY = 256
 _READ_CHUNK = 1 << 18
 _MIN_READ = 4096  # bytes: the least a bounded read asks the file for
+SLOW_FSYNC_S = 0.1  # an fsync longer than this is counted and logged: a disk that stalls the node
 _RECORD_GUESS = fmt.RECORD_HEADER_SIZE + SEQUENCED_SIZE  # bytes of a typical record, to size a bounded read
 
 
@@ -102,6 +104,9 @@ class Journal:
         # Metrics (plain numbers: the shell exposes them).
         self.fsyncs = 0
         self.fsync_seconds = 0.0
+        self.fsync_max_seconds = 0.0
+        self.slow_fsyncs = 0
+        self._slow_log = RateLimitedLog(log, 5.0)
         self.bytes_written = 0
         if not readonly:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -304,8 +309,14 @@ class Journal:
             return
         t0 = time.perf_counter()
         os.fdatasync(self._fd)
-        self.fsync_seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.fsync_seconds += took
+        self.fsync_max_seconds = max(self.fsync_max_seconds, took)
         self.fsyncs += 1
+        if took > SLOW_FSYNC_S:
+            self.slow_fsyncs += 1
+            self._slow_log.warn("slow", "fsync of %s took %.0f ms: everything this node does waited for it",
+                                self.dir, took * 1000)
         self._dirty = False
         self._last_sync = time.monotonic()
 

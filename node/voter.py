@@ -28,12 +28,13 @@ from typing import Callable, NamedTuple
 
 from tape.node import authlink
 from tape.node.diskspace import CHECK_EVERY_S, RESUME_FREE_BYTES, DiskFull, free_bytes, no_space
+from tape.node.journal_store import SLOW_FSYNC_S
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import replication as rep
 from tape.protocol.election import ElectionAction, Persist, Refused, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import CONTROL_READ, FETCH_MAX, STREAM_READ
+from tape.protocol.limits import CONTROL_READ, FETCH_MAX, STALL_SHARE, STREAM_READ
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 
 log = logging.getLogger("tape.voter")
@@ -108,7 +109,8 @@ class Voter:
         rng = random.Random(zlib.crc32(node.name.encode()))
         now = time.monotonic_ns()
         self.core = VoterCore(node.wire_name, [v.wire_name for v in cfg.voters], can_lead, rng, (lo, 2 * lo),
-                              state.term, state.voted_for, now, journal.read(), not state.found, state.log_floor)
+                              state.term, state.voted_for, now, journal.read(), not state.found, state.log_floor,
+                              int(lo * STALL_SHARE))
         # The first election comes sooner: pre-votes keep a restarted node from disrupting a live leader.
         self.election.deadline = now + rng.randint(lo // 4, lo // 2)
         self.committed = asyncio.Event()  # set and cleared whenever the commit point moves
@@ -175,6 +177,12 @@ class Voter:
         yield "disk_full", "gauge", "1 while a write refused for want of space keeps this node from taking part", \
             1 if self.election.disk_full else 0
         yield "disk_full_events", "counter", "writes refused for want of space", self.disk_full_events
+        yield "stalls", "counter", "gaps between election ticks long enough to hold the timers", self.election.stalls
+        yield "stalled_seconds", "counter", "time the election's timers were held over stalls", \
+            self.election.held_ns / 1e9
+        yield "journal_fsync_slow", "counter", f"journal fsyncs longer than {SLOW_FSYNC_S * 1000:.0f} ms", \
+            self.journal.slow_fsyncs
+        yield "journal_fsync_max_seconds", "gauge", "the longest journal fsync", self.journal.fsync_max_seconds
 
     def disk_full(self, e: DiskFull) -> None:
         """Stop leading (the node's shell first: it hands its client seqs to the log), then take
@@ -215,7 +223,13 @@ class Voter:
                 for w in list(self._conns):
                     w.close()
             self.on_partition(cut)
+        stalls, held = self.election.stalls, self.election.held_ns
         self.act(self.election.on_tick(time.monotonic_ns()))
+        if self.election.stalls != stalls:
+            self.refusal_log.warn("stall", "this process was not running for %.0f ms (CPU starvation, a blocking "
+                                  "disk write or a pause): the election's timers were held for %.0f ms",
+                                  (self.election.held_ns - held) / 1e6 + self.election.stall_ns / 1e6,
+                                  (self.election.held_ns - held) / 1e6)
 
     def note_own(self, first_seq: int, last_seq: int, term: int, sealed: bool = False) -> None:
         self.core.note_own(first_seq, last_seq, term, sealed)

@@ -165,7 +165,7 @@ def _emitter(args) -> int:
 def _up(args) -> int:
     from tape.ops.up import main
 
-    return main(args.rate, args.duration, args.drop, args.out, args.seed, args.delivery, args.lan)
+    return main(args.rate, args.duration, args.drop, args.out, args.seed, args.delivery, args.lan, args.runs)
 
 
 def _sim(args) -> int:
@@ -365,6 +365,9 @@ def _add_up(sub) -> None:
     p.add_argument("--delivery", choices=("first", "quorum"), default="first",
                    help="the emitter's delivery: the first copy of an alert, or once two of three replicas agree")
     p.add_argument("--lan", action="store_true", help="over five hosts: network namespaces on a bridge (root)")
+    p.add_argument("--runs", type=int, choices=range(1, 1001), metavar="N", default=1,
+                   help="run it this many times (seeds SEED, SEED+1, ...; --out DIR/run-N) and print one row per "
+                        "run: verdict, terms, the voters' stalls, slow fsyncs and step-downs")
     p.set_defaults(func=_up)
 
 

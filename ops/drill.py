@@ -29,7 +29,7 @@ from tape.protocol import journal as fmt
 
 DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
           "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart", "hostile",
-          "wipe-rewinder", "wipe-standby", "corrupt-snapshot", "corrupt-segment", "disk-full")
+          "wipe-rewinder", "wipe-standby", "corrupt-snapshot", "corrupt-segment", "disk-full", "pause-all-voters")
 LAN_DRILLS = ("cut-leader-link", "unplug-rewinder", "lossy-links", "slow-links",  # real network faults: --lan only
               "webhook-unreachable")
 CUT_S = 3.0  # cut-leader-link: the leader's cable out at least this long
@@ -218,6 +218,31 @@ class NoMajority(Drill):
 
     def checks(self, cluster, report):
         return {"commits stopped without a majority": (self.stalled, f"at seq {self.last_commit:,.0f}")}
+
+
+class PauseAllVoters(Drill):
+    """pause-all-voters: every voter stopped at once for twice the minimum election timeout (what
+    a host-wide stall does: swap, an fsync storm, a frozen VM), then resumed. No voter heard the
+    others meanwhile, but none was listening either: there must be no election (the election's
+    timers hold over a stall of their own process, protocol/election.py)."""
+
+    def inject(self, cluster):
+        self.term_before = _metric(cluster, cluster.leader() or "seq-a", "tape_sequencer_term") or 0
+        self.pause_s = 2 * cluster.cfg.election_ms / 1000
+        voters = [n.name for n in cluster.cfg.voters]
+        for name in voters:
+            os.kill(cluster.procs[name].pid, signal.SIGSTOP)
+        time.sleep(self.pause_s)  # the fault is a stall of this length
+        for name in voters:
+            os.kill(cluster.procs[name].pid, signal.SIGCONT)
+        self.healed = True
+        return f"SIGSTOP {', '.join(voters)} for {self.pause_s * 1000:.0f} ms, then SIGCONT " \
+               f"(term {self.term_before:.0f})"
+
+    def checks(self, cluster, report):
+        terms = [t["term"] for t in report["terms"]]
+        return {"no election over a stall of every voter": (self.injected and len(terms) == 1,
+                                                             f"terms {terms}")}
 
 
 class ClientRestart(Drill):
@@ -532,6 +557,8 @@ def make(name: str, duration: float, trades: int) -> Drill:
         return Drill(name, duration, trades)
     if name == "client-restart":
         return ClientRestart(name, duration, trades)
+    if name == "pause-all-voters":
+        return PauseAllVoters(name, duration, trades)
     if name == "hostile":
         return Hostile(name, duration, trades)
     disks = {

@@ -33,7 +33,7 @@ from tape.protocol import moldudp64
 from tape.protocol import replication as rep
 from tape.protocol.election import Lead, Persist, Refused, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import CATCHUP_CHUNK
+from tape.protocol.limits import CATCHUP_CHUNK, STALL_SHARE
 from tape.protocol.listener import Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.replication import Ack, Append, Fetch, Hello, Vote, VoteRequest
@@ -130,7 +130,7 @@ class Voter:
         rng = random.Random(self.sim.rng.random())
         self.core = VoterCore(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, (150 * MS, 300 * MS), term,
                               voted, self.sim.now, self.records(), recovering=self.vote is None,
-                              log_floor=floor)
+                              log_floor=floor, stall_ns=int(150 * MS * STALL_SHARE))
         self.election = self.core.election
         self.leader: LeaderCore | None = None
         self.links: FollowerLinks | None = None  # while leading

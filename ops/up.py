@@ -84,11 +84,13 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             _watch(console, cluster, duration, drill, deadline=time.monotonic() + duration + slack_s)
             if drill:
                 drill.finish(cluster)
+            timing = _voter_timing(cluster)
             _stop_in_order(cluster)
         except (ClusterError, FaultUnavailable) as e:  # fail now, saying why, rather than wait for a verdict
             report = _aborted(console, what, str(e), drill)
         else:
             report = _verdict(console, cluster, total, rate, drill)
+            report["voters"] = timing
     finally:
         cluster.close()
         if drill:
@@ -118,6 +120,23 @@ def _stop_in_order(cluster: LocalCluster) -> None:
         cluster.stop(r)
     for name in ("emitter", "rw-1", "rw-2"):
         cluster.stop(name)
+
+
+def _voter_timing(cluster: LocalCluster) -> dict:
+    """Per voter, what an election timer would have felt: its own stalls (held timers), slow
+    fsyncs and step-downs by reason. The evidence when a run elects more than one term."""
+    out = {}
+    for n, m in _scrape(cluster).items():
+        if n not in VOTERS or not m:
+            continue
+        def total(suffix: str) -> float:
+            return sum(v for k, v in m.items() if k.split("{")[0].endswith(suffix))
+        out[n] = {"stalls": int(total("_stalls_total")), "stalled_ms": round(total("_stalled_seconds_total") * 1000),
+                  "slow_fsyncs": int(total("_journal_fsync_slow_total")),
+                  "fsync_max_ms": round(total("_journal_fsync_max_seconds") * 1000, 1),
+                  "step_downs": {k.split('reason="')[1].rstrip('"}'): int(v) for k, v in m.items()
+                                 if k.startswith("tape_sequencer_step_downs_total") and 'reason="' in k}}
+    return out
 
 
 def _scrape(cluster: LocalCluster) -> dict:
@@ -185,7 +204,7 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: flo
 
 
 def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> dict:
-    run = read_run(cluster.cfg, VOTERS, REPLICAS, SEQUENCERS, cluster.output("load"), total)
+    run = read_run(cluster.cfg, VOTERS, REPLICAS, SEQUENCERS, cluster.output("load"), total, plain=drill is None)
     checks, figures, report = judge(run)
     lat = run.load.get("latency_ms", {})
     # Inbound (the sequencer's stamp) to applied, for the slowest of the replicas.
@@ -251,5 +270,33 @@ def _arrange(cluster: LocalCluster, root: Path) -> None:
 
 
 def main(rate: float, duration: float, drop: float, out: str | None, seed: int, delivery: str = "first",
-         lan: bool = False) -> int:
-    return 0 if run_up(rate, duration, drop, out, seed, delivery=delivery, lan=lan)["verdict"] == "pass" else 1
+         lan: bool = False, runs: int = 1) -> int:
+    if runs == 1:
+        return 0 if run_up(rate, duration, drop, out, seed, delivery=delivery, lan=lan)["verdict"] == "pass" else 1
+    reports = []
+    for i in range(runs):
+        run_out = str(Path(out) / f"run-{i + 1}") if out else None
+        reports.append(run_up(rate, duration, drop, run_out, seed + i, delivery=delivery, lan=lan))
+        _print_runs(Console(), reports, runs)
+    return 0 if all(r["verdict"] == "pass" for r in reports) else 1
+
+
+def _print_runs(console: Console, reports: list[dict], runs: int) -> None:
+    """One row per run: verdict, terms, and what the voters' timers felt: stalls (all voters), the
+    longest total a voter's timers were held, slow fsyncs (all voters) and the longest fsync."""
+    table = Table(title=f"{len(reports)} of {runs} runs")
+    for col in ("run", "verdict", "terms", "msg/s", "p99 ms", "stalls", "held ms", "slow fsyncs", "fsync ms",
+                "step-downs"):
+        table.add_column(col, justify="left" if col in ("verdict", "step-downs") else "right")
+    for i, r in enumerate(reports, 1):
+        voters = r.get("voters", {})
+        stalls = sum(v["stalls"] for v in voters.values())
+        held = max((v["stalled_ms"] for v in voters.values()), default=0)
+        slow = sum(v["slow_fsyncs"] for v in voters.values())
+        fsync_max = max((v["fsync_max_ms"] for v in voters.values()), default=0)
+        downs = ", ".join(f"{n}: {reason} x{c}" for n, v in voters.items() for reason, c in v["step_downs"].items())
+        table.add_row(str(i), r["verdict"] if not r.get("aborted") else f"fail ({r['aborted'][:40]})",
+                      str(len(r.get("terms", []))), f"{r['rate_msgs_per_s']:,.0f}",
+                      f"{r['latency_ms'].get('p99') or 0:.1f}", str(stalls), str(held), str(slow), f"{fsync_max:.0f}",
+                      downs or "-")
+    console.print(table)

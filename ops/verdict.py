@@ -33,6 +33,7 @@ class RunFiles:
     emitter: dict = field(default_factory=dict)  # its status.json
     load: dict = field(default_factory=dict)  # tape load's JSON report
     sequencers: dict[str, dict] = field(default_factory=dict)  # sequencer -> its status.json
+    plain: bool = False  # no fault was injected that should move leadership: one term expected
 
 
 def _read_json(path: Path) -> dict:
@@ -42,8 +43,8 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int) -> RunFiles:
-    """What a local run left in its nodes' data directories."""
+def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int, plain: bool = False) -> RunFiles:
+    """What a local run left in its nodes' data directories (`plain`: no fault injected)."""
     sink = Path(cfg.node("emitter").data) / "alerts.jsonl"
     rows = [json.loads(line) for line in sink.read_text().splitlines() if line.strip()] if sink.exists() else []
     try:
@@ -56,7 +57,7 @@ def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int
         journals={n: list(Journal(Path(cfg.node(n).data) / "journal", readonly=True).read()) for n in voters},
         replicas={r: _read_json(Path(cfg.node(r).data) / "status.json") for r in replicas},
         alerts=rows, emitter=_read_json(Path(cfg.node("emitter").data) / "status.json"), load=load,
-        sequencers={s: _read_json(Path(cfg.node(s).data) / "status.json") for s in sequencers})
+        sequencers={s: _read_json(Path(cfg.node(s).data) / "status.json") for s in sequencers}, plain=plain)
 
 
 def judge(run: RunFiles) -> tuple[dict, dict, dict]:
@@ -104,6 +105,8 @@ def judge(run: RunFiles) -> tuple[dict, dict, dict]:
         "divergences": divergences, "rejects": rejects, "terms": terms, "published_terms": published,
         "term_problems": term_issues,
     }
+    if run.plain:
+        checks["no fault, one term: no spurious election"] = (len(terms) == 1, f"{len(terms)} terms")
     return {k: ok for k, (ok, _) in checks.items()}, {k: f for k, (_, f) in checks.items()}, report
 
 

@@ -37,6 +37,14 @@ Rules (DESIGN.md section 5):
   it may have voted is at most its candidate's term, and every committed
   entry is in some log it heard, as long as fewer than a majority of voters
   lost their disks.
+- Silence a node could not hear is not silence: when the gap between two
+  ticks exceeds `stall_ns` (the process was not scheduled, blocked in a disk
+  write, or stopped), every timer is held by the gap beyond `stall_ns`, so
+  a node judges its peers (check-quorum, pre-votes, its own campaign) only
+  on time it was listening; the replies that arrived meanwhile are read
+  before the next tick. Time still advances by at least `stall_ns` a tick,
+  so a node starved for good still times out. Liveness only: a held timer
+  never changes what terms and votes decide.
 - A voter whose disk is full (a journal or vote write refused for want of
   space) steps down if it leads or campaigns, and neither votes, campaigns
   nor follows until the shell says there is space again: it cannot make
@@ -105,7 +113,7 @@ class ElectionCore:
     def __init__(self, name: bytes, voters: list[bytes], can_lead: bool, log_position: Callable[[], tuple[int, int]],
                  rng: Rng, timeout_ns: tuple[int, int] = (300_000_000, 600_000_000), term: int = 0,
                  voted_for: bytes | None = None, now_ns: int = 0, recovering: bool = False,
-                 log_floor: tuple[int, int] = (0, 0)):
+                 log_floor: tuple[int, int] = (0, 0), stall_ns: int | None = None):
         if name not in voters:
             raise ValueError(f"{name!r} is not one of the voters")
         self.name = name
@@ -129,6 +137,10 @@ class ElectionCore:
         self.heard: dict[bytes, tuple[int, int, int]] = {}  # while recovering: voter -> (term, last_term, last_seq)
         self.log_floor = log_floor
         self.disk_full = False  # a write was refused for want of space: absent until space returns
+        self.stall_ns = stall_ns  # a longer gap between ticks holds the timers (None: never)
+        self.last_tick_ns = now_ns
+        self.stalls = 0
+        self.held_ns = 0  # total time the timers were held over stalls
 
     @property
     def majority(self) -> int:
@@ -206,6 +218,7 @@ class ElectionCore:
     # --- time ------------------------------------------------------------------------
 
     def on_tick(self, now_ns: int) -> list[ElectionAction]:
+        self._hold_over_stall(now_ns)
         if self.absent:
             return []
         if self.role == LEADER:
@@ -229,6 +242,18 @@ class ElectionCore:
         if len(self.votes) >= self.majority:
             return self._campaign(now_ns)
         return [RequestVotes(True, self.term + 1, last_seq, last_term)]
+
+    def _hold_over_stall(self, now_ns: int) -> None:
+        gap = now_ns - self.last_tick_ns
+        self.last_tick_ns = now_ns
+        if self.stall_ns is None or gap <= self.stall_ns:
+            return
+        held = gap - self.stall_ns
+        self.stalls += 1
+        self.held_ns += held
+        self.heard_ns = min(self.heard_ns + held, now_ns)
+        self.acked = {v: min(t + held, now_ns) for v, t in self.acked.items()}
+        self.deadline = min(self.deadline + held, now_ns + self.timeout_hi)
 
     def _campaign(self, now_ns: int) -> list[ElectionAction]:
         self.role = CANDIDATE

@@ -49,6 +49,11 @@ MAX_HINT_AHEAD = 1 << 24  # a heartbeat further ahead of the stream than this is
 HINT_TRIES = 8  # with keys: gap requests a heartbeat's hint is worth while the stream does not move
 RESENDS_PER_ROUND = 16  # unacknowledged batches a client resends per round
 
+# A gap between a voter's election ticks longer than this share of the minimum election timeout
+# is a stall of its process (not scheduled, blocked in a disk write, stopped): it holds the
+# election's timers (protocol/election.py).
+STALL_SHARE = 1 / 6
+
 
 def _check() -> None:
     append_overhead = replication.FRAME.size + replication.APPEND.size

@@ -98,9 +98,10 @@ class LogState:
 class VoterCore:
     def __init__(self, name: bytes, voters: list[bytes], can_lead: bool, rng: Rng, timeout_ns: tuple[int, int],
                  term: int, voted_for: bytes | None, now_ns: int, records=(), recovering: bool = False,
-                 log_floor: tuple[int, int] = (0, 0)):
+                 log_floor: tuple[int, int] = (0, 0), stall_ns: int | None = None):
         """`records`: the journal as it is, (seq, term, message) in order. `recovering`: the election
-        state is missing (ElectionCore: no vote until every other voter's hello is in)."""
+        state is missing (ElectionCore: no vote until every other voter's hello is in). `stall_ns`:
+        a longer gap between ticks holds the election's timers (ElectionCore)."""
         self.name = name
         self.can_lead = can_lead
         self.log = LogState()
@@ -108,7 +109,7 @@ class VoterCore:
         self.last_seq, self.last_term = self.log.last
         self.election = ElectionCore(name, voters, can_lead and not self.log.ended, self.position, rng, timeout_ns,
                                      max(term, self.last_term), voted_for, now_ns,
-                                     recovering, log_floor)
+                                     recovering, log_floor, stall_ns)
         self.follower = FollowerCore(name, self.last_seq, self.last_term, self.term_at, term=self.election.term)
         self._leader_conns: dict[Hashable, tuple[bytes, int]] = {}  # connections that carried the leader's appends
         self.appended = 0

@@ -90,6 +90,54 @@ def test_a_leader_steps_down_on_a_higher_term_and_without_a_majority():
     assert kinds(acts) == ["StepDown"] and "check-quorum" in acts[0].reason and d.role == FOLLOWER
 
 
+def ticked_leader(stall_ns):
+    """A leader elected on ticks 10 ms apart, every follower just heard; returns it and the time."""
+    c = ElectionCore(A, VOTERS, True, lambda: (0, 0), random.Random(1), (300 * MS, 600 * MS), stall_ns=stall_ns)
+    t = 0
+    while c.role != LEADER:
+        t += 10 * MS
+        if c.on_tick(t):
+            for v in (B, R1):
+                c.on_vote(c.term + 1, v, True, True, t)
+            for v in (B, R1):
+                c.on_vote(c.term, v, True, False, t)
+    assert c.stalls == 0
+    return c, t
+
+
+def test_a_leader_that_was_not_running_judges_its_followers_only_on_time_it_was_listening():
+    (held, t), (plain, _) = ticked_leader(50 * MS), ticked_leader(None)
+    # Not scheduled for 500 ms: the acks sent meanwhile are still unread at the first tick.
+    assert kinds(plain.on_tick(t + 500 * MS)) == ["StepDown"]
+    assert held.on_tick(t + 500 * MS) == [] and held.role == LEADER
+    assert held.stalls == 1 and held.held_ns == 450 * MS
+    for v in (R1, R2):
+        held.on_ack(v, 1, t + 501 * MS)  # read right after
+    # Cut off for real from then on: it steps down once it has listened for a whole timeout.
+    quiet = [held.on_tick(t + 510 * MS + i * 10 * MS) for i in range(31)]  # the last at 309 ms
+    assert quiet[:-1] == [[]] * 30 and kinds(quiet[-1]) == ["StepDown"]
+    assert held.stalls == 1
+
+
+def test_a_node_starved_for_good_still_times_out():
+    c, t = ticked_leader(50 * MS)
+    # Every tick 60 ms late: each holds the timers by 10 ms, so time still moves 50 ms a tick.
+    ticks = 1
+    while c.on_tick(t + ticks * 60 * MS) == []:
+        ticks += 1
+    assert ticks == 6 and c.role == FOLLOWER and c.stalls == 6 and c.held_ns == 60 * MS  # 6 x 50 ms listened
+
+
+def test_a_follower_back_from_a_stall_reads_its_leader_before_it_campaigns():
+    c = ElectionCore(B, VOTERS, True, lambda: (0, 0), random.Random(1), (300 * MS, 600 * MS), stall_ns=50 * MS)
+    assert c.on_tick(10 * MS) == [] and c.on_append(1, A, 15 * MS)[0]
+    assert c.on_tick(20 * MS) == []
+    # Stopped from 20 ms to 2 s: past any deadline, yet no campaign, and no pre-vote granted.
+    assert c.on_tick(2000 * MS) == [] and c.role == FOLLOWER and c.stalls == 1
+    assert c.on_vote_request(2, R1, 0, 0, True, 2000 * MS) == (False, [])
+    assert c.on_append(1, A, 2001 * MS)[0] and c.on_tick(2010 * MS) == [] and c.leader == A
+
+
 def test_a_rejected_pre_vote_teaches_the_candidate_the_higher_term():
     c = core()
     c.on_tick(700 * MS)

@@ -27,7 +27,7 @@ def good_run(n: int = 400) -> RunFiles:
                     journals={v: list(records) for v in ("seq-a", "seq-b", "rw-1", "rw-2")},
                     replicas={r: dict(status) for r in ("replica-A", "replica-B", "replica-C")}, alerts=rows,
                     emitter={"divergences": 0}, load={"acked": n, "submitted": n},
-                    sequencers={"seq-a": {"published_terms": {"1": [1, len(records)]}}, "seq-b": {}})
+                    sequencers={"seq-a": {"published_terms": {"1": [1, len(records)]}}, "seq-b": {}}, plain=True)
 
 
 def test_a_good_run_passes_every_row():
@@ -62,6 +62,19 @@ def stamp_backwards(run, seq=50):
         r["digest"] = machine.digest()
 
 
+def second_term(run):
+    """seq-a led again in term 2 with no fault injected (a spurious election), correctly otherwise."""
+    records = run.journals["seq-a"]
+    again = M.term_start(10**6, b"seq-a".ljust(10), 2, "seq-a")
+    records = records + [(len(records) + 1, 2, again)]
+    run.journals = {v: list(records) for v in run.journals}
+    run.sequencers["seq-a"]["published_terms"]["2"] = [len(records), len(records)]
+    machine = AuditMachine(TTL, TTL)
+    machine.apply_run(1, [M.SEQUENCED.unpack(m) for _, _, m in records])
+    for r in run.replicas.values():
+        r.update(last_seq=len(records), digest=machine.digest())
+
+
 BAD = {
     "all trades acknowledged": lambda run: run.load.update(acked=run.submitted - 1),
     # The load saw one more trade acknowledged than the log holds (a forged acknowledgement).
@@ -79,6 +92,7 @@ BAD = {
     "no divergence alarms": lambda run: run.emitter.update(divergences=1),
     "each term published only by its winner": lambda run: run.sequencers["seq-b"].update(
         published_terms={"1": [10, 20]}),
+    "no fault, one term: no spurious election": second_term,
 }
 
 
