@@ -184,6 +184,9 @@ def test_dump_cli_prints_every_record(tmp_path):
     )
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["seq"] for r in rows] == list(range(10, 61))
+    out = subprocess.run(TAPE + ["journal", "dump", str(tmp_path), "--from", "10", "--to", "12"],
+                         capture_output=True, text=True, check=True)
+    assert [json.loads(line)["seq"] for line in out.stdout.splitlines()] == [10, 11, 12]
     assert rows[0] == {"seq": 10, "term": 1, "type": "purchase", "purchase_id": 10, "order_id": 3, "shares": 10,
                        "client": "Sendence", "stock": "AAPL", "stamp_ns": 100, "origin": "client1", "client_seq": 10}
     out = subprocess.run(TAPE + ["journal", "verify", str(tmp_path)], capture_output=True, text=True)

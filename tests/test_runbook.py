@@ -1,0 +1,65 @@
+"""docs/runbook.md's commands are the CLI's: every subcommand and option it names exists, and a
+test runs each of them (the runbook is written from what the tests do)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tape.ops.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNBOOK = (ROOT / "docs" / "runbook.md").read_text()
+COMMANDS = sorted({" ".join(c.split()) for c in re.findall(r"`(tape [^`]+)`", RUNBOOK)})
+TESTS = {p.name: p.read_text() for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_runbook.py"}
+# Where a test drives a command through the Python function behind it rather than the CLI:
+# command -> (test file, the call it makes).
+THROUGH_PYTHON = {"tape sim --seeds N": ("test_sim.py", "sim.main(1, 2000")}
+
+
+def words(command: str) -> list[str]:
+    """The command's words after `tape`, up to a shell redirection."""
+    ws = command.split()[1:]
+    return ws[:ws.index(">")] if ">" in ws else ws
+
+
+def resolve(ws: list[str]):
+    """(the subcommand path, the parser that takes the options) for the command's words."""
+    parser, path = build_parser(), []
+    for w in ws:
+        subs = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+        if w.startswith("-") or not subs or w not in subs[0].choices:
+            break
+        parser, path = subs[0].choices[w], [*path, w]
+    return path, parser
+
+
+def options(ws: list[str]) -> list[str]:
+    return [w.split("=")[0] for w in ws if w.startswith("--")]
+
+
+def test_the_runbook_names_commands():
+    assert len(COMMANDS) > 15 and any(c.startswith("tape config check") for c in COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_subcommand_and_option_the_runbook_names_exists(command):
+    ws = words(command)
+    path, parser = resolve(ws)
+    assert path, f"{command!r}: no such subcommand"
+    known = {o for a in parser._actions for o in a.option_strings}
+    unknown = [o for o in options(ws) if o not in known]
+    assert not unknown, f"{command!r}: tape {' '.join(path)} has no option {unknown}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_in_the_runbook_is_run_by_a_test(command):
+    if command in THROUGH_PYTHON:
+        name, call = THROUGH_PYTHON[command]
+        assert call in TESTS[name], f"{command!r}: {name} no longer makes {call!r}"
+        return
+    ws = words(command)
+    path, _ = resolve(ws)
+    needed = [f'"{w}"' for w in (*path, *options(ws))]
+    runners = [name for name, text in TESTS.items() if "TAPE" in text and all(n in text for n in needed)]
+    assert runners, f"{command!r}: no test runs tape {' '.join(path)} with {options(ws) or 'no options'}"
