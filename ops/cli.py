@@ -56,6 +56,13 @@ def _bench_failover(args) -> int:
     return 0 if all(v == "pass" for v in result["verdicts"]) else 1
 
 
+def _bench_cluster(args) -> int:
+    from tape.ops.bench_cluster import bench_cluster
+
+    bench_cluster([float(r) for r in args.rates.split(",")], args.short, args.long, args.out)
+    return 0
+
+
 def _bench_spark(args) -> int:
     from tape.ops.bench import bench_spark
 
@@ -573,6 +580,16 @@ def _add_bench(sub) -> None:
     bf.add_argument("--rate", type=float, default=20_000, help="trades per second during each drill (default 20000)")
     bf.add_argument("--duration", type=float, default=4.0, help="seconds of load per drill (default 4)")
     bf.set_defaults(func=_bench_failover)
+    bc = bsub.add_parser("cluster", help="marginal CPU per message of every process of tape up, over a ladder of rates",
+                         description="For each rate, run the whole tape up topology for --short and --long seconds; "
+                                     "print per process the CPU µs per message (the long run's CPU minus the short "
+                                     "one's, over the extra messages, read from /proc), the achieved rate and the "
+                                     "latency percentiles.")
+    bc.add_argument("--rates", default="50000,100000,150000,200000,250000,300000", help="comma-separated offered rates")
+    bc.add_argument("--short", type=float, default=2.0, help="seconds of the short run (default 2)")
+    bc.add_argument("--long", type=float, default=8.0, help="seconds of the long run (default 8)")
+    bc.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    bc.set_defaults(func=_bench_cluster)
     bk = bsub.add_parser("spark", help="audit and analytics time over a generated journal",
                          description="Write a journal of --messages generated trades and its delivered alerts, then "
                                      "time in Spark: a count, the Parquet export, the audit (zero findings asserted) "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import signal
 import time
 
@@ -72,6 +73,7 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
         "latency_ms": {"p50": round(percentile(lat, 0.5), 3), "p99": round(percentile(lat, 0.99), 3),
                        "max": round(max(lat, default=0.0), 3)},
         "gap_requests": sum(c.listener.requests_sent for c in clients),
+        "cpu_s": round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3),  # user + system, this process
     }
     for c in clients:
         await c.close()

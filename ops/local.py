@@ -171,6 +171,19 @@ class LocalCluster:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each live process has used so far, from /proc/PID/stat."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for name, proc in self.procs.items():
+            try:
+                stat = Path(f"/proc/{proc.pid}/stat").read_text()
+            except OSError:
+                continue  # exited
+            fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+            out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
+        return out
+
     def journal_dump(self, node: str) -> list[dict]:
         out = subprocess.run(TAPE + ["journal", "dump", str(self.journal_dir(node))],
                              capture_output=True, text=True, check=True)

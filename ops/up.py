@@ -33,6 +33,7 @@ REPLICAS = ("replica-A", "replica-B", "replica-C")
 SLACK_S = 90.0  # a run that has not finished its load this long after its duration is stuck: fail it
 LAN_HOSTS = 5  # --lan: seq-a, seq-b, rw-1, rw-2 a host each; the replicas, emitter and load on the fifth
 REPLICAS_FINISH_S = 60.0  # after the end of session, for the replicas to apply everything
+APPLIED_WAIT_S = 30.0  # after the load, for the replicas to apply what was committed (CPU accounting)
 
 
 def _m(metrics: dict, name: str, node: str) -> float:
@@ -85,12 +86,15 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             if drill:
                 drill.finish(cluster)
             timing = _voter_timing(cluster)
+            cpu = _cpu_when_applied(cluster) if drill is None else {}
             _stop_in_order(cluster)
         except (ClusterError, FaultUnavailable) as e:  # fail now, saying why, rather than wait for a verdict
             report = _aborted(console, what, str(e), drill)
         else:
             report = _verdict(console, cluster, total, rate, drill)
             report["voters"] = timing
+            if cpu:
+                report["cpu_s"] = {**cpu, "load": json.loads(cluster.output("load") or "{}").get("cpu_s", 0.0)}
     finally:
         cluster.close()
         if drill:
@@ -120,6 +124,20 @@ def _stop_in_order(cluster: LocalCluster) -> None:
         cluster.stop(r)
     for name in ("emitter", "rw-1", "rw-2"):
         cluster.stop(name)
+
+
+def _cpu_when_applied(cluster: LocalCluster) -> dict[str, float]:
+    """Each process's CPU seconds once every replica has applied what was committed when the
+    load ended (or APPLIED_WAIT_S passed): all the work of the run's messages, none of stopping."""
+    m = _scrape(cluster)
+    committed = max(_m(m[s], "tape_sequencer_commit_seq", s) for s in SEQUENCERS)
+    deadline = time.monotonic() + APPLIED_WAIT_S
+    while time.monotonic() < deadline:
+        m = _scrape(cluster)
+        if all(_m(m[r], "tape_replica_applied_seq", r) >= committed for r in REPLICAS if m[r]):
+            break
+        time.sleep(0.05)
+    return cluster.cpu_seconds()
 
 
 def _voter_timing(cluster: LocalCluster) -> dict:

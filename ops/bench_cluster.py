@@ -1,0 +1,85 @@
+"""`tape bench cluster`: where the whole cluster's CPU goes, per process and per message.
+
+For each offered rate the whole `tape up` topology runs twice, a short run and a long one. A
+process's CPU time (user + system, from /proc once the replicas applied everything) in the long
+run minus the short one, over the messages sequenced in the long run minus the short one, is
+its marginal CPU per message: start-up, idle ticks and the end of the session cancel out. The
+achieved rate and the latencies are the long run's. Figures, never pass/fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from tape.ops.up import REPLICAS, run_up
+
+PROCESSES = ("leader", "standby", "rw-1", "rw-2", *REPLICAS, "emitter", "load")
+
+
+def marginal_us(short: dict, long: dict) -> dict[str, float]:
+    """Per process, CPU µs per message sequenced, from two runs' reports (the sequencers named
+    by role: whichever led the long run is the leader)."""
+    extra = long["sequenced"] - short["sequenced"]
+    if extra <= 0:
+        raise ValueError("the long run sequenced no more than the short one")
+
+    def by_role(report: dict) -> dict[str, float]:
+        cpu = dict(report["cpu_s"])
+        leader = report["terms"][-1]["leader"]
+        standby = next(s for s in ("seq-a", "seq-b") if s != leader)
+        return {**cpu, "leader": cpu.pop(leader, 0.0), "standby": cpu.pop(standby, 0.0)}
+
+    a, b = by_role(short), by_role(long)
+    out = {p: (b.get(p, 0.0) - a.get(p, 0.0)) * 1e6 / extra for p in PROCESSES}
+    out["whole cluster"] = sum(out.values())
+    return out
+
+
+def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | None) -> list[dict]:
+    console = Console()
+    quiet = Console(file=open(os.devnull, "w"))
+    rows = []
+    with Progress(console=console) as progress:
+        task = progress.add_task("cluster runs", total=2 * len(rates))
+        for rate in rates:
+            reports = []
+            for seconds in (short_s, long_s):
+                reports.append(run_up(rate, seconds, 0.0, None, seed=1, console=quiet))
+                progress.advance(task)
+            short, long = reports
+            if "cpu_s" not in short or "cpu_s" not in long:
+                console.print(f"{rate:,.0f} msg/s: a run aborted ({short.get('aborted') or long.get('aborted')})")
+                continue
+            rows.append({"rate_offered": rate, "rate_achieved": long["rate_msgs_per_s"],
+                         "verdict": long["verdict"], "terms": len(long["terms"]),
+                         "inbound_to_applied_ms": long["latency_ms"],
+                         "submit_to_sequenced_ms": long["submit_to_sequenced_ms"],
+                         "us_per_msg": marginal_us(short, long)})
+    console.print(_table(rows, short_s, long_s))
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=1))
+        console.print(f"figures: {out}")
+    return rows
+
+
+def _table(rows: list[dict], short_s: float, long_s: float) -> Table:
+    table = Table(title=f"tape bench cluster: marginal CPU µs per message ({long_s:g} s run minus {short_s:g} s run)")
+    table.add_column("offered msg/s")
+    for r in rows:
+        table.add_column(f"{r['rate_offered']:,.0f}", justify="right")
+    table.add_row("achieved msg/s", *(f"{r['rate_achieved']:,.0f}" for r in rows))
+    table.add_row("verdict, terms", *(f"{r['verdict']}, {r['terms']}" for r in rows))
+    for label, key in (("inbound to applied", "inbound_to_applied_ms"),
+                       ("submit to sequenced", "submit_to_sequenced_ms")):
+        table.add_row(f"{label} p50 / p99 ms",
+                      *(f"{r[key].get('p50') or 0:.1f} / {r[key].get('p99') or 0:.1f}" for r in rows))
+    for p in (*PROCESSES, "whole cluster"):
+        table.add_row(p if p != "whole cluster" else "[bold]whole cluster[/bold]",
+                      *(f"{r['us_per_msg'][p]:.2f}" for r in rows))
+    return table

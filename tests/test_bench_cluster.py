@@ -1,0 +1,39 @@
+"""`tape bench cluster`: the marginal CPU per message of every process, from two real runs."""
+
+import json
+import subprocess
+
+import pytest
+from conftest import TAPE
+
+from tape.ops.bench_cluster import PROCESSES, marginal_us
+
+pytestmark = pytest.mark.process
+
+
+def report(sequenced, leader, **cpu):
+    return {"sequenced": sequenced, "terms": [{"leader": leader}], "cpu_s": cpu}
+
+
+def test_the_marginal_cost_is_the_difference_over_the_extra_messages_by_role():
+    short = report(1000, "seq-a", **{"seq-a": 1.0, "seq-b": 0.5, "rw-1": 0.4, "load": 0.2})
+    long = report(11000, "seq-b", **{"seq-a": 1.2, "seq-b": 0.9, "rw-1": 0.44, "load": 0.3})
+    us = marginal_us(short, long)
+    # seq-b led the long run: the leader is seq-b there and seq-a in the short one.
+    assert us["leader"] == pytest.approx((0.9 - 1.0) * 1e6 / 10_000)
+    assert us["standby"] == pytest.approx((1.2 - 0.5) * 1e6 / 10_000)
+    assert us["rw-1"] == pytest.approx(4.0) and us["load"] == pytest.approx(10.0) and us["emitter"] == 0.0
+    assert us["whole cluster"] == pytest.approx(sum(us[p] for p in PROCESSES))
+    with pytest.raises(ValueError):
+        marginal_us(long, short)
+
+
+def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
+    out = subprocess.run(TAPE + ["bench", "cluster", "--rates", "3000", "--short", "1", "--long", "3",
+                                 "--out", str(tmp_path / "figures.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    [row] = json.loads((tmp_path / "figures.json").read_text())
+    assert row["verdict"] == "pass" and row["rate_offered"] == 3000 and row["rate_achieved"] > 0
+    assert set(row["us_per_msg"]) == {*PROCESSES, "whole cluster"}
+    assert all(row["us_per_msg"][p] > 0 for p in ("leader", "rw-1", "replica-A", "load"))
+    assert "whole cluster" in out.stdout
