@@ -10,7 +10,6 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,11 +100,7 @@ class Journal:
         self.last_term = 0
         self._fd: int | None = None
         self._last_sync = 0.0
-        # fdatasync may run on another thread (node/journal_sync.py): it holds this lock while it
-        # uses the file descriptor, which rolling, truncating and closing replace.
-        self._sync_lock = threading.RLock()
-        self.durable_seq = 0  # every record through this seq is on disk (fsynced)
-        self.background = None  # a BackgroundSync: the 'batch' policy's fsyncs off the event loop
+        self._dirty = False
         # Metrics (plain numbers: the shell exposes them).
         self.fsyncs = 0
         self.fsync_seconds = 0.0
@@ -145,10 +140,6 @@ class Journal:
                 break
         if not self.readonly and self.segments:
             self._fd = os.open(self.segments[-1].path, os.O_WRONLY | os.O_APPEND)
-            # What a crashed process wrote may still be only in the page cache: make it durable
-            # before it is counted as such (a restarted voter's hello claims it).
-            os.fdatasync(self._fd)
-        self.durable_seq = self.last_seq
 
     def _check_header(self, seg: Segment) -> None:
         with open(seg.path, "rb") as f:
@@ -261,6 +252,7 @@ class Journal:
         seg.size = offset + len(buf)
         seg.last_seq = records[-1][0]
         self.last_term = records[-1][1]
+        self._dirty = True
 
     def _write(self, buf: bytes) -> None:
         view = memoryview(buf)
@@ -270,10 +262,6 @@ class Journal:
         self.bytes_written += len(buf)
 
     def _roll(self, first_seq: int) -> None:
-        with self._sync_lock:
-            self._roll_locked(first_seq)
-
-    def _roll_locked(self, first_seq: int) -> None:
         if self.session is None:
             raise ValueError("a new journal needs a session")
         if self.segments:
@@ -310,37 +298,26 @@ class Journal:
             os.close(fd)
 
     def maybe_sync(self) -> None:
-        """fsync if the policy says one is due (call on a timer too); with the 'batch' policy and a
-        background syncer, start one there (its callback says when the records are durable)."""
-        if self.fsync_interval is None or self.durable_seq >= self.last_seq:
+        """fsync if the policy says one is due (call on a timer too)."""
+        if self.fsync_interval is None or not self._dirty:
             return
-        if self.fsync_interval == 0 and self.background is not None:
-            self.background.kick()
-        elif self.fsync_interval == 0 or time.monotonic() - self._last_sync >= self.fsync_interval:
+        if self.fsync_interval == 0 or time.monotonic() - self._last_sync >= self.fsync_interval:
             self._fsync()
 
-    @property
-    def gated(self) -> bool:
-        """Whether a record is durable only once `durable_seq` reaches it (the 'batch' policy with
-        a background syncer); otherwise what the policy makes durable is so when append returns."""
-        return self.fsync_interval == 0 and self.background is not None
-
     def _fsync(self) -> None:
-        """fdatasync what is written so far (from any thread: it holds the sync lock)."""
-        with self._sync_lock:
-            seq = self.last_seq  # written (write() returned) before the fdatasync starts: covered by it
-            if self._fd is None or seq <= self.durable_seq:
-                return
-            t0 = time.perf_counter()
-            os.fdatasync(self._fd)
-            self.durable_seq = seq
+        if self._fd is None or not self._dirty:
+            return
+        t0 = time.perf_counter()
+        os.fdatasync(self._fd)
         took = time.perf_counter() - t0
         self.fsync_seconds += took
         self.fsync_max_seconds = max(self.fsync_max_seconds, took)
         self.fsyncs += 1
         if took > SLOW_FSYNC_S:
             self.slow_fsyncs += 1
-            self._slow_log.warn("slow", "fsync of %s took %.0f ms", self.dir, took * 1000)
+            self._slow_log.warn("slow", "fsync of %s took %.0f ms: everything this node does waited for it",
+                                self.dir, took * 1000)
+        self._dirty = False
         self._last_sync = time.monotonic()
 
     def sync(self) -> None:
@@ -354,11 +331,6 @@ class Journal:
             raise RuntimeError("journal opened read-only")
         if seq >= self.last_seq:
             return
-        with self._sync_lock:
-            self._truncate_locked(seq)
-            self.durable_seq = self.last_seq  # the truncation fsyncs what remains
-
-    def _truncate_locked(self, seq: int) -> None:
         if seq < self.first_seq - 1:
             raise ValueError(f"cannot truncate to {seq}: the journal starts at {self.first_seq}")
         while self.segments and self.segments[-1].first_seq > seq:
@@ -391,11 +363,10 @@ class Journal:
         self._fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
 
     def close(self) -> None:
-        with self._sync_lock:
-            if self._fd is not None:
-                self._fsync()
-                os.close(self._fd)
-                self._fd = None
+        if self._fd is not None:
+            self._fsync()
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self):
         return self

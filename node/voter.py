@@ -23,14 +23,12 @@ import os
 import random
 import time
 import zlib
-from collections import deque
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 from tape.node import authlink
 from tape.node.diskspace import CHECK_EVERY_S, RESUME_FREE_BYTES, DiskFull, free_bytes, no_space
 from tape.node.journal_store import SLOW_FSYNC_S
-from tape.node.journal_sync import BackgroundSync
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import replication as rep
@@ -121,9 +119,6 @@ class Voter:
         self.partition_flag = Path(node.data) / "partitioned"
         self.partitioned = False
         self._conns: set[asyncio.StreamWriter] = set()
-        # Replies waiting for the journal to be durable through the seq they claim, per connection,
-        # in order (node/journal_sync.py): an ack is a promise that its entries survive a crash.
-        self._waiting: dict[asyncio.StreamWriter, deque[tuple[int, bytes]]] = {}
         self.bad_frames = 0
         self.refused: dict[str, int] = {}  # peers' messages contradicting this node's state, by reason
         self.refusal_log = RateLimitedLog(log)
@@ -139,32 +134,6 @@ class Voter:
 
     def term_at(self, seq: int) -> int:
         return self.core.term_at(seq)
-
-    def sync_in_background(self, on_durable: Callable[[int], None] = lambda seq: None) -> BackgroundSync:
-        """The 'batch' fsyncs off the event loop (call from the running loop): acks wait for them
-        here, and `on_durable` tells the node's shell too (a leader counts itself then)."""
-        def durable(seq: int) -> None:
-            self.durable(seq)
-            on_durable(seq)
-
-        def failed(e: OSError) -> None:
-            self.on_fatal(f"journal fsync failed ({e}): what this node's journal holds on disk is unknown")
-
-        return BackgroundSync(self.journal, durable, failed)
-
-    def durable(self, seq: int) -> None:
-        """The journal is on disk through `seq`: send the replies that waited for it."""
-        for writer, waiting in self._waiting.items():
-            while waiting and waiting[0][0] <= seq:
-                writer.write(waiting.popleft()[1])
-
-    def _reply(self, writer: asyncio.StreamWriter, reply: bytes, claims: int) -> None:
-        """Send `reply` once the journal is durable through `claims` (and after the replies before it)."""
-        waiting = self._waiting.setdefault(writer, deque())
-        if not waiting and (claims <= self.journal.durable_seq or not self.journal.gated):
-            writer.write(reply)
-        else:
-            waiting.append((claims, reply))
 
     def act(self, actions: list) -> None:
         """Carry out a core's actions in order: the journal and the vote are durable before any
@@ -184,9 +153,6 @@ class Voter:
             elif isinstance(action, Truncate):
                 log.warning("dropping uncommitted suffix after seq %d (conflicts with the leader's log)",
                             action.after_seq)
-                # The acks still waiting are true of the journal as it is: send them before it changes.
-                self.journal.sync()
-                self.durable(self.journal.durable_seq)
                 self.journal.truncate_after(action.after_seq)
                 truncated = True
             elif isinstance(action, AppendRecords):
@@ -295,7 +261,7 @@ class Voter:
                     closed_by_peer = True
                     break
                 for fr in frames.feed(data):
-                    self._reply(writer, *self._on_frame(fr, writer))
+                    writer.write(self._on_frame(fr, writer))
         except ProtocolError as e:
             self.bad_frames += 1
             log.warning("bad replication frame, closing: %s", e)
@@ -309,14 +275,12 @@ class Voter:
             pass  # shutting down
         finally:
             self._conns.discard(writer)
-            self._waiting.pop(writer, None)
             writer.close()
             if self.core.on_closed(writer, closed_by_peer and not self.partitioned, time.monotonic_ns()):
                 log.warning("the leader's connection closed in term %d: taking it for gone", self.election.term)
 
-    def _on_frame(self, fr, conn) -> tuple[bytes, int]:
-        """The reply to one frame, after its actions are carried out, and the seq through which the
-        journal must be durable before it is sent (0: none)."""
+    def _on_frame(self, fr, conn) -> bytes:
+        """The reply to one frame, after its actions are carried out."""
         now = time.monotonic_ns()
         if isinstance(fr, rep.Append):
             before = self.core.commit_seq
@@ -325,15 +289,15 @@ class Voter:
             if self.core.commit_seq != before:
                 self.committed.set()
                 self.committed.clear()
-            return rep.encode_ack(*reply), reply.last_seq if reply.success else 0
+            return rep.encode_ack(*reply)
         if isinstance(fr, rep.VoteRequest):
             reply, actions = self.core.on_vote_request(fr, now)
             self.act(actions)  # the vote is on disk before it is sent
             if self.election.voted_for == fr.candidate and not fr.pre and self.election.term == fr.term:
                 log.info("voted for %s in term %d", fr.candidate.decode(errors="replace").strip(), fr.term)
-            return rep.encode_vote(*reply), 0
+            return rep.encode_vote(*reply)
         if isinstance(fr, rep.Fetch):
-            return self.on_fetch(fr), 0
+            return self.on_fetch(fr)
         raise ProtocolError("unexpected", f"{type(fr).__name__} frame on a voter's port", 0)
 
     def on_fetch(self, f: rep.Fetch) -> bytes:

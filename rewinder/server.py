@@ -85,7 +85,6 @@ class Rewinder(NodeProcess):
         yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
 
     async def main(self) -> None:
-        syncer = self.voter.sync_in_background()
         repl = await asyncio.start_server(self.link_server(self.voter.serve, self.cfg.cluster_link),
                                           self.node.host, self.node.replication_port)
         replay = await asyncio.start_server(self.link_server(self._on_replay, self.cfg.replay_link),
@@ -110,7 +109,6 @@ class Rewinder(NodeProcess):
         loop.remove_reader(self.gap_sock)
         repl.close()
         replay.close()
-        syncer.close()
         self.journal.close()
         log.info("%s stopped at seq %d", self.node.name, self.journal.last_seq)
 

@@ -131,7 +131,6 @@ class Sequencer(NodeProcess):
 
     async def main(self) -> None:
         loop = asyncio.get_running_loop()
-        self.syncer = self.voter.sync_in_background(self._durable)
         self.inbound, granted = udp_socket(self.node.host, self.node.inbound_port)
         self.publisher = multicast_sender(self.cfg.interface_of(self.node))
         self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
@@ -179,7 +178,6 @@ class Sequencer(NodeProcess):
 
     def _lead(self, term: int) -> None:
         j = self.journal
-        j.sync()  # the core counts this journal as held through last_seq: make it so before leading
         last = next(j.read(j.last_seq), None) if j.last_seq else None
         keys, open_from = self.cfg.stream_auth, self.voter.core.open_range()
         open_range = None
@@ -252,7 +250,6 @@ class Sequencer(NodeProcess):
                     await asyncio.sleep(0.02)
         for t in self._leader_tasks:
             t.cancel()
-        self.syncer.close()
         self.journal.close()
         status = {"name": self.node.name, "term": self.voter.election.term, "last_seq": self.journal.last_seq,
                   "published_terms": {str(t): span for t, span in sorted(self.published_terms.items())},
@@ -313,13 +310,7 @@ class Sequencer(NodeProcess):
             self.voter.disk_full(e)
             return
         self.voter.note_own(batch.first_seq, batch.last_seq, batch.term, batch.messages[-1][0] == M.AUTH)
-        if not self.journal.gated:
-            self._publish(self.core.on_journaled(batch.last_seq))
-
-    def _durable(self, seq: int) -> None:
-        """The journal is on disk through `seq`: a leader counts itself towards the commit."""
-        if self.core is not None:
-            self._publish(self.core.on_journaled(min(seq, self.core.last_seq)))
+        self._publish(self.core.on_journaled(batch.last_seq))
 
     def _publish(self, packets: list[bytes]) -> None:
         if not packets:

@@ -213,24 +213,3 @@ def test_a_write_refused_for_want_of_space_leaves_the_journal_as_it_was(tmp_path
 
 def batch(first: int, n: int) -> list:
     return [(s, 1, message(s)) for s in range(first, first + n)]
-
-
-def recs(first, last):
-    return [(s, 1, message(s)) for s in range(first, last + 1)]
-
-
-def test_durable_seq_is_what_an_fsync_covered(tmp_path):
-    j = Journal(tmp_path / "a", S, fsync="batch")
-    j.append(recs(1, 10))
-    assert j.durable_seq == 10 and not j.gated  # inline fsync per append
-    lazy = Journal(tmp_path / "b", S, fsync="never")
-    lazy.append(recs(1, 10))
-    assert lazy.durable_seq == 0
-    lazy.sync()
-    lazy.append(recs(11, 12))
-    assert lazy.durable_seq == 10
-    lazy.truncate_after(5)  # the cut is fsynced: what remains is durable
-    assert lazy.durable_seq == lazy.last_seq == 5
-    lazy.append(recs(6, 8))
-    lazy.close()
-    assert Journal(tmp_path / "b", S, fsync="never").durable_seq == 8  # fsynced again at open
