@@ -76,12 +76,15 @@ def test_plain_lan_runs_elect_one_term_each(tmp_path):
     assert "2 of 2 runs" in out.stdout
 
 
+def namespaces() -> set[str]:
+    return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+
+
 def test_a_lan_removes_every_namespace_it_made_and_nothing_else(lan):
-    listed = lambda: subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # noqa: E731
     with Lan(2) as other:
-        names = [other.switch, *other.hosts]
-        assert all(n in listed() for n in names)
-    assert not any(n in listed() for n in names) and all(n in listed() for n in lan.hosts)
+        names = {other.switch, *other.hosts}
+        assert names <= namespaces()
+    assert not names & namespaces() and set(lan.hosts) <= namespaces()
 
 
 @pytest.mark.parametrize("drill", LAN_DRILLS)
@@ -95,6 +98,7 @@ def test_every_lan_drill_passes_its_verdict(tmp_path, drill):
         pytest.skip("lossy-links drops packets with nftables (this kernel has no netem): apt-get install nftables")
     if drill == "slow-links" and not shutil.which("ethtool"):
         pytest.skip("slow-links' forwarder needs checksums computed in software (ethtool): apt-get install ethtool")
+    before = namespaces()  # (a run killed elsewhere may have left its own: not this drill's to remove)
     out = subprocess.run(TAPE + ["drill", drill, "--lan", "--rate", "3000", "--duration", "5", "--out",
                                  str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
@@ -103,5 +107,4 @@ def test_every_lan_drill_passes_its_verdict(tmp_path, drill):
     assert report["sequenced"] == 15_000 and len(report["hosts"]) == 5
     if drill == "cut-leader-link":
         assert report["failover_ms"] > 0 and len(report["terms"]) >= 2
-    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    assert not [n for n in leftover if n.startswith("tape-")]  # the drill removed its hosts and switch
+    assert not [n for n in namespaces() - before if n.startswith("tape-")]  # it removed its hosts and switch
