@@ -95,7 +95,10 @@ class SnapshotStore:
                 if held or order_id in orphan_keys:
                     total += self._put(txn, self.orphans, b"orphans", order_id.to_bytes(8, "big"), b"".join(
                         ORPHAN.pack(seq) + M.SEQUENCED.pack(*msg) for seq, _, msg in held) if held else None)
-                    (orphan_keys.add if held else orphan_keys.discard)(order_id)
+                    if held:
+                        orphan_keys.add(order_id)
+                    else:
+                        orphan_keys.discard(order_id)
             total %= SUM_MOD
             pending = m.pending_effects
             meta = {"format": FORMAT, "rejects": m.rejects, "alerts_raised": m.alerts_raised,
