@@ -45,16 +45,19 @@ class LatencySamples:
 
     def extend(self, values_ns) -> None:
         for v in values_ns:
-            self.count += 1
-            if v > self.max:
-                self.max = v
-            self._skip += 1
-            if self._skip >= self.stride:
-                self._skip = 0
-                self.samples.append(v)
-        if len(self.samples) >= self.cap:
-            self.samples = self.samples[::2]
-            self.stride *= 2
+            self.add(v)
+
+    def add(self, value_ns: int, weight: int = 1) -> None:
+        """`weight` samples of the same value (a packet's messages, stamped together) in O(1)."""
+        self.count += weight
+        if value_ns > self.max:
+            self.max = value_ns
+        kept, self._skip = divmod(self._skip + weight, self.stride)
+        if kept:
+            self.samples += [value_ns] * kept
+            while len(self.samples) >= self.cap:
+                self.samples = self.samples[::2]
+                self.stride *= 2
 
     def summary_ms(self) -> dict:
         s = sorted(self.samples)

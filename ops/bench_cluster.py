@@ -18,6 +18,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tape.ops.up import REPLICAS, run_up
+from tape.protocol.moldudp64 import DEFAULT_MAX_PACKET
 
 PROCESSES = ("leader", "standby", "rw-1", "rw-2", *REPLICAS, "emitter", "load")
 
@@ -41,7 +42,8 @@ def marginal_us(short: dict, long: dict) -> dict[str, float]:
     return out
 
 
-def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | None) -> list[dict]:
+def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | None,
+                  max_packet: int | None = None) -> list[dict]:
     console = Console()
     quiet = Console(file=open(os.devnull, "w"))
     rows = []
@@ -50,7 +52,7 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
         for rate in rates:
             reports = []
             for seconds in (short_s, long_s):
-                reports.append(run_up(rate, seconds, 0.0, None, seed=1, console=quiet))
+                reports.append(run_up(rate, seconds, 0.0, None, seed=1, console=quiet, max_packet=max_packet))
                 progress.advance(task)
             short, long = reports
             if "cpu_s" not in short or "cpu_s" not in long:
@@ -61,15 +63,16 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
                          "inbound_to_applied_ms": long["latency_ms"],
                          "submit_to_sequenced_ms": long["submit_to_sequenced_ms"],
                          "us_per_msg": marginal_us(short, long)})
-    console.print(_table(rows, short_s, long_s))
+    console.print(_table(rows, short_s, long_s, max_packet or DEFAULT_MAX_PACKET))
     if out:
         Path(out).write_text(json.dumps(rows, indent=1))
         console.print(f"figures: {out}")
     return rows
 
 
-def _table(rows: list[dict], short_s: float, long_s: float) -> Table:
-    table = Table(title=f"tape bench cluster: marginal CPU µs per message ({long_s:g} s run minus {short_s:g} s run)")
+def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int) -> Table:
+    table = Table(title=f"tape bench cluster: marginal CPU µs per message ({long_s:g} s run minus {short_s:g} s run, "
+                        f"packets of {max_packet:,} bytes)")
     table.add_column("offered msg/s")
     for r in rows:
         table.add_column(f"{r['rate_offered']:,.0f}", justify="right")

@@ -59,7 +59,7 @@ def _bench_failover(args) -> int:
 def _bench_cluster(args) -> int:
     from tape.ops.bench_cluster import bench_cluster
 
-    bench_cluster([float(r) for r in args.rates.split(",")], args.short, args.long, args.out)
+    bench_cluster([float(r) for r in args.rates.split(",")], args.short, args.long, args.out, args.max_packet)
     return 0
 
 
@@ -172,7 +172,8 @@ def _emitter(args) -> int:
 def _up(args) -> int:
     from tape.ops.up import main
 
-    return main(args.rate, args.duration, args.drop, args.out, args.seed, args.delivery, args.lan, args.runs)
+    return main(args.rate, args.duration, args.drop, args.out, args.seed, args.delivery, args.lan, args.runs,
+                args.max_packet)
 
 
 def _sim(args) -> int:
@@ -375,7 +376,14 @@ def _add_up(sub) -> None:
     p.add_argument("--runs", type=int, choices=range(1, 1001), metavar="N", default=1,
                    help="run it this many times (seeds SEED, SEED+1, ...; --out DIR/run-N) and print one row per "
                         "run: verdict, terms, the voters' stalls, slow fsyncs and step-downs")
+    _add_max_packet(p)
     p.set_defaults(func=_up)
+
+
+def _add_max_packet(p) -> None:
+    p.add_argument("--max-packet", type=int, default=None, metavar="BYTES",
+                   help="the stream's packet size, [stream] max_packet (default 1400; e.g. 8972 for jumbo frames: "
+                        "loopback carries 64 KiB datagrams)")
 
 
 def _add_sim(sub) -> None:
@@ -589,6 +597,7 @@ def _add_bench(sub) -> None:
     bc.add_argument("--short", type=float, default=2.0, help="seconds of the short run (default 2)")
     bc.add_argument("--long", type=float, default=8.0, help="seconds of the long run (default 8)")
     bc.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    _add_max_packet(bc)
     bc.set_defaults(func=_bench_cluster)
     bk = bsub.add_parser("spark", help="audit and analytics time over a generated journal",
                          description="Write a journal of --messages generated trades and its delivered alerts, then "

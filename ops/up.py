@@ -42,22 +42,24 @@ def _m(metrics: dict, name: str, node: str) -> float:
 
 def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int, drill=None,
            console: Console | None = None, slack_s: float = SLACK_S, delivery: str = "first",
-           lan: bool = False) -> dict:
+           lan: bool = False, max_packet: int | None = None) -> dict:
     """Run the cluster under load (with `drill`'s fault, if any); returns the report. A node that
     exits unbidden, or a load still running `slack_s` after `duration`, aborts the run (verdict fail).
-    `lan`: over five hosts (network namespaces, ops/lan.py) instead of one host's loopback."""
+    `lan`: over five hosts (network namespaces, ops/lan.py) instead of one host's loopback.
+    `max_packet`: the stream's packet size (`[stream] max_packet`; e.g. 8972 for jumbo frames)."""
+    extra = f"max_packet = {max_packet}" if max_packet else ""
     if not lan:
-        return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, None)
+        return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, None, extra)
     from tape.ops.lan import Lan, LanUnavailable
 
     try:
         with Lan(LAN_HOSTS + (1 if getattr(drill, "webhook", False) else 0)) as net:
-            return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net)
+            return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra)
     except LanUnavailable as e:
         return _aborted(console or Console(), "the LAN", f"cannot build it here: {e}", drill)
 
 
-def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net) -> dict:
+def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra) -> dict:
     console = console or Console()
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="tape-up-"))
     if out and root.exists():
@@ -65,11 +67,11 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
     root.mkdir(parents=True, exist_ok=True)
     total = int(rate * duration)
     if net is None:
-        cluster = LocalCluster(root, replicas=3, sequencers=len(SEQUENCERS), delivery=delivery)
+        cluster = LocalCluster(root, replicas=3, sequencers=len(SEQUENCERS), delivery=delivery, extra=extra)
     else:
         from tape.ops.lan import LanCluster
 
-        cluster = LanCluster(root, net, delivery=delivery, webhook=getattr(drill, "webhook", False))
+        cluster = LanCluster(root, net, extra, delivery=delivery, webhook=getattr(drill, "webhook", False))
     what = f"drill [bold]{drill.name}[/bold]" if drill else "[bold]tape up[/bold]"
     where = f"over {len(net.hosts)} hosts ({', '.join(net.addresses)})" if net else "on loopback"
     try:
@@ -101,6 +103,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             drill.release(cluster)
     _arrange(cluster, root)
     report["hosts"] = sorted({n.host for n in cluster.cfg.nodes})
+    report["max_packet"] = cluster.cfg.max_packet
     (root / "report.json").write_text(json.dumps(report, indent=1))
     if out:
         console.print(f"report: {root / 'report.json'}")
@@ -288,13 +291,14 @@ def _arrange(cluster: LocalCluster, root: Path) -> None:
 
 
 def main(rate: float, duration: float, drop: float, out: str | None, seed: int, delivery: str = "first",
-         lan: bool = False, runs: int = 1) -> int:
+         lan: bool = False, runs: int = 1, max_packet: int | None = None) -> int:
+    how = {"delivery": delivery, "lan": lan, "max_packet": max_packet}
     if runs == 1:
-        return 0 if run_up(rate, duration, drop, out, seed, delivery=delivery, lan=lan)["verdict"] == "pass" else 1
+        return 0 if run_up(rate, duration, drop, out, seed, **how)["verdict"] == "pass" else 1
     reports = []
     for i in range(runs):
         run_out = str(Path(out) / f"run-{i + 1}") if out else None
-        reports.append(run_up(rate, duration, drop, run_out, seed + i, delivery=delivery, lan=lan))
+        reports.append(run_up(rate, duration, drop, run_out, seed + i, **how))
         _print_runs(Console(), reports, runs)
     return 0 if all(r["verdict"] == "pass" for r in reports) else 1
 

@@ -30,12 +30,14 @@ from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CONTROL_READ, REPLAY_CLIENT_HEARTBEAT_S, STREAM_READ
+from tape.protocol.moldudp64 import HEADER_SIZE
 from tape.protocol.packets import PacketBuilder
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
 from tape.replicas.snapshot import move_aside, open_verified
 
 log = logging.getLogger("tape.replica")
+TRADE_TYPES = bytes((messages.REQUEST, messages.PURCHASE))
 ALERT_SIZE = len(Alert(0, 0, 0, 0, b" " * 16, b" " * 8, 0, 0, 0).encode())
 
 
@@ -54,6 +56,7 @@ class Replica(NodeProcess):
         self._open()
         self.emitters = cfg.by_role("emitter")
         self._writer: asyncio.StreamWriter | None = None
+        self._unsent: list[bytes] = []  # alert-channel frames for the next write (_send)
         self.replayed = 0
         # Sequencer stamp -> applied here (wall clock, same host or PTP-synced hosts):
         # for the report only, never for state.
@@ -156,26 +159,44 @@ class Replica(NodeProcess):
             # Skipping would diverge this replica from the others: stop applying, loudly.
             self.fail(f"cannot apply seq {first}: {e}")
             return
-        now = time.time_ns()
-        trades = (messages.REQUEST, messages.PURCHASE)
-        lags = [now - m[messages.STAMP] for m in msgs if m[messages.TYPE] in trades]
-        self.latency.extend(lags)
-        if lags:
-            self.latency_histogram.observe(lags[0])  # one a packet: its messages were stamped together
+        self._note_latency(pkt, skip, msgs)
         self._carry_out(actions)
+
+    def _note_latency(self, pkt: bytes, skip: int, msgs: list) -> None:
+        """Stamp to applied, once a packet: its messages were stamped together (one drain of the
+        leader's inbound socket), so the first trade's lag stands for every trade in it."""
+        kinds = pkt[HEADER_SIZE + 2 + skip * messages.SEQUENCED_BLOCK_SIZE::messages.SEQUENCED_BLOCK_SIZE]
+        trades = len(kinds) - len(kinds.translate(None, TRADE_TYPES))
+        if trades:
+            first = next(m for m in msgs if m[messages.TYPE] in TRADE_TYPES)
+            lag = time.time_ns() - first[messages.STAMP]
+            self.latency.add(lag, trades)
+            self.latency_histogram.observe(lag)
 
     def _carry_out(self, actions: list) -> None:
         for a in actions:
             if isinstance(a, SendAlerts):
                 if self._writer is not None and a.alerts:
-                    self._writer.write(b"".join(alertlink.alert(x.encode()) for x in a.alerts))
+                    self._send(b"".join(alertlink.alert(x.encode()) for x in a.alerts))
             elif isinstance(a, SendDigest):
                 if self._writer is not None:
-                    self._writer.write(alertlink.digest(a.fold_seq, a.chain))
+                    self._send(alertlink.digest(a.fold_seq, a.chain))
             elif isinstance(a, Snapshot):
                 self._snapshot()
             elif isinstance(a, Exit):
                 self.stop.set()
+
+    def _send(self, frames: bytes) -> None:
+        """To the alert channel, in one write per turn of the event loop: a drain of the stream
+        raises alerts in many packets, and each write is a sealed record and a system call."""
+        if not self._unsent:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._unsent.append(frames)
+
+    def _flush(self) -> None:
+        frames, self._unsent = b"".join(self._unsent), []
+        if frames and self._writer is not None:  # (a link lost since: its welcome sends the outbox again)
+            self._writer.write(frames)
 
     def _undecodable(self, seq: int, error: ProtocolError) -> None:
         self.fail(f"the committed message at seq {seq} cannot be decoded ({error}); skipping it would diverge")
@@ -276,7 +297,7 @@ class Replica(NodeProcess):
                     for kind, payload in frames.feed(data):
                         mark = alertlink.MARK.unpack(payload)[0] if len(payload) == 8 else 0
                         if kind == alertlink.WELCOME:  # resend everything after the emitter's mark
-                            self._writer = writer
+                            self._writer, self._unsent = writer, []  # the outbox holds what was unsent
                             self._carry_out(self.core.on_welcome(mark))
                         elif kind == alertlink.REBUILD:
                             if await self._rebuild(mark):
@@ -286,7 +307,7 @@ class Replica(NodeProcess):
             except (OSError, ProtocolError) as e:
                 log.warning("alert link to %s lost: %s", em.name, e)
             finally:
-                self._writer = None
+                self._writer, self._unsent = None, []
                 self.core.on_link_lost()
                 writer.close()
             await asyncio.sleep(0.2)

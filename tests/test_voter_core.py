@@ -2,10 +2,13 @@
 
 import random
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
 from tape.protocol.election import Persist, Refused
-from tape.protocol.voter import AppendRecords, Truncate, VoterCore
+from tape.protocol.voter import AppendRecords, LogState, Truncate, VoterCore
 
 MS = 1_000_000
 A, B, R1, R2 = (n.ljust(10).encode() for n in ("seq-a", "seq-b", "rw-1", "rw-2"))
@@ -65,3 +68,22 @@ def test_fetch_answers_only_a_log_that_continues_the_askers():
     assert c.fetch_start(rep.Fetch(6, 1)) == (5, 1)
     assert c.fetch_start(rep.Fetch(6, 2)) is None  # the asker's entry 5 is of another term
     assert c.fetch_start(rep.Fetch(50, 1)) is None  # beyond our log
+
+
+ORIGINS = [n.ljust(10).encode() for n in ("c0", "c1", "seq-a")]
+KINDS = [M.REQUEST, M.PURCHASE, M.REJECTED, M.AUTH, M.SESSION_END, M.TIME_TICK, M.TERM_START]
+
+
+@given(st.lists(st.tuples(st.sampled_from(KINDS), st.sampled_from(ORIGINS), st.integers(0, 50)), max_size=60),
+       st.integers(1, 1000))
+def test_noting_a_batch_at_once_equals_noting_each_record(entries, first):
+    """LogState's batch path (one pass over the appended bytes) keeps what the per-record one keeps:
+    each client's last seq, the last seal, the session's end, the term and the last position."""
+    records = [(first + i, 3, M.SEQUENCED.pack(kind, 0, 0, b" " * 16, b" " * 8, 0, 0, origin, cseq))
+               for i, (kind, origin, cseq) in enumerate(entries)]
+    batch, each = LogState(), LogState()
+    batch.client_last = {ORIGINS[0]: 20}
+    each.client_last = {ORIGINS[0]: 20}
+    batch.note(records)
+    each._note_each(records)
+    assert vars(batch) == vars(each)
