@@ -162,6 +162,45 @@ def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never
     return n / secs
 
 
+def bench_rewinder(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -> float:
+    """A follower's work on one core, as a rewinder does it: open each authenticated record of
+    the leader's appends, decode the frame, decide (VoterCore), journal the entries (fsync per
+    `fsync`) and seal the acknowledgement. Messages per second."""
+    from tape.protocol.voter import AppendRecords, VoterCore
+
+    session = moldudp64.session_bytes("BENCH")
+    names = [moldudp64.session_bytes(x) for x in ("seq-a", "seq-b", "rw-1", "rw-2")]
+    gen = TradeGenerator(seed=12)
+    sequenced = [messages.stamp(m, time.time_ns(), session, i) for i, m in enumerate(gen.take(n), 1)]
+    link = LinkKeys([os.urandom(32)])
+    sealer, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=True)
+    _, opener = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
+    acks, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
+    wire = [sealer.seal(replication.encode_append(1, names[0], i, 1 if i else 0, i, 1, sequenced[i:i + batch]))
+            for i in range(0, n, batch)]
+    d = tempfile.mkdtemp(prefix="tape-bench-")
+    try:
+        journal = Journal(d, session, fsync=fsync)
+        core = VoterCore(names[2], names, False, random.Random(1), (300_000_000, 600_000_000), 1, None, 0)
+        reader = replication.FrameReader()
+        tune_gc()
+        t0 = time.perf_counter()
+        for record in wire:
+            for append in reader.feed(opener.open(record)):
+                ack, actions = core.on_append(append, "leader", 0)
+                for action in actions:
+                    if isinstance(action, AppendRecords):
+                        journal.append(action.records)
+                acks.seal(replication.encode_ack(*ack))
+        secs = time.perf_counter() - t0
+        journal.close()
+    finally:
+        shutil.rmtree(d)
+    if core.last_seq != n:
+        raise RuntimeError(f"journaled {core.last_seq} of {n}")
+    return n / secs
+
+
 def bench_stream(rates: list[float], seconds: float, sequencer_only: bool = False, standby: bool = False) -> None:
     import json as _json
 

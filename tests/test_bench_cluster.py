@@ -1,4 +1,5 @@
-"""`tape bench cluster`: the marginal CPU per message of every process, from two real runs."""
+"""`tape bench cluster`: the marginal CPU per message of every process, from two real runs; and
+`tape bench rewinder`, one follower on one core."""
 
 import json
 import subprocess
@@ -37,3 +38,13 @@ def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
     assert set(row["us_per_msg"]) == {*PROCESSES, "whole cluster"}
     assert all(row["us_per_msg"][p] > 0 for p in ("leader", "rw-1", "replica-A", "load"))
     assert "whole cluster" in out.stdout
+
+
+def test_bench_rewinder_journals_and_acknowledges_every_message(tmp_path):
+    """The follower's path on one core: the benchmark raises unless every message reached the journal."""
+    from tape.ops.bench import bench_rewinder
+
+    assert bench_rewinder(5_000, 100, "never") > 0
+    out = subprocess.run(TAPE + ["bench", "rewinder", "--messages", "5000", "--batch", "100"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "msg/s journaled (fsync batch) and acknowledged" in out.stdout, out.stderr
