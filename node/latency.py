@@ -48,14 +48,19 @@ class LatencySamples:
             self.add(v)
 
     def add(self, value_ns: int, weight: int = 1) -> None:
-        """`weight` samples of the same value (a packet's messages, stamped together) in O(1)."""
+        """`weight` samples of one value (a packet's trades, stamped together), as if added one by
+        one, in a few list operations."""
         self.count += weight
         if value_ns > self.max:
             self.max = value_ns
-        kept, self._skip = divmod(self._skip + weight, self.stride)
-        if kept:
+        while weight:
+            # Samples that would fill the list: the next one after stride - skip, then one per stride.
+            filling = self.stride - self._skip + (self.cap - len(self.samples) - 1) * self.stride
+            take = min(weight, filling)
+            kept, self._skip = divmod(self._skip + take, self.stride)
             self.samples += [value_ns] * kept
-            while len(self.samples) >= self.cap:
+            weight -= take
+            if len(self.samples) >= self.cap:
                 self.samples = self.samples[::2]
                 self.stride *= 2
 

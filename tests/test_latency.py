@@ -1,0 +1,17 @@
+"""Latency samples (node/latency.py): a packet's trades counted at once keep what counting them one by one keeps."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tape.node.latency import LatencySamples
+
+
+@given(st.lists(st.tuples(st.integers(0, 10**9), st.integers(1, 400)), max_size=200), st.integers(2, 64))
+def test_a_weighted_sample_equals_that_many_single_ones(packets, cap):
+    weighted, single = LatencySamples(cap), LatencySamples(cap)
+    for value, weight in packets:
+        weighted.add(value, weight)
+        for _ in range(weight):
+            single.add(value)
+    assert (weighted.count, weighted.max, weighted.stride) == (single.count, single.max, single.stride)
+    assert sorted(weighted.samples) == sorted(single.samples) and len(weighted.samples) < cap
