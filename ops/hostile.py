@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import selectors
 import socket
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ GAPFILL_FLOOD = 2_000  # requests to each rewinder
 GAPFILL_PORTS = 50  # source ports the flood rotates through
 GARBAGE_PER_SOCKET = 50  # random datagrams or connections to each socket of each process
 MALLORY = b"mallory".ljust(10)
+TCP_WAIT_S = 2.0  # how long an attack waits for the nodes to close its connections
 
 
 @dataclass(frozen=True)
@@ -115,15 +117,32 @@ def undecodable_unicast(cluster: LocalCluster, rng: random.Random) -> str:
     return f"undecodable messages at seq {seq:,} by unicast to {len(targets)} replica sockets"
 
 
-def _tcp_send(port: int, data: bytes) -> None:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+def _tcp_send(sends: list[tuple[int, bytes]]) -> None:
+    """Connect to each port, send its bytes, then wait (all at once, up to TCP_WAIT_S) for the
+    nodes to close: one slow peer costs the attack seconds, not each connection in turn."""
+    conns = []
+    for port, data in sends:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=TCP_WAIT_S)
             s.sendall(data)
-            s.settimeout(2)
-            while s.recv(4096):  # until the node closes it
-                pass
-    except OSError:
-        pass  # refused or reset: what an unauthenticated peer should get
+            s.setblocking(False)
+            conns.append(s)
+        except OSError:
+            pass  # refused or reset: what an unauthenticated peer should get
+    deadline = time.monotonic() + TCP_WAIT_S
+    with selectors.DefaultSelector() as sel:
+        for s in conns:
+            sel.register(s, selectors.EVENT_READ)
+        while sel.get_map() and time.monotonic() < deadline:
+            for key, _ in sel.select(max(0.0, deadline - time.monotonic())):
+                try:
+                    if key.fileobj.recv(4096):
+                        continue
+                except OSError:
+                    pass
+                sel.unregister(key.fileobj)  # closed by the node
+    for s in conns:
+        s.close()
 
 
 def forged_replication(cluster: LocalCluster, rng: random.Random) -> str:
@@ -131,15 +150,14 @@ def forged_replication(cluster: LocalCluster, rng: random.Random) -> str:
               + rep.encode_append(FORGED_TERM, MALLORY, 0, 0, 10**9, FORGED_TERM, [bytes(M.SEQUENCED_SIZE)])
               + rep.encode_ack(FORGED_TERM, MALLORY, True, 10**9))
     voters = [n for n in cluster.cfg.voters if cluster.alive(n.name)]
-    for n in voters:
-        _tcp_send(n.replication_port, frames)
+    _tcp_send([(n.replication_port, frames) for n in voters])
     return f"a vote request, an append and an ack of term {FORGED_TERM} to {len(voters)} replication ports"
 
 
 def forged_alert(cluster: LocalCluster, rng: random.Random) -> str:
     fake = Alert(2**62, 2**62, 1, 1, b"mallory".ljust(16), b"EVIL".ljust(8), 1, 2, 0)
-    _tcp_send(cluster.cfg.node("emitter").alert_port,
-              alertlink.hello(b"replica-A ") + alertlink.alert(fake.encode()))
+    frames = alertlink.hello(b"replica-A ") + alertlink.alert(fake.encode())
+    _tcp_send([(cluster.cfg.node("emitter").alert_port, frames)])
     return "a replica's hello and an alert at emit seq 2^62 to the emitter"
 
 
@@ -168,6 +186,7 @@ def gapfill_flood(cluster: LocalCluster, rng: random.Random) -> str:
 def garbage_everywhere(cluster: LocalCluster, rng: random.Random) -> str:
     targets = [s for name, proc in cluster.procs.items() if name != "load" and cluster.alive(name)
                for s in sockets_of(proc.pid)]
+    connections = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
         for t in targets:
             for _ in range(GARBAGE_PER_SOCKET if t.proto == "udp" else 2):
@@ -175,7 +194,8 @@ def garbage_everywhere(cluster: LocalCluster, rng: random.Random) -> str:
                 if t.proto == "udp":
                     u.sendto(junk, (t.host, t.port))
                 else:
-                    _tcp_send(t.port, junk)
+                    connections.append((t.port, junk))
+    _tcp_send(connections)
     return f"random bytes to {len(targets)} sockets of {len(cluster.procs) - 1} processes"
 
 
