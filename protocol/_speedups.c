@@ -115,7 +115,69 @@ fail:
     return NULL;
 }
 
+static uint64_t get_u64(const unsigned char *p) {
+    return (uint64_t)p[0] << 56 | (uint64_t)p[1] << 48 | (uint64_t)p[2] << 40 | (uint64_t)p[3] << 32 |
+           (uint64_t)p[4] << 24 | (uint64_t)p[5] << 16 | (uint64_t)p[6] << 8 | p[7];
+}
+
+/* Merge one origin's highest client seq into `out` ({origin bytes: int}), as
+ * `if cseq > out.get(origin, 0): out[origin] = cseq`. 0 or -1 on error. */
+static int merge_max(PyObject *out, const unsigned char *origin, Py_ssize_t origin_len, uint64_t cseq) {
+    PyObject *key = PyBytes_FromStringAndSize((const char *)origin, origin_len);
+    if (key == NULL) return -1;
+    PyObject *old = PyDict_GetItemWithError(out, key);
+    int rc = 0;
+    if (old == NULL && PyErr_Occurred()) rc = -1;
+    else if (old == NULL || PyLong_AsUnsignedLongLong(old) < cseq) {
+        PyObject *value = PyLong_FromUnsignedLongLong(cseq);
+        rc = value == NULL ? -1 : PyDict_SetItem(out, key, value);
+        Py_XDECREF(value);
+    }
+    Py_DECREF(key);
+    return rc;
+}
+
+/* client_seq_maxima(blob, msg_size, origin_at, origin_len, cseq_at, types): see
+ * protocol/messages.py's client_seq_maxima_pure, the definition. A run of one
+ * origin's messages (the usual: a client's batch) costs one dict lookup. */
+static PyObject *client_seq_maxima(PyObject *self, PyObject *args) {
+    Py_buffer blob, types;
+    Py_ssize_t size, origin_at, origin_len, cseq_at;
+    if (!PyArg_ParseTuple(args, "y*nnnny*", &blob, &size, &origin_at, &origin_len, &cseq_at, &types)) return NULL;
+    PyObject *out = NULL;
+    if (size <= 0 || origin_at < 0 || cseq_at < 0 || origin_at + origin_len > size || cseq_at + 8 > size ||
+        blob.len % size) {
+        PyErr_SetString(PyExc_ValueError, "the blob is not whole messages of that layout");
+        goto done;
+    }
+    out = PyDict_New();
+    if (out == NULL) goto done;
+    const unsigned char *p = blob.buf, *end = p + blob.len, *run_origin = NULL;
+    uint64_t run_max = 0;
+    for (; p < end; p += size) {
+        if (memchr(types.buf, p[0], (size_t)types.len) == NULL) continue;
+        uint64_t cseq = get_u64(p + cseq_at);
+        if (run_origin != NULL && memcmp(run_origin, p + origin_at, (size_t)origin_len) == 0) {
+            if (cseq > run_max) run_max = cseq;
+            continue;
+        }
+        if (run_origin != NULL && run_max > 0 && merge_max(out, run_origin, origin_len, run_max) < 0) goto fail;
+        run_origin = p + origin_at;
+        run_max = cseq;
+    }
+    if (run_origin != NULL && run_max > 0 && merge_max(out, run_origin, origin_len, run_max) < 0) goto fail;
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&blob);
+    PyBuffer_Release(&types);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"client_seq_maxima", client_seq_maxima, METH_VARARGS,
+     "The highest client seq of each origin in a run of sequenced messages (protocol/messages.py)."},
     {"encode_records", encode_records, METH_O,
      "Many (seq, term, message) records as one contiguous buffer (docs/journal-format.md)."},
     {NULL, NULL, 0, NULL},

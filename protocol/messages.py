@@ -232,3 +232,31 @@ def _text(raw: bytes) -> str:
         return raw.decode("ascii").rstrip(" ")
     except UnicodeDecodeError:
         return raw.hex()
+
+
+ORIGIN_AT = struct.calcsize(">BQq16s8sQQ")  # 57: where a sequenced message's origin starts
+CLIENT_SEQ_AT = ORIGIN_AT + 10  # 67
+_CLIENT_SEQ_TYPES = bytes(CLIENT_SEQ_TYPES)
+TYPE_ORIGIN_CSEQ = struct.Struct(f">B{ORIGIN_AT - 1}x10sQ")  # type, origin and client seq of a sequenced message
+
+
+def client_seq_maxima_pure(blob: bytes) -> dict[bytes, int]:
+    """The highest client seq (above 0) of each origin among the messages of `blob` (whole
+    75-byte sequenced messages) that carry one. The definition of `client_seq_maxima`, which
+    is this in C (`_speedups.c`) where Tape was built with a compiler."""
+    if len(blob) % SEQUENCED_SIZE:
+        raise ValueError("the blob is not whole messages of that layout")
+    out: dict[bytes, int] = {}
+    for kind, origin, cseq in TYPE_ORIGIN_CSEQ.iter_unpack(blob):
+        if kind in _CLIENT_SEQ_TYPES and cseq > out.get(origin, 0):
+            out[origin] = cseq
+    return out
+
+
+try:
+    from tape.protocol._speedups import client_seq_maxima as _maxima
+
+    def client_seq_maxima(blob: bytes) -> dict[bytes, int]:
+        return _maxima(blob, SEQUENCED_SIZE, ORIGIN_AT, 10, CLIENT_SEQ_AT, _CLIENT_SEQ_TYPES)
+except ImportError:  # installed without a C compiler
+    client_seq_maxima = client_seq_maxima_pure

@@ -21,7 +21,6 @@ election rule, an impossible state (InvariantViolation, exit 4).
 from __future__ import annotations
 
 import bisect
-import struct
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -31,8 +30,6 @@ from tape.protocol.election import ElectionAction, ElectionCore, Refused, Rng
 from tape.protocol.errors import InvariantViolation
 from tape.protocol.follower import FollowerCore
 from tape.protocol.messages import SEQUENCED_SIZE
-
-_TYPE_ORIGIN_CSEQ = struct.Struct(">B56x10sQ")  # type, origin and client seq of a sequenced message
 
 
 @dataclass(frozen=True)
@@ -81,9 +78,8 @@ class LogState:
             return self._note_each(records)
         self.note_term(first, term)
         last = self.client_last
-        get = last.get
-        for kind, origin, cseq in _TYPE_ORIGIN_CSEQ.iter_unpack(blob):
-            if cseq > get(origin, 0) and kind in messages.CLIENT_SEQ_TYPES:
+        for origin, cseq in messages.client_seq_maxima(blob).items():
+            if cseq > last.get(origin, 0):
                 last[origin] = cseq
         kinds = blob[::SEQUENCED_SIZE]  # each message's type byte
         seal = kinds.rfind(messages.AUTH)
@@ -95,7 +91,7 @@ class LogState:
 
     def _note_each(self, records) -> None:
         last = self.client_last
-        unpack = _TYPE_ORIGIN_CSEQ.unpack_from
+        unpack = messages.TYPE_ORIGIN_CSEQ.unpack_from
         seq = None
         for seq, term, raw in records:
             self.note_term(seq, term)

@@ -1,6 +1,6 @@
-"""protocol/_speedups.c against the pure functions it replaces: the same bytes for any
-input, the same refusals; and where a C compiler exists it was built (else the tests
-and benchmarks would measure the fallback without saying so)."""
+"""protocol/_speedups.c against the pure functions it replaces (record encoding, client
+seq maxima): the same results for any input, the same refusals; and where a C compiler
+exists it was built (else the tests and benchmarks would measure the fallback unawares)."""
 
 import shutil
 import struct
@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tape.protocol import journal as fmt
+from tape.protocol import messages as M
 
 compiled = pytest.mark.skipif(fmt.encode_records is fmt.encode_records_pure, reason="built without a C compiler")
 
@@ -51,3 +52,30 @@ def test_both_refuse_what_no_record_can_hold(bad, c_error, pure_error):
         fmt.encode_records([(1, 1, b"ok"), bad])
     with pytest.raises(pure_error):
         fmt.encode_records_pure([(1, 1, b"ok"), bad])
+
+
+def sequenced_run(kinds_origins_cseqs) -> bytes:
+    """Messages with only type, origin and client seq set (what client_seq_maxima reads)."""
+    return b"".join(M.TYPE_ORIGIN_CSEQ.pack(kind, origin, cseq) for kind, origin, cseq in kinds_origins_cseqs)
+
+
+ORIGINS = [b"load0     ", b"load1     ", b"seq-a     "]
+RUNS = st.lists(st.tuples(st.sampled_from(M.ALL_TYPES + b"Z"), st.sampled_from(ORIGINS),
+                          st.one_of(st.integers(0, 3), st.integers(0, 2**64 - 1))), max_size=60)
+
+
+@compiled
+@given(RUNS)
+def test_c_and_pure_find_the_same_client_seq_maxima(run):
+    blob = sequenced_run(run)
+    assert M.client_seq_maxima(blob) == M.client_seq_maxima_pure(blob)
+
+
+def test_client_seq_maxima_reads_only_what_carries_a_client_seq():
+    blob = sequenced_run([(M.PURCHASE, b"a" * 10, 7), (M.TIME_TICK, b"a" * 10, 99), (M.REQUEST, b"b" * 10, 3),
+                          (M.PURCHASE, b"a" * 10, 5), (M.REJECTED, b"b" * 10, 4), (M.PURCHASE, b"c" * 10, 0)])
+    assert M.client_seq_maxima(blob) == M.client_seq_maxima_pure(blob) == {b"a" * 10: 7, b"b" * 10: 4}
+    with pytest.raises(ValueError):
+        M.client_seq_maxima(blob[:-1])
+    with pytest.raises(ValueError):
+        M.client_seq_maxima_pure(blob[:-1])
