@@ -27,30 +27,16 @@ class PacketBuilder:
     def add_stamped(self, inbound: list, stamp_ns: int, origin: bytes, first_client_seq: int) -> list[bytes]:
         """Stamp consecutive inbound messages of one client and pack them."""
         env = ENVELOPE.pack
-        parts = []
-        for i, msg in enumerate(inbound, first_client_seq):
-            parts.append(BLOCK_PREFIX)
-            parts.append(msg)
-            parts.append(env(stamp_ns, origin, i))
-        return self._cut(parts, len(inbound))
+        return self.add_sequenced([msg + env(stamp_ns, origin, i) for i, msg in enumerate(inbound, first_client_seq)])
 
     def add_sequenced(self, sequenced: list) -> list[bytes]:
-        """Pack already-sequenced 75-byte messages."""
-        parts = []
-        for msg in sequenced:
-            parts.append(BLOCK_PREFIX)
-            parts.append(msg)
-        return self._cut(parts, len(sequenced), per_message=2)
-
-    def _cut(self, parts: list, count: int, per_message: int = 3) -> list[bytes]:
+        """Pack already-sequenced 75-byte messages: a packet is its header and one join (the
+        block prefix as the separator), no Python step per message."""
         out = []
-        k = self.per_packet
         seq = self.next_seq
-        for start in range(0, count, k):
-            n = min(k, count - start)
-            out.append(
-                HEADER.pack(self.session, seq, n) + b"".join(parts[start * per_message : (start + n) * per_message])
-            )
-            seq += n
+        for start in range(0, len(sequenced), self.per_packet):
+            chunk = sequenced[start:start + self.per_packet]
+            out.append(HEADER.pack(self.session, seq, len(chunk)) + BLOCK_PREFIX + BLOCK_PREFIX.join(chunk))
+            seq += len(chunk)
         self.next_seq = seq
         return out
