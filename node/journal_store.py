@@ -12,6 +12,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import itemgetter
 from pathlib import Path
 from typing import Iterator
 
@@ -233,16 +235,13 @@ class Journal:
         offset = seg.size
         indexed = len(seg.idx_seqs)
         buf = fmt.encode_records(records)
-        # The sparse index: the offsets of every index_every-th record.
+        # The sparse index: the offsets of every index_every-th record (message bytes summed in C).
         nxt = seg.idx_seqs[-1] + self.index_every if seg.idx_seqs else seg.first_seq
-        if nxt <= records[-1][0]:
-            pos = offset
-            for seq, _term, msg in records:
-                if seq == nxt:
-                    seg.idx_seqs.append(seq)
-                    seg.idx_offsets.append(pos)
-                    nxt += self.index_every
-                pos += fmt.RECORD_HEADER_SIZE + len(msg)
+        if first <= nxt <= records[-1][0]:
+            before = list(accumulate(map(len, map(itemgetter(2), records)), initial=0))
+            for k in range(nxt - first, len(records), self.index_every):
+                seg.idx_seqs.append(first + k)
+                seg.idx_offsets.append(offset + k * fmt.RECORD_HEADER_SIZE + before[k])
         try:
             self._write(buf)
         except OSError:

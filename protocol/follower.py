@@ -8,6 +8,7 @@ conflicting suffix, which records to append, and the ack to send back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Callable
 
 from tape.protocol.replication import Append
@@ -77,7 +78,8 @@ class FollowerCore:
         if start <= self.last_seq:  # the loop stopped at a match beyond: nothing to add
             first_new = self.last_seq - a.prev_seq
             start = self.last_seq + 1
-        result.records = [(start + k, a.entries_term, m) for k, m in enumerate(msgs[first_new:])]
+        result.records = list(zip(range(start, start + len(msgs) - first_new), repeat(a.entries_term),
+                                  msgs[first_new:]))
         if result.records:
             self.last_seq = result.records[-1][0]
             self.last_term = a.entries_term

@@ -33,9 +33,10 @@ from typing import NamedTuple
 
 from . import framing
 from .errors import ProtocolError
-from .messages import SEQUENCED_SIZE
+from .messages import SEQUENCED_SIZE, split_sequenced
 
 FRAME = framing.FRAME
+
 APPEND = struct.Struct(">Q10sQQQQI")
 ACK = struct.Struct(">Q10sBQ")
 HELLO = struct.Struct(">Q10sQQ")
@@ -57,9 +58,8 @@ class Append(NamedTuple):
     count: int
     entries: bytes  # count x 75 bytes
 
-    def messages(self) -> list[bytes]:
-        e = self.entries
-        return [e[i:i + SEQUENCED_SIZE] for i in range(0, len(e), SEQUENCED_SIZE)]
+    def messages(self) -> tuple[bytes, ...]:
+        return split_sequenced(self.entries)
 
 
 class Ack(NamedTuple):
