@@ -137,16 +137,17 @@ static int merge_max(PyObject *out, const unsigned char *origin, Py_ssize_t orig
     return rc;
 }
 
-/* client_seq_maxima(blob, msg_size, origin_at, origin_len, cseq_at, types): see
+/* client_seq_maxima(blob, stride, type_at, origin_at, origin_len, cseq_at, types): see
  * protocol/messages.py's client_seq_maxima_pure, the definition. A run of one
  * origin's messages (the usual: a client's batch) costs one dict lookup. */
 static PyObject *client_seq_maxima(PyObject *self, PyObject *args) {
     Py_buffer blob, types;
-    Py_ssize_t size, origin_at, origin_len, cseq_at;
-    if (!PyArg_ParseTuple(args, "y*nnnny*", &blob, &size, &origin_at, &origin_len, &cseq_at, &types)) return NULL;
+    Py_ssize_t size, type_at, origin_at, origin_len, cseq_at;
+    if (!PyArg_ParseTuple(args, "y*nnnnny*", &blob, &size, &type_at, &origin_at, &origin_len, &cseq_at, &types))
+        return NULL;
     PyObject *out = NULL;
-    if (size <= 0 || origin_at < 0 || cseq_at < 0 || origin_at + origin_len > size || cseq_at + 8 > size ||
-        blob.len % size) {
+    if (size <= 0 || type_at < 0 || type_at >= size || origin_at < 0 || cseq_at < 0 || origin_len < 0 ||
+        origin_at + origin_len > size || cseq_at + 8 > size || blob.len % size) {
         PyErr_SetString(PyExc_ValueError, "the blob is not whole messages of that layout");
         goto done;
     }
@@ -155,7 +156,7 @@ static PyObject *client_seq_maxima(PyObject *self, PyObject *args) {
     const unsigned char *p = blob.buf, *end = p + blob.len, *run_origin = NULL;
     uint64_t run_max = 0;
     for (; p < end; p += size) {
-        if (memchr(types.buf, p[0], (size_t)types.len) == NULL) continue;
+        if (memchr(types.buf, p[type_at], (size_t)types.len) == NULL) continue;
         uint64_t cseq = get_u64(p + cseq_at);
         if (run_origin != NULL && memcmp(run_origin, p + origin_at, (size_t)origin_len) == 0) {
             if (cseq > run_max) run_max = cseq;

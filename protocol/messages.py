@@ -261,14 +261,22 @@ _CLIENT_SEQ_TYPES = bytes(CLIENT_SEQ_TYPES)
 TYPE_ORIGIN_CSEQ = struct.Struct(f">B{ORIGIN_AT - 1}x10sQ")  # type, origin and client seq of a sequenced message
 
 
-def client_seq_maxima_pure(blob: bytes) -> dict[bytes, int]:
-    """The highest client seq (above 0) of each origin among the messages of `blob` (whole
-    75-byte sequenced messages) that carry one. The definition of `client_seq_maxima`, which
-    is this in C (`_speedups.c`) where Tape was built with a compiler."""
-    if len(blob) % SEQUENCED_SIZE:
+@functools.lru_cache(maxsize=4)
+def _type_origin_cseq(prefix: int) -> struct.Struct:
+    return struct.Struct(f">{prefix}xB{ORIGIN_AT - 1}x10sQ")
+
+
+def client_seq_maxima_pure(blob, prefix: int = 0) -> dict[bytes, int]:
+    """The highest client seq (above 0) of each origin among the messages of `blob` that carry
+    one. `blob` is whole blocks of `prefix` bytes and a 75-byte sequenced message: a journal
+    append's entries (prefix 0) or a packet's blocks after its header (prefix 2, the length).
+    The definition of `client_seq_maxima`, which is this in C (`_speedups.c`) where Tape was
+    built with a compiler."""
+    layout = _type_origin_cseq(prefix)
+    if len(blob) % layout.size:
         raise ValueError("the blob is not whole messages of that layout")
     out: dict[bytes, int] = {}
-    for kind, origin, cseq in TYPE_ORIGIN_CSEQ.iter_unpack(blob):
+    for kind, origin, cseq in layout.iter_unpack(blob):
         if kind in _CLIENT_SEQ_TYPES and cseq > out.get(origin, 0):
             out[origin] = cseq
     return out
@@ -277,7 +285,8 @@ def client_seq_maxima_pure(blob: bytes) -> dict[bytes, int]:
 try:
     from tape.protocol._speedups import client_seq_maxima as _maxima
 
-    def client_seq_maxima(blob: bytes) -> dict[bytes, int]:
-        return _maxima(blob, SEQUENCED_SIZE, ORIGIN_AT, 10, CLIENT_SEQ_AT, _CLIENT_SEQ_TYPES)
+    def client_seq_maxima(blob, prefix: int = 0) -> dict[bytes, int]:
+        return _maxima(blob, prefix + SEQUENCED_SIZE, prefix, prefix + ORIGIN_AT, 10, prefix + CLIENT_SEQ_AT,
+                       _CLIENT_SEQ_TYPES)
 except ImportError:  # installed without a C compiler
     client_seq_maxima = client_seq_maxima_pure

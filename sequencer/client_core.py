@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import struct
 from collections import deque
 
 from tape.protocol import messages, moldudp64
@@ -33,8 +32,6 @@ from tape.protocol.errors import InvariantViolation
 from tape.protocol.limits import RESENDS_PER_ROUND
 
 MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
-# Only origin and client seq of each 77-byte block: cheap to scan the whole stream.
-_ORIGIN_CSEQ = struct.Struct(">59x10sQ")
 _REJECT_MARK = messages.BLOCK_PREFIX + bytes((messages.REJECTED,))  # a block of type 'J' starts so
 
 
@@ -113,12 +110,8 @@ class ClientCore:
 
     def on_delivered(self, packet: bytes, skip: int, now_ns: int) -> bool:
         """Messages skip.. of an in-order packet of the stream; True if they acknowledged something."""
-        origin = self.origin
-        top = 0
         start = moldudp64.HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
-        for o, cseq in _ORIGIN_CSEQ.iter_unpack(memoryview(packet)[start:]):
-            if o == origin and cseq > top:
-                top = cseq
+        top = messages.client_seq_maxima(memoryview(packet)[start:], 2).get(self.origin, 0)
         if _REJECT_MARK in packet:  # rare: some block is a reject; is it one of ours?
             self._note_rejects(packet, skip)
         if top <= self.acked:

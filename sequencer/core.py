@@ -17,6 +17,7 @@ import hashlib
 import hmac
 from collections import deque
 from dataclasses import dataclass
+from itertools import repeat
 
 from tape.protocol import messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
@@ -40,7 +41,7 @@ class Batch:
         return self.first_seq + len(self.messages) - 1
 
     def records(self) -> list:
-        return [(self.first_seq + i, self.term, m) for i, m in enumerate(self.messages)]
+        return list(zip(range(self.first_seq, self.first_seq + len(self.messages)), repeat(self.term), self.messages))
 
 
 

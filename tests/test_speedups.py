@@ -79,3 +79,18 @@ def test_client_seq_maxima_reads_only_what_carries_a_client_seq():
         M.client_seq_maxima(blob[:-1])
     with pytest.raises(ValueError):
         M.client_seq_maxima_pure(blob[:-1])
+
+
+@compiled
+@given(RUNS)
+def test_c_and_pure_read_the_same_maxima_from_a_packets_blocks(run):
+    blocks = b"".join(M.BLOCK_PREFIX + m for m in M.split_sequenced(sequenced_run(run)))
+    assert M.client_seq_maxima(blocks, 2) == M.client_seq_maxima_pure(blocks, 2) == \
+        M.client_seq_maxima_pure(sequenced_run(run))
+
+
+@given(st.integers(0, 3000))  # across SPLIT_CHUNK: one splitter, then several
+def test_split_sequenced_is_slicing(n):
+    blob = bytes(range(256)) * (n * M.SEQUENCED_SIZE // 256) + bytes(n * M.SEQUENCED_SIZE % 256)
+    size = M.SEQUENCED_SIZE
+    assert list(M.split_sequenced(blob)) == [blob[i:i + size] for i in range(0, len(blob), size)]
