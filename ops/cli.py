@@ -36,15 +36,17 @@ def _journal_export(args) -> int:
 
 
 def _bench_protocol(args) -> int:
-    from tape.ops.bench import bench_protocol
+    from tape.ops.bench import bench_protocol, set_clock
 
+    set_clock(args.clock)
     bench_protocol(args.messages, args.batch)
     return 0
 
 
 def _bench_stream(args) -> int:
-    from tape.ops.bench import bench_stream
+    from tape.ops.bench import bench_stream, set_clock
 
+    set_clock(args.clock)
     bench_stream([float(r) for r in args.rates.split(",")], args.seconds, args.sequencer_only, args.standby)
     return 0
 
@@ -71,17 +73,19 @@ def _bench_spark(args) -> int:
 
 
 def _bench_rewinder(args) -> int:
-    from tape.ops.bench import bench_rewinder
+    from tape.ops.bench import bench_rewinder, set_clock
 
+    set_clock(args.clock)
     rate = bench_rewinder(args.messages, args.batch, args.fsync)
     print(f"rewinder on one core: {rate:,.0f} msg/s journaled (fsync {args.fsync}) and acknowledged, "
-          f"appends of {args.batch}")
+          f"appends of {args.batch}" + (", in CPU time" if args.clock == "cpu" else ""))
     return 0
 
 
 def _bench_replica(args) -> int:
-    from tape.ops.bench import bench_replica
+    from tape.ops.bench import bench_replica, set_clock
 
+    set_clock(args.clock)
     bench_replica(args.messages, args.open_orders)
     return 0
 
@@ -567,6 +571,12 @@ def _add_config(sub) -> None:
     p.set_defaults(func=_config_default)
 
 
+def _add_clock(parser) -> None:
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time one-core measurements by the wall clock (default) or by this process's CPU "
+                             "time, for a busy host: what the code costs, not what the host gives")
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="measure throughput", description="Benchmarks (figures, not pass/fail).")
     bsub = bench.add_subparsers(dest="bench_command", metavar="TARGET", required=True)
@@ -574,6 +584,7 @@ def _add_bench(sub) -> None:
                          description="Messages/s for packing, decoding and journaling trade messages.")
     bp.add_argument("--messages", type=int, default=1_000_000, help="messages per measurement (default 1000000)")
     bp.add_argument("--batch", type=int, default=1000, help="messages per journal append (default 1000)")
+    _add_clock(bp)
     bp.set_defaults(func=_bench_protocol)
     bs = bsub.add_parser("stream", help="sequencer alone, then the local cluster at several rates",
                          description="Messages/s of the sequencer alone on one core, then achieved rate and "
@@ -582,6 +593,7 @@ def _add_bench(sub) -> None:
     bs.add_argument("--seconds", type=float, default=5.0, help="seconds per rate (default 5)")
     bs.add_argument("--sequencer-only", action="store_true", help="only the single-core sequencer measurement")
     bs.add_argument("--standby", action="store_true", help="run a standby sequencer too (4 voters, majority 3)")
+    _add_clock(bs)
     bs.set_defaults(func=_bench_stream)
     br = bsub.add_parser("replica", help="decode + apply rate of one replica on one core",
                          description="Decode a pre-built committed stream from memory and apply it to the audit "
@@ -589,6 +601,7 @@ def _add_bench(sub) -> None:
                                      "of --open-orders open books (save, size, load, incremental).")
     br.add_argument("--messages", type=int, default=1_000_000, help="messages (default 1000000)")
     br.add_argument("--open-orders", type=int, default=1_000_000, help="open books to snapshot (default 1000000)")
+    _add_clock(br)
     br.set_defaults(func=_bench_replica)
     bw = bsub.add_parser("rewinder", help="journal-and-acknowledge rate of one follower on one core",
                          description="Feed pre-built authenticated append frames through what a rewinder runs: open "
@@ -598,6 +611,7 @@ def _add_bench(sub) -> None:
     bw.add_argument("--batch", type=int, default=500, help="messages per append frame (default 500)")
     bw.add_argument("--fsync", default="batch", help="journal fsync policy: batch, never or milliseconds "
                     "(default batch)")
+    _add_clock(bw)
     bw.set_defaults(func=_bench_rewinder)
     bf = bsub.add_parser("failover", help="failover time over repeated kill-leader drills",
                          description="Run --runs kill-leader drills and report the failover time (the old leader's "

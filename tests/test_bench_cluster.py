@@ -45,3 +45,11 @@ def test_bench_rewinder_journals_and_acknowledges_every_message():
     out = subprocess.run(TAPE + ["bench", "rewinder", "--messages", "5000", "--batch", "100"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "msg/s journaled (fsync batch) and acknowledged" in out.stdout, out.stderr
+    assert "CPU time" not in out.stdout
+
+
+def test_one_core_benchmarks_can_time_by_cpu_time():
+    """--clock cpu: for a busy host (docs/performance.md, third sitting of 2026-11-25)."""
+    out = subprocess.run(TAPE + ["bench", "rewinder", "--messages", "2000", "--batch", "100", "--fsync", "never",
+                                 "--clock", "cpu"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("appends of 100, in CPU time"), out.stderr
