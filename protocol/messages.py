@@ -258,12 +258,15 @@ def _text(raw: bytes) -> str:
 ORIGIN_AT = struct.calcsize(">BQq16s8sQQ")  # 57: where a sequenced message's origin starts
 CLIENT_SEQ_AT = ORIGIN_AT + 10  # 67
 _CLIENT_SEQ_TYPES = bytes(CLIENT_SEQ_TYPES)
-TYPE_ORIGIN_CSEQ = struct.Struct(f">B{ORIGIN_AT - 1}x10sQ")  # type, origin and client seq of a sequenced message
 
 
 @functools.lru_cache(maxsize=4)
 def _type_origin_cseq(prefix: int) -> struct.Struct:
+    """Type, origin and client seq of a sequenced message after `prefix` bytes."""
     return struct.Struct(f">{prefix}xB{ORIGIN_AT - 1}x10sQ")
+
+
+TYPE_ORIGIN_CSEQ = _type_origin_cseq(0)
 
 
 def client_seq_maxima_pure(blob, prefix: int = 0) -> dict[bytes, int]:

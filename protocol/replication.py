@@ -36,7 +36,6 @@ from .errors import ProtocolError
 from .messages import SEQUENCED_SIZE, split_sequenced
 
 FRAME = framing.FRAME
-
 APPEND = struct.Struct(">Q10sQQQQI")
 ACK = struct.Struct(">Q10sBQ")
 HELLO = struct.Struct(">Q10sQQ")
