@@ -176,7 +176,81 @@ done:
     return out;
 }
 
+/* stamp_run(msgs, head, first_cseq): each inbound message + head (stamp, origin) + its client
+ * seq, big-endian; protocol/messages.py's stamp_run_pure is the definition. */
+static PyObject *stamp_run(PyObject *self, PyObject *args) {
+    PyObject *msgs, *first;
+    Py_buffer head;
+    if (!PyArg_ParseTuple(args, "Oy*O", &msgs, &head, &first)) return NULL;
+    PyObject *seq_of = PySequence_Fast(msgs, "msgs must be a sequence of bytes"), *out = NULL;
+    if (seq_of == NULL) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq_of);
+    unsigned long long cseq = PyLong_AsUnsignedLongLong(first);
+    if (cseq == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+    if (n > 0 && cseq > UINT64_MAX - (unsigned long long)(n - 1)) {  /* as int.to_bytes(8) would refuse */
+        PyErr_SetString(PyExc_OverflowError, "a client seq beyond 64 bits");
+        goto done;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq_of);
+    out = PyList_New(n);
+    if (out == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++, cseq++) {
+        if (!PyBytes_Check(items[i])) {
+            PyErr_SetString(PyExc_TypeError, "an inbound message is bytes");
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_ssize_t len = PyBytes_GET_SIZE(items[i]);
+        PyObject *m = PyBytes_FromStringAndSize(NULL, len + head.len + 8);
+        if (m == NULL) { Py_CLEAR(out); goto done; }
+        unsigned char *p = (unsigned char *)PyBytes_AS_STRING(m);
+        memcpy(p, PyBytes_AS_STRING(items[i]), (size_t)len);
+        memcpy(p + len, head.buf, (size_t)head.len);
+        put_u64(p + len + head.len, cseq);
+        PyList_SET_ITEM(out, i, m);
+    }
+done:
+    Py_XDECREF(seq_of);
+    PyBuffer_Release(&head);
+    return out;
+}
+
+/* invalid_inbound(data, count, first, stride, limit): protocol/messages.py's invalid_inbound_pure
+ * (the definition), for messages whose shares (i64 at +9) and text (24 bytes at +17) start `first`
+ * bytes into `data`, `stride` apart. */
+static PyObject *invalid_inbound(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    Py_ssize_t count, first, stride;
+    long long limit;
+    if (!PyArg_ParseTuple(args, "y*nnnL", &data, &count, &first, &stride, &limit)) return NULL;
+    PyObject *out = NULL;
+    if (count < 0 || first < 0 || stride < 41 || (count > 0 && first + (count - 1) * stride + 41 > data.len)) {
+        PyErr_SetString(PyExc_ValueError, "the batch is shorter than its messages");
+        goto done;
+    }
+    out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < count; i++) {
+        const unsigned char *m = (const unsigned char *)data.buf + first + i * stride;
+        long long shares = (long long)get_u64(m + 9);
+        int code = 0;
+        if (!(-limit < shares && shares < limit)) code = 1;
+        else
+            for (int k = 17; k < 41; k++)
+                if (m[k] < 0x20 || m[k] > 0x7E) { code = 2; break; }
+        if (code) {
+            PyObject *item = Py_BuildValue("(ni)", i, code);
+            if (item == NULL || PyList_Append(out, item) < 0) Py_CLEAR(out);
+            Py_XDECREF(item);
+        }
+    }
+done:
+    PyBuffer_Release(&data);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"invalid_inbound", invalid_inbound, METH_VARARGS, "What ingress rejects (protocol/messages.py)."},
+    {"stamp_run", stamp_run, METH_VARARGS, "Inbound messages stamped (protocol/messages.py's stamp_run_pure)."},
     {"client_seq_maxima", client_seq_maxima, METH_VARARGS,
      "The highest client seq of each origin in a run of sequenced messages (protocol/messages.py)."},
     {"encode_records", encode_records, METH_O,

@@ -165,10 +165,11 @@ def check_inbound_batch(data, count: int) -> None:
     _check_blocks(data, count, INBOUND_BLOCK_SIZE, INBOUND_SIZE, CLIENT_TYPES)
 
 
-def invalid_inbound(data, count: int) -> list[tuple[int, int]]:
+def invalid_inbound_pure(data, count: int) -> list[tuple[int, int]]:
     """(index, reject code) of the messages of a checked inbound batch that the rules cannot
     apply: |shares| >= SHARES_LIMIT, or client or stock not printable ASCII. Stride slices: the
-    common batch (small non-negative shares, plain text) costs a few C calls."""
+    common batch (small non-negative shares, plain text) costs a few C calls. The definition of
+    `invalid_inbound`, which is this in C (`_speedups.c`) where Tape was built with a compiler."""
     base = HEADER_SIZE + 2  # the first message's type byte
     high = b"".join(data[base + k::INBOUND_BLOCK_SIZE] for k in range(9, 14))  # shares' top 5 bytes
     text = b"".join(data[base + k::INBOUND_BLOCK_SIZE] for k in range(17, 41))  # client and stock
@@ -285,11 +286,23 @@ def client_seq_maxima_pure(blob, prefix: int = 0) -> dict[bytes, int]:
     return out
 
 
+def stamp_run_pure(msgs, head: bytes, first_cseq: int) -> list[bytes]:
+    """Consecutive inbound messages of one client as sequenced messages: each followed by
+    `head` (its stamp and origin, ENVELOPE's first fields) and its client seq. The definition
+    of `stamp_run`, which is this in C (`_speedups.c`) where Tape was built with a compiler."""
+    return [m + head + cseq.to_bytes(8, "big") for cseq, m in enumerate(msgs, first_cseq)]
+
+
 try:
     from tape.protocol._speedups import client_seq_maxima as _maxima
+    from tape.protocol._speedups import invalid_inbound as _invalid
+    from tape.protocol._speedups import stamp_run
+
+    def invalid_inbound(data, count: int) -> list[tuple[int, int]]:
+        return _invalid(data, count, HEADER_SIZE + 2, INBOUND_BLOCK_SIZE, SHARES_LIMIT)
 
     def client_seq_maxima(blob, prefix: int = 0) -> dict[bytes, int]:
         return _maxima(blob, prefix + SEQUENCED_SIZE, prefix, prefix + ORIGIN_AT, 10, prefix + CLIENT_SEQ_AT,
                        _CLIENT_SEQ_TYPES)
 except ImportError:  # installed without a C compiler
-    client_seq_maxima = client_seq_maxima_pure
+    client_seq_maxima, stamp_run, invalid_inbound = client_seq_maxima_pure, stamp_run_pure, invalid_inbound_pure

@@ -219,8 +219,7 @@ class LeaderCore:
             if origin is None:
                 out.extend(msgs)  # control messages come stamped
             else:
-                head = stamp_bytes + origin  # the envelope is stamp, origin, client seq
-                out.extend([m + head + cseq.to_bytes(8, "big") for cseq, m in enumerate(msgs, first_cseq)])
+                out.extend(messages.stamp_run(msgs, stamp_bytes + origin, first_cseq))  # stamp, origin, cseq
         self._pending = []
         self._pending_count = 0
         if self.keys is not None:

@@ -1,5 +1,5 @@
 """protocol/_speedups.c against the pure functions it replaces (record encoding, client
-seq maxima): the same results for any input, the same refusals; and where a C compiler
+seq maxima, stamping, ingress checks): the same results for any input, the same refusals; and where a C compiler
 exists it was built (else the tests and benchmarks would measure the fallback unawares)."""
 
 import shutil
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tape.protocol import journal as fmt
 from tape.protocol import messages as M
+from tape.protocol import moldudp64
 
 compiled = pytest.mark.skipif(fmt.encode_records is fmt.encode_records_pure, reason="built without a C compiler")
 
@@ -94,3 +95,31 @@ def test_split_sequenced_is_slicing(n):
     blob = bytes(range(256)) * (n * M.SEQUENCED_SIZE // 256) + bytes(n * M.SEQUENCED_SIZE % 256)
     size = M.SEQUENCED_SIZE
     assert list(M.split_sequenced(blob)) == [blob[i:i + size] for i in range(0, len(blob), size)]
+
+
+@compiled
+@given(st.lists(st.binary(min_size=49, max_size=49), max_size=30), st.binary(min_size=18, max_size=18),
+       st.one_of(st.integers(0, 2**20), st.integers(2**64 - 40, 2**64 - 1)))
+def test_c_and_pure_stamp_the_same_messages(msgs, head, first_cseq):
+    try:
+        want = M.stamp_run_pure(msgs, head, first_cseq)
+    except OverflowError:  # client seqs past 64 bits: both refuse
+        with pytest.raises(OverflowError):
+            M.stamp_run(msgs, head, first_cseq)
+        return
+    assert M.stamp_run(msgs, head, first_cseq) == want
+
+
+INBOUND = st.builds(lambda kind, order, shares, text, pid: M.INBOUND.pack(kind, order, shares, text[:16], text[16:],
+                                                                           pid),
+                    st.sampled_from(M.CLIENT_TYPES), st.integers(0, 2**64 - 1),
+                    st.one_of(st.integers(-2**63, 2**63 - 1), st.sampled_from([M.SHARES_LIMIT, -M.SHARES_LIMIT,
+                                                                              M.SHARES_LIMIT - 1, 1 - M.SHARES_LIMIT])),
+                    st.one_of(st.binary(min_size=24, max_size=24), st.just(b"A" * 24)), st.integers(0, 2**64 - 1))
+
+
+@compiled
+@given(st.lists(INBOUND, max_size=30), st.booleans())
+def test_c_and_pure_reject_the_same_inbound_messages(msgs, with_mac):
+    batch = moldudp64.encode_packet(b"client1   ", 1, msgs) + (bytes(M.INBOUND_MAC_SIZE) if with_mac else b"")
+    assert M.invalid_inbound(batch, len(msgs)) == M.invalid_inbound_pure(batch, len(msgs))
