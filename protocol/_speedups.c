@@ -1,13 +1,16 @@
-/* The journal's record encoding in C: the same bytes as
- * protocol/journal.py's encode_records_pure, without a Python call per
- * record (the pure function spends ~0.36 us a record on four calls and two
- * concatenations; a voter writes every message it replicates).
+/* Per-message loops of the voters in C, each the same as a pure Python
+ * function that stays beside its dispatch as the definition and fallback
+ * (docs/decisions.md); tests/test_speedups.py holds each pair equal.
  *
- * Record: CRC-32 u32 | length u32 | seq u64 | term u64 | message, big-endian,
- * the CRC (CRC-32/IEEE, as zlib.crc32) over everything after it, computed
- * slicing-by-8 (39 ns for a 95-byte record where this host's zlib takes 104).
- * docs/journal-format.md is the definition; tests/test_speedups.py holds the
- * two functions equal.
+ *   encode_records     journal records (protocol/journal.py): CRC-32 u32 |
+ *                      length u32 | seq u64 | term u64 | message, big-endian,
+ *                      the CRC (CRC-32/IEEE, as zlib.crc32) over everything
+ *                      after it, slicing-by-8 (39 ns for a 95-byte record
+ *                      where this host's zlib takes 104)
+ *   client_seq_maxima  the highest client seq of each origin in a run of
+ *                      sequenced messages (protocol/messages.py)
+ *   stamp_run          a client's inbound messages stamped (messages.py)
+ *   invalid_inbound    what the ingress checks reject (messages.py)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -52,7 +55,7 @@ static void put_u64(unsigned char *p, uint64_t v) {
 }
 
 /* One (seq, term, message) item, a tuple or a list, with the message as bytes:
- * its fields, or -1 with an exception set (anything else takes the pure path). */
+ * its fields, or -1 with the exception the caller raises. */
 static int unpack_record(PyObject *item, uint64_t *seq, uint64_t *term, const char **msg, Py_ssize_t *len) {
     PyObject *fields[3];
     if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 3) {
