@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -45,14 +47,13 @@ def marginal_us(short: dict, long: dict) -> dict[str, float]:
 def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | None,
                   max_packet: int | None = None) -> list[dict]:
     console = Console()
-    quiet = Console(file=open(os.devnull, "w"))
     rows = []
     with Progress(console=console) as progress:
         task = progress.add_task("cluster runs", total=2 * len(rates))
         for rate in rates:
             reports = []
             for seconds in (short_s, long_s):
-                reports.append(run_up(rate, seconds, 0.0, None, seed=1, console=quiet, max_packet=max_packet))
+                reports.append(_run_keeping_failures(console, rate, seconds, max_packet))
                 progress.advance(task)
             short, long = reports
             if "cpu_s" not in short or "cpu_s" not in long:
@@ -68,6 +69,20 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
         Path(out).write_text(json.dumps(rows, indent=1))
         console.print(f"figures: {out}")
     return rows
+
+
+def _run_keeping_failures(console: Console, rate: float, seconds: float, max_packet: int | None) -> dict:
+    """One `tape up` run; a failed verdict keeps the run's files and names the failed checks."""
+    root = Path(tempfile.mkdtemp(prefix=f"tape-bench-{rate:.0f}-{seconds:g}s-"))
+    quiet = Console(file=open(os.devnull, "w"))
+    report = run_up(rate, seconds, 0.0, str(root), seed=1, console=quiet, max_packet=max_packet)
+    if report["verdict"] == "pass":
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        failed = [name for name, ok in report["checks"].items() if not ok] or [report.get("aborted")]
+        console.print(f"{rate:,.0f} msg/s for {seconds:g} s: verdict fail ({'; '.join(map(str, failed))}); "
+                      f"its files: {root}")
+    return report
 
 
 def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int) -> Table:

@@ -2,11 +2,16 @@
 `tape bench rewinder`, one follower on one core."""
 
 import json
+import os
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import TAPE
+from rich.console import Console
 
+from tape.ops import bench_cluster
 from tape.ops.bench_cluster import PROCESSES, marginal_us
 
 pytestmark = pytest.mark.process
@@ -30,14 +35,33 @@ def test_the_marginal_cost_is_the_difference_over_the_extra_messages_by_role():
 
 
 def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
     out = subprocess.run(TAPE + ["bench", "cluster", "--rates", "3000", "--short", "1", "--long", "3",
-                                 "--out", str(tmp_path / "figures.json")], capture_output=True, text=True, timeout=300)
+                                 "--out", str(tmp_path / "figures.json")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TMPDIR": str(runs)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert not list(runs.glob("tape-bench-*")), "a passed run's files are removed"
     [row] = json.loads((tmp_path / "figures.json").read_text())
     assert row["verdict"] == "pass" and row["rate_offered"] == 3000 and row["rate_achieved"] > 0
     assert set(row["us_per_msg"]) == {*PROCESSES, "whole cluster"}
     assert all(row["us_per_msg"][p] > 0 for p in ("leader", "rw-1", "replica-A", "load"))
     assert "whole cluster" in out.stdout
+
+
+def test_a_failed_run_keeps_its_files_and_names_the_failed_checks(tmp_path, monkeypatch):
+    def failing_run_up(rate, seconds, drop, out, **kw):
+        (Path(out) / "report.json").write_text("{}")
+        return {"verdict": "fail", "checks": {"exactly-once alerts": False, "stamps never go backwards": True}}
+
+    monkeypatch.setattr(bench_cluster, "run_up", failing_run_up)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    console = Console(record=True, width=400)
+    bench_cluster._run_keeping_failures(console, 250_000, 8, None)
+    [kept] = tmp_path.glob("tape-bench-250000-8s-*")
+    assert (kept / "report.json").exists()
+    said = console.export_text()
+    assert "verdict fail (exactly-once alerts)" in said and str(kept) in said
 
 
 def test_bench_rewinder_journals_and_acknowledges_every_message():
