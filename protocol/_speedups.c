@@ -11,6 +11,10 @@
  *                      sequenced messages (protocol/messages.py)
  *   stamp_run          a client's inbound messages stamped (messages.py)
  *   invalid_inbound    what the ingress checks reject (messages.py)
+ *   records_sum        a replica snapshot's checksum share of many records
+ *                      (replicas/snapshot.py): the sum mod 2^128 of each
+ *                      record's BLAKE2b-128 (RFC 7693, unkeyed), read as a
+ *                      big-endian integer
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -251,7 +255,112 @@ done:
     return out;
 }
 
+
+/* --- BLAKE2b (RFC 7693), unkeyed, any digest size up to 64 bytes ------------------------- */
+
+static const uint64_t B2_IV[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
+    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL};
+
+static const uint8_t B2_SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4}, {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13}, {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11}, {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5}, {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3}};
+
+static uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
+
+static uint64_t load_le64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
+#define B2_G(a, b, c, d, x, y)                 \
+    do {                                       \
+        a = a + b + (x); d = rotr64(d ^ a, 32); \
+        c = c + d;       b = rotr64(b ^ c, 24); \
+        a = a + b + (y); d = rotr64(d ^ a, 16); \
+        c = c + d;       b = rotr64(b ^ c, 63); \
+    } while (0)
+
+/* One 128-byte block into h; `t` counts the bytes hashed through this block. */
+static void b2_compress(uint64_t h[8], const unsigned char *block, uint64_t t, int last) {
+    uint64_t m[16], v[16];
+    for (int i = 0; i < 16; i++) m[i] = load_le64(block + 8 * i);
+    for (int i = 0; i < 8; i++) v[i] = h[i], v[i + 8] = B2_IV[i];
+    v[12] ^= t;  /* records are far shorter than 2^64 bytes: the counter's high word stays 0 */
+    if (last) v[14] = ~v[14];
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *s = B2_SIGMA[r];
+        B2_G(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
+        B2_G(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
+        B2_G(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);
+        B2_G(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);
+        B2_G(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);
+        B2_G(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);
+        B2_G(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);
+        B2_G(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);
+    }
+    for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* BLAKE2b with an `outlen`-byte digest of the concatenation a | b. */
+static void blake2b_two(unsigned char *out, size_t outlen, const unsigned char *a, size_t alen,
+                        const unsigned char *b, size_t blen) {
+    uint64_t h[8];
+    unsigned char block[128];
+    size_t fill = 0, total = alen + blen;
+    uint64_t t = 0;
+    for (int i = 0; i < 8; i++) h[i] = B2_IV[i];
+    h[0] ^= 0x01010000ULL ^ outlen;
+    for (size_t i = 0; i < total; i++) {
+        if (fill == 128) {  /* a full block is compressed only once more input follows it */
+            t += 128;
+            b2_compress(h, block, t, 0);
+            fill = 0;
+        }
+        block[fill++] = i < alen ? a[i] : b[i - alen];
+    }
+    memset(block + fill, 0, 128 - fill);
+    b2_compress(h, block, t + fill, 1);
+    for (size_t i = 0; i < outlen; i++) out[i] = (unsigned char)(h[i / 8] >> (8 * (i % 8)));
+}
+
+static PyObject *records_sum(PyObject *self, PyObject *args) {
+    Py_buffer prefix;
+    PyObject *records;
+    if (!PyArg_ParseTuple(args, "y*O", &prefix, &records)) return NULL;
+    PyObject *seq = PySequence_Fast(records, "records must be a sequence of bytes");
+    if (seq == NULL) { PyBuffer_Release(&prefix); return NULL; }
+    unsigned __int128 sum = 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyBytes_Check(r)) {
+            PyErr_SetString(PyExc_TypeError, "records must be bytes");
+            Py_DECREF(seq); PyBuffer_Release(&prefix);
+            return NULL;
+        }
+        unsigned char d[16];
+        blake2b_two(d, 16, prefix.buf, (size_t)prefix.len, (const unsigned char *)PyBytes_AS_STRING(r),
+                    (size_t)PyBytes_GET_SIZE(r));
+        unsigned __int128 v = 0;
+        for (int k = 0; k < 16; k++) v = v << 8 | d[k];
+        sum += v;  /* wraps: mod 2^128 */
+    }
+    Py_DECREF(seq);
+    PyBuffer_Release(&prefix);
+    unsigned char be[16];
+    for (int k = 15; k >= 0; k--) be[k] = (unsigned char)sum, sum >>= 8;
+    return _PyLong_FromByteArray(be, 16, 0, 0);
+}
+
 static PyMethodDef methods[] = {
+    {"records_sum", records_sum, METH_VARARGS,
+     "Sum mod 2^128 of BLAKE2b-128(prefix + record) of each record (replicas/snapshot.py)."},
     {"invalid_inbound", invalid_inbound, METH_VARARGS, "What ingress rejects (protocol/messages.py)."},
     {"stamp_run", stamp_run, METH_VARARGS, "Inbound messages stamped (protocol/messages.py's stamp_run_pure)."},
     {"client_seq_maxima", client_seq_maxima, METH_VARARGS,
@@ -262,7 +371,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_speedups",
-                                    "Hot loops of the journal format in C (pure fallbacks in protocol/journal.py).",
+                                    "Per-message loops in C (each beside its pure Python definition and fallback).",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit__speedups(void) {

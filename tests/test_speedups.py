@@ -1,7 +1,9 @@
-"""protocol/_speedups.c against the pure functions it replaces (record encoding, client
-seq maxima, stamping, ingress checks): the same results for any input, the same refusals; and where a C compiler
-exists it was built (else the tests and benchmarks would measure the fallback unawares)."""
+"""protocol/_speedups.c against the pure functions it replaces (record encoding, client seq
+maxima, stamping, ingress checks, snapshot checksums): the same results for any input, the same
+refusals; and where a C compiler exists it was built (else the tests and benchmarks would
+measure the fallback unawares)."""
 
+import hashlib
 import shutil
 import struct
 import zlib
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 from tape.protocol import journal as fmt
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
+from tape.replicas import snapshot
 
 compiled = pytest.mark.skipif(fmt.encode_records is fmt.encode_records_pure, reason="built without a C compiler")
 
@@ -123,3 +126,19 @@ INBOUND = st.builds(lambda kind, order, shares, text, pid: M.INBOUND.pack(kind, 
 def test_c_and_pure_reject_the_same_inbound_messages(msgs, with_mac):
     batch = moldudp64.encode_packet(b"client1   ", 1, msgs) + (bytes(M.INBOUND_MAC_SIZE) if with_mac else b"")
     assert M.invalid_inbound(batch, len(msgs)) == M.invalid_inbound_pure(batch, len(msgs))
+
+
+@compiled
+@given(st.binary(max_size=20), st.lists(st.binary(max_size=400), max_size=20))
+def test_c_and_pure_sum_the_same_snapshot_records(prefix, records):
+    """BLAKE2b in C at every length around its 128-byte blocks, and the sum's wrap at 2^128."""
+    assert snapshot.records_sum(prefix, records) == snapshot.records_sum_pure(prefix, records)
+
+
+def test_a_records_sum_is_blake2b_128_of_prefix_and_record():
+    one = int.from_bytes(hashlib.blake2b(b"books:" + b"k" * 8 + b"v" * 120, digest_size=16).digest(), "big")
+    assert snapshot.records_sum(b"books:", [b"k" * 8 + b"v" * 120]) == one
+    assert snapshot.records_sum(b"books:", [b"k" * 8 + b"v" * 120] * 3) == 3 * one % 2**128
+    assert snapshot.records_sum(b"", []) == 0
+    with pytest.raises(TypeError):
+        snapshot.records_sum(b"books:", ["text"])
