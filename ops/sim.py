@@ -460,7 +460,7 @@ class Listener:
                 raise Violation(f"{self.name} delivered at seq {seq} a message other than the one published")
             self.delivered.append(raw)
         if self.replica is not None:
-            msgs = M.decode_packet_messages(d.packet, n, d.skip)
+            msgs = M.decode_delivered(d.packet, d.skip)
             before = self.machine.alerts_raised
             for action in self.replica.on_run(d.first_seq, msgs):
                 if isinstance(action, SendAlerts):

@@ -156,6 +156,12 @@ def decode_packet_messages(data, count: int, skip: int = 0) -> list:
     return list(_SEQUENCED_BLOCK.iter_unpack(memoryview(data)[start:]))
 
 
+def decode_delivered(data, skip: int = 0) -> list:
+    """The messages of a packet a ListenerCore delivered, from index `skip` on: its blocks were
+    checked when it arrived (`check_packet_messages`), so they are not checked again."""
+    return list(_SEQUENCED_BLOCK.iter_unpack(memoryview(data)[HEADER_SIZE + skip * SEQUENCED_BLOCK_SIZE:]))
+
+
 def check_packet_messages(data, count: int) -> None:
     _check_blocks(data, count, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE, ALL_TYPES)
 

@@ -151,9 +151,8 @@ class Replica(NodeProcess):
     def _deliver(self, first: int, pkt: bytes, skip: int) -> None:
         if self.failed:
             return
-        count = int.from_bytes(pkt[18:20], "big")
         try:
-            msgs = messages.decode_packet_messages(pkt, count, skip)
+            msgs = messages.decode_delivered(pkt, skip)
             actions = self.core.on_run(first, msgs)
         except (ProtocolError, InvariantViolation) as e:
             # Skipping would diverge this replica from the others: stop applying, loudly.

@@ -57,6 +57,7 @@ def test_skip_and_inbound_batches(inb, skip):
     decoded = msg.decode_packet_messages(pkt, len(inb), skip)
     assert decoded == [msg.SEQUENCED.unpack(msg.stamp(m_, 5, b"o" * 10, cseq))
                        for cseq, m_ in enumerate(inb[skip:], 1 + skip)]  # the right messages, stamped, in order
+    assert msg.decode_delivered(pkt, skip) == decoded  # a checked packet, delivered: the same, unchecked
     batch = m.encode_packet(b"o" * 10, 1, inb)
     msg.check_inbound_batch(batch, len(inb))
     assert [msg.inbound_message_bytes(batch, i) for i in range(len(inb))] == inb
