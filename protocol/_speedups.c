@@ -307,22 +307,24 @@ static void b2_compress(uint64_t h[8], const unsigned char *block, uint64_t t, i
     for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
 }
 
-/* BLAKE2b with an `outlen`-byte digest of the concatenation a | b. */
-static void blake2b_two(unsigned char *out, size_t outlen, const unsigned char *a, size_t alen,
-                        const unsigned char *b, size_t blen) {
+/* BLAKE2b with an `outlen`-byte digest of the concatenation of `nparts` byte strings. */
+static void blake2b_parts(unsigned char *out, size_t outlen, int nparts, const unsigned char **part,
+                          const size_t *len) {
     uint64_t h[8];
     unsigned char block[128];
-    size_t fill = 0, total = alen + blen;
+    size_t fill = 0;
     uint64_t t = 0;
     for (int i = 0; i < 8; i++) h[i] = B2_IV[i];
     h[0] ^= 0x01010000ULL ^ outlen;
-    for (size_t i = 0; i < total; i++) {
-        if (fill == 128) {  /* a full block is compressed only once more input follows it */
-            t += 128;
-            b2_compress(h, block, t, 0);
-            fill = 0;
+    for (int p = 0; p < nparts; p++) {
+        for (size_t i = 0; i < len[p]; i++) {
+            if (fill == 128) {  /* a full block is compressed only once more input follows it */
+                t += 128;
+                b2_compress(h, block, t, 0);
+                fill = 0;
+            }
+            block[fill++] = part[p][i];
         }
-        block[fill++] = i < alen ? a[i] : b[i - alen];
     }
     memset(block + fill, 0, 128 - fill);
     b2_compress(h, block, t + fill, 1);
@@ -333,20 +335,24 @@ static PyObject *records_sum(PyObject *self, PyObject *args) {
     Py_buffer prefix;
     PyObject *records;
     if (!PyArg_ParseTuple(args, "y*O", &prefix, &records)) return NULL;
-    PyObject *seq = PySequence_Fast(records, "records must be a sequence of bytes");
+    PyObject *seq = PySequence_Fast(records, "records must be a sequence of (key, value) pairs");
     if (seq == NULL) { PyBuffer_Release(&prefix); return NULL; }
     unsigned __int128 sum = 0;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *r = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyBytes_Check(r)) {
-            PyErr_SetString(PyExc_TypeError, "records must be bytes");
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(r, 0))
+                || !PyBytes_Check(PyTuple_GET_ITEM(r, 1))) {
+            PyErr_SetString(PyExc_TypeError, "records must be (key, value) pairs of bytes");
             Py_DECREF(seq); PyBuffer_Release(&prefix);
             return NULL;
         }
+        PyObject *key = PyTuple_GET_ITEM(r, 0), *value = PyTuple_GET_ITEM(r, 1);
+        const unsigned char *part[3] = {prefix.buf, (const unsigned char *)PyBytes_AS_STRING(key),
+                                        (const unsigned char *)PyBytes_AS_STRING(value)};
+        size_t len[3] = {(size_t)prefix.len, (size_t)PyBytes_GET_SIZE(key), (size_t)PyBytes_GET_SIZE(value)};
         unsigned char d[16];
-        blake2b_two(d, 16, prefix.buf, (size_t)prefix.len, (const unsigned char *)PyBytes_AS_STRING(r),
-                    (size_t)PyBytes_GET_SIZE(r));
+        blake2b_parts(d, 16, 3, part, len);
         unsigned __int128 v = 0;
         for (int k = 0; k < 16; k++) v = v << 8 | d[k];
         sum += v;  /* wraps: mod 2^128 */
@@ -360,7 +366,7 @@ static PyObject *records_sum(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"records_sum", records_sum, METH_VARARGS,
-     "Sum mod 2^128 of BLAKE2b-128(prefix + record) of each record (replicas/snapshot.py)."},
+     "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
     {"invalid_inbound", invalid_inbound, METH_VARARGS, "What ingress rejects (protocol/messages.py)."},
     {"stamp_run", stamp_run, METH_VARARGS, "Inbound messages stamped (protocol/messages.py's stamp_run_pure)."},
     {"client_seq_maxima", client_seq_maxima, METH_VARARGS,

@@ -43,13 +43,14 @@ class SnapshotInvalid(Exception):
     """A snapshot that cannot be verified (corrupt, truncated, another format): never used."""
 
 
-def records_sum_pure(prefix: bytes, records: list[bytes]) -> int:
+def records_sum_pure(prefix: bytes, records: list[tuple[bytes, bytes]]) -> int:
     """The checksum share of records of one database, mod 2^128: `prefix` is the database's name
-    and a colon, each record its key and value (keys are 8 bytes, so this is unambiguous). The
+    and a colon, each record a (key, value) pair (keys are 8 bytes, so this is unambiguous). The
     definition of `records_sum`, which is this in C (`_speedups.c`) where Tape was built with a
     compiler: a save hashes each dirty key's old and new record, and one hashlib call each was
     two thirds of a save's time."""
-    return sum(int.from_bytes(hashlib.blake2b(prefix + r, digest_size=16).digest(), "big") for r in records) % SUM_MOD
+    return sum(int.from_bytes(hashlib.blake2b(prefix + k + v, digest_size=16).digest(), "big")
+               for k, v in records) % SUM_MOD
 
 
 try:
@@ -128,27 +129,26 @@ class SnapshotStore:
 
     def _put_books(self, txn, dirty: list[int], books: dict) -> int:
         """Write (or delete) the dirty books; returns what the checksum moves by. The hot part of a
-        save (one key per order touched): one LMDB call per key, which hands back the old value."""
-        new, old, db, pack = [], [], self.books, BOOK.pack
-        for order_id in dirty:
-            key = order_id.to_bytes(8, "big")
-            book = books.get(order_id)
-            if book is None:
-                was = txn.pop(key, db=db)
-            else:
-                value = pack(*book)
-                was = txn.replace(key, value, db=db)
-                new.append(key + value)
-            if was is not None:
-                old.append(key + bytes(was))
+        save (one key per order touched): the old records read and the new ones written by one
+        LMDB call each, and hashed by one call each."""
+        keys = [order_id.to_bytes(8, "big") for order_id in dirty]
+        pack, get = BOOK.pack, books.get
+        new = [(key, pack(*book)) for key, order_id in zip(keys, dirty) if (book := get(order_id)) is not None]
+        with txn.cursor(db=self.books) as cursor:
+            old = [(bytes(k), bytes(v)) for k, v in cursor.getmulti(keys)]
+            cursor.putmulti(new)
+            if len(new) < len(keys):  # closed books: few, at their expiry
+                for key, order_id in zip(keys, dirty):
+                    if order_id not in books:
+                        txn.delete(key, db=self.books)
         return records_sum(b"books:", new) - records_sum(b"books:", old)
 
     @staticmethod
     def _put(txn, db, name: bytes, key: bytes, value: bytes | None) -> int:
         """Write (or with None delete) one record; returns what the checksum moves by."""
         old = txn.pop(key, db=db) if value is None else txn.replace(key, value, db=db)
-        change = -records_sum(name + b":", [key + bytes(old)]) if old is not None else 0
-        return change if value is None else change + records_sum(name + b":", [key + value])
+        change = -records_sum(name + b":", [(key, bytes(old))]) if old is not None else 0
+        return change if value is None else change + records_sum(name + b":", [(key, value)])
 
     def outbox(self) -> bytes:
         """The alerts not yet acknowledged, as of the loaded snapshot (checked against its sum)."""
@@ -202,7 +202,7 @@ class SnapshotStore:
         """Every book and orphan record, decoded, and their checksum."""
         books, orphans, records, total = {}, {}, [], 0
         for key, value in txn.cursor(db=self.books):
-            records.append(bytes(key) + bytes(value))
+            records.append((bytes(key), bytes(value)))
             books[int.from_bytes(key, "big")] = list(BOOK.unpack(value))
             if len(records) == SUM_CHUNK:
                 total += records_sum(b"books:", records)
@@ -210,7 +210,7 @@ class SnapshotStore:
         total += records_sum(b"books:", records)
         step = ORPHAN.size + M.SEQUENCED_SIZE
         for key, value in txn.cursor(db=self.orphans):
-            total += records_sum(b"orphans:", [bytes(key) + bytes(value)])
+            total += records_sum(b"orphans:", [(bytes(key), bytes(value))])
             held = []
             for off in range(0, len(value), step):
                 seq = ORPHAN.unpack_from(value, off)[0]

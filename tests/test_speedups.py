@@ -129,7 +129,7 @@ def test_c_and_pure_reject_the_same_inbound_messages(msgs, with_mac):
 
 
 @compiled
-@given(st.binary(max_size=20), st.lists(st.binary(max_size=400), max_size=20))
+@given(st.binary(max_size=20), st.lists(st.tuples(st.binary(max_size=16), st.binary(max_size=400)), max_size=20))
 def test_c_and_pure_sum_the_same_snapshot_records(prefix, records):
     """BLAKE2b in C at every length around its 128-byte blocks, and the sum's wrap at 2^128."""
     assert snapshot.records_sum(prefix, records) == snapshot.records_sum_pure(prefix, records)
@@ -137,8 +137,9 @@ def test_c_and_pure_sum_the_same_snapshot_records(prefix, records):
 
 def test_a_records_sum_is_blake2b_128_of_prefix_and_record():
     one = int.from_bytes(hashlib.blake2b(b"books:" + b"k" * 8 + b"v" * 120, digest_size=16).digest(), "big")
-    assert snapshot.records_sum(b"books:", [b"k" * 8 + b"v" * 120]) == one
-    assert snapshot.records_sum(b"books:", [b"k" * 8 + b"v" * 120] * 3) == 3 * one % 2**128
+    assert snapshot.records_sum(b"books:", [(b"k" * 8, b"v" * 120)]) == one
+    assert snapshot.records_sum(b"books:", [(b"k" * 8, b"v" * 120)] * 3) == 3 * one % 2**128
     assert snapshot.records_sum(b"", []) == 0
-    with pytest.raises(TypeError):
-        snapshot.records_sum(b"books:", ["text"])
+    for bad in (["text"], [(b"k", "text")], [(b"k",)]):
+        with pytest.raises((TypeError, ValueError)):
+            snapshot.records_sum(b"books:", bad)
