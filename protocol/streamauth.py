@@ -126,3 +126,23 @@ def seal_covers(entry: bytes) -> tuple[int, int] | None:
         return None
     m = SEQUENCED.unpack(entry)
     return m[1], m[2]
+
+
+def sealed_ranges(entries: list[bytes], first_seq: int) -> tuple[list[tuple[int, list[bytes]]], int]:
+    """Consecutive log entries from `first_seq` (a TCP replay) cut into the sealed ranges they
+    hold, so that each can be sent through a listener as the packet its leader sealed (the tag
+    verifies only over that packet). Returns ([(a range's first seq, its entries and seal)], how
+    many entries were used); entries after the last seal wait for the next ones. Entries before
+    a range's first seq that no seal here covers are skipped: counted as used, never delivered
+    (a listener asks a rewinder for them)."""
+    ranges, start = [], 0
+    for i, entry in enumerate(entries):
+        covers = seal_covers(entry)
+        if covers is None:
+            continue
+        first, count = covers
+        at = first - first_seq  # the range's first entry in `entries`
+        if first + count == first_seq + i and at >= start:
+            ranges.append((first, entries[at:i + 1]))
+        start = i + 1
+    return ranges, start

@@ -30,8 +30,9 @@ from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CONTROL_READ, REPLAY_CLIENT_HEARTBEAT_S, STREAM_READ
-from tape.protocol.moldudp64 import HEADER_SIZE
+from tape.protocol.moldudp64 import HEADER_SIZE, MAX_BLOCKS
 from tape.protocol.packets import PacketBuilder
+from tape.protocol.streamauth import sealed_ranges
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
 from tape.replicas.snapshot import move_aside, open_verified
@@ -262,17 +263,30 @@ class Replica(NodeProcess):
                         raise ProtocolError("rejected", f"replay login rejected ({payload!r})", 0)
                     elif kind == soup.SEQUENCED and seq is not None:
                         batch.append(payload)
-                if batch:
-                    # Replayed messages go through the same receiver as the live stream.
-                    for pkt in PacketBuilder(self.cfg.session_bytes, seq, self.cfg.max_packet).add_sequenced(batch):
-                        self.listener.on_datagram(pkt)
-                    seq += len(batch)
-                    self.replayed += len(batch)
-                    batch = []
+                if batch:  # replayed messages go through the same receiver as the live stream
+                    used = self._replayed(seq, batch)
+                    if not used and len(batch) > MAX_BLOCKS:  # no range ends: not the sealed log
+                        raise ProtocolError("unsealed", f"{len(batch):,} replayed entries and no seal", 0)
+                    seq += used
+                    self.replayed += used
+                    batch = batch[used:]
         finally:
             writer.write(soup.logout())
             writer.close()
         log.info("%s caught up at seq %d", self.node.name, rx.next_seq - 1)
+
+    def _replayed(self, seq: int, batch: list[bytes]) -> int:
+        """Hand replayed entries from `seq` to the listener as packets; returns how many were used.
+        With stream keys, as the sealed ranges the leader published (a packet that is not one whole
+        range does not verify), and a range cut by the end of a read waits for the next one."""
+        if self.cfg.stream_keys:
+            ranges, used = sealed_ranges(batch, seq)
+        else:
+            ranges, used = [(seq, batch)], len(batch)
+        for first, entries in ranges:
+            for pkt in PacketBuilder(self.cfg.session_bytes, first, self.cfg.max_packet).add_sequenced(entries):
+                self.listener.on_datagram(pkt)
+        return used
 
     # --- the alert channel ---------------------------------------------------------------
 

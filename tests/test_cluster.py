@@ -141,6 +141,8 @@ def test_a_replica_with_a_wrong_state_is_outvoted_rebuilds_itself_and_no_wrong_a
         assert len({s["digest"] for s in status.values()}) == 1, status
         assert status["replica-C"]["resumed_from"] == 0, status["replica-C"]
         assert list((tmp_path / "data" / "replica-C").glob("lmdb.bad-*"))  # the wrong state, kept aside
+        log = cluster.logs["replica-C"].read_text()  # it caught up over TCP in the leader's sealed packets
+        assert "catching up over TCP" in log and "unsealed" not in log, log[-3000:]
         ids, expected = delivered_ids(cluster), expected_ids(cluster)
         assert len(ids) == len(set(ids)), "an alert delivered twice"
         assert set(ids) == expected, (sorted(set(ids) - expected)[:10], sorted(expected - set(ids))[:10])

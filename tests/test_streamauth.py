@@ -2,13 +2,15 @@
 leader, listener and rewinder rules built on them."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.protocol.limits import HINT_TRIES
 from tape.protocol.listener import Deliver, ListenerCore
 from tape.protocol.packets import PacketBuilder, messages_per_packet
-from tape.protocol.streamauth import StreamKeys, seal_covers
+from tape.protocol.streamauth import StreamKeys, seal_covers, sealed_ranges
 from tape.rewinder.gapfill import Answer, GapFillCore
 from tape.sequencer.core import InvariantViolation, LeaderCore
 
@@ -132,3 +134,41 @@ def test_a_rewinder_answers_the_whole_sealed_range_that_holds_the_seq_asked_for(
     assert core.entries(Answer(3, 20), read, True, 10) == (1, log[0:6])
     assert core.entries(Answer(8, 20), read, True, 9) == (8, [])  # the range is not all committed
     assert core.entries(Answer(8, 2), read, False, 10) == (8, log[7:9])  # unsealed stream: as asked
+
+
+def sealed_log(sizes, first=1):
+    """A log of sealed ranges of the given entry counts, and the packets the leader sent."""
+    keys, log, packets, seq = StreamKeys([K1]), [], [], first
+    for n in sizes:
+        seal, packet = keys.seal_packet(S, seq, trades(n, seq), 2000, LEADER)
+        log += trades(n, seq) + [seal]
+        packets.append(packet)
+        seq += n + 1
+    return keys, log, packets
+
+
+@given(st.lists(st.integers(1, 16), min_size=1, max_size=12), st.integers(0, 40),
+       st.lists(st.integers(1, 30), min_size=1, max_size=20))
+def test_replayed_entries_are_cut_back_into_the_packets_the_leader_sealed(sizes, start, reads):
+    """A replay from any seq, read in any pieces (as the runtime feeds them): every range after
+    the start comes out as the very packet the leader sealed, a range the start cuts is skipped."""
+    keys, log, packets = sealed_log(sizes)
+    start = min(start, len(log) - 1)
+    pending, seq, out, pieces, rest = [], 1 + start, [], iter(reads), log[start:]
+    while rest:
+        n = next(pieces, len(rest))
+        pending, rest = pending + rest[:n], rest[n:]
+        ranges, used = sealed_ranges(pending, seq)
+        out += [PacketBuilder(S, first, 1400).add_sequenced(entries)[0] for first, entries in ranges]
+        seq, pending = seq + used, pending[used:]
+    starts = [1 + sum(s + 1 for s in sizes[:i]) for i in range(len(sizes))]
+    assert out == [p for p, at in zip(packets, starts) if at >= 1 + start]
+    assert all(keys.verify(p) is None for p in out)
+    assert not pending  # the log ends with a seal: nothing left over
+
+
+def test_entries_after_the_last_seal_wait_for_the_rest_of_their_range():
+    _, log, _ = sealed_log([3, 2])
+    ranges, used = sealed_ranges(log[:6], 1)  # the first range (3 + seal), then 2 of the next 3
+    assert [(first, len(entries)) for first, entries in ranges] == [(1, 4)] and used == 4
+    assert sealed_ranges(log[4:6], 5) == ([], 0)
