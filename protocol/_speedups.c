@@ -1,6 +1,7 @@
-/* Per-message loops of the voters in C, each the same as a pure Python
- * function that stays beside its dispatch as the definition and fallback
- * (docs/decisions.md); tests/test_speedups.py holds each pair equal.
+/* Per-message loops in C (the voters', and the replicas' snapshot checksums),
+ * each the same as a pure Python function that stays beside its dispatch as
+ * the definition and fallback (docs/decisions.md); tests/test_speedups.py
+ * holds each pair equal.
  *
  *   encode_records     journal records (protocol/journal.py): CRC-32 u32 |
  *                      length u32 | seq u64 | term u64 | message, big-endian,
