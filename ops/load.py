@@ -84,6 +84,8 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
         "acked": sum(c.acked for c in clients),
         "all_acked": acked_all,
         "resends": sum(c.resends for c in clients),
+        "backoffs": sum(c.backoffs for c in clients),  # honoured: the leader was overloaded
+        "paused_s": round(sum(c.core.paused_ns for c in clients) / 1e9, 3),
         "rejected": sum(len(c.core.rejected) for c in clients),
         "rate_target": rate,
         "rate_sent": round((sent - resumed) / send_secs, 1) if send_secs else 0.0,

@@ -9,7 +9,9 @@ persisted vote, the emitter's LMDB and sink) and moves their messages.
 Messages are delayed, dropped, duplicated and reordered; voters crash
 (keeping their log and vote), some in the middle of a journal write (torn),
 pause, and are cut off by partitions; the emitter crashes at its crash
-points; all at times chosen by the seed. After the faults the network heals
+points; a leader is overloaded (its inbound socket never emptied), so that
+it tells clients to back off and they pause; all at times chosen by the
+seed. After the faults the network heals
 and the run goes on until every trade is acknowledged, every replica has
 applied the log and every alert is delivered; DESIGN.md section 9 is
 checked as it runs and at the end.
@@ -28,8 +30,8 @@ from tape.node.settings import Config, default_of
 from tape.ops.reference import expected_alerts
 from tape.ops.tradegen import TradeGenerator
 from tape.ops.verdict import RunFiles, judge
+from tape.protocol import backoff, moldudp64
 from tape.protocol import messages as M
-from tape.protocol import moldudp64
 from tape.protocol import replication as rep
 from tape.protocol.election import Lead, Persist, Refused, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
@@ -65,7 +67,8 @@ CLIENTS = ("c0", "c1")
 REPLICAS = ("replica-A", "replica-B")
 EMITTER = "emitter"
 FAULTS_UNTIL = 1500 * MS
-FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full")
+FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full",
+               "overload")
 GIVE_UP = 60_000 * MS
 # The processes' defaults (node/settings.py): the simulator runs the policies as configured.
 GAP_REQUEST_NS = default_of(Config, "gap_request_ms") * MS
@@ -367,7 +370,11 @@ class Voter:
             self.core.on_closed(src, True, now)
         elif msg[0] == "inbound":
             if self.leader is not None:
-                self.leader.on_inbound(msg[1], self.clock())  # bad input comes back as a reason: counted, dropped
+                now = self.clock()
+                self.leader.on_inbound(msg[1], now, src)  # bad input comes back as a reason: counted, dropped
+                self.leader.note_drain(self.sim.now >= self.sim.busy.get(self.name, 0), now)
+                for client, data in self.leader.take_backoffs():
+                    self.sim.send(self.name, client, ("backoff", data))
                 batch = self.leader.flush(self.clock())
                 if batch is not None:
                     self.process(batch)
@@ -440,6 +447,8 @@ class Listener:
             self.replica.on_ack(msg[1])
         elif msg[0] == "link_lost":
             self.replica.on_link_lost()
+        elif msg[0] == "backoff" and self.client is not None:
+            self.client.on_backoff(msg[1], self.sim.now, src in SEQUENCERS)
         if msg[0] != "packet":
             return
         actions = self.core.on_datagram(msg[1])
@@ -488,7 +497,7 @@ class Listener:
                 return
             self.recovery = None
             self.gen.take(c.resume())  # what the log holds is not sent again
-        if c.next_cseq <= self.sim.per_client and self.sim.rng.random() < 0.2:
+        if c.next_cseq <= self.sim.per_client and self.sim.rng.random() < 0.2 and not c.pause_left_ns(now):
             count = min(self.sim.rng.randint(1, 8), self.sim.per_client - c.next_cseq + 1)
             for data in c.submit(self.gen.take(count), now):
                 self.submit(data)
@@ -574,6 +583,7 @@ class Sim:
         self.published: dict[int, bytes] = {}  # seq -> the message first published there
         self.cut: set[frozenset] = set()  # links down
         self.paused: dict[str, list] = {}  # node -> messages waiting for it
+        self.busy: dict[str, int] = {}  # sequencer -> until when its inbound socket is never emptied (overload)
         self.loss = self.rng.choice((0.0, 0.01, 0.05, 0.15))
         self.dup = self.rng.choice((0.0, 0.02))
         self.voters = {n: Voter(self, n) for n in VOTERS}
@@ -718,6 +728,8 @@ class Sim:
                 self.trace.append("  (in the middle of its next journal write)")
             else:
                 self.crash(node, until)
+        elif kind == "overload":
+            self.busy[node] = max(self.busy.get(node, 0), until)
         elif kind == "pause" and node not in self.paused:
             self.paused[node] = []
             self.at(until, self.resume, node)
@@ -733,6 +745,8 @@ class Sim:
                 for blob in (b"", b"\x00" * 7, bytes(self.rng.randrange(256) for _ in range(60)),
                              SESSION + b"\x00" * 8 + b"\x00\x05" + b"junk"):
                     self.send("mallory", dst, ("packet", blob) if dst in self.listeners else ("inbound", blob))
+            for name in CLIENTS:  # a back-off from elsewhere than a sequencer: dropped
+                self.send("mallory", name, ("backoff", backoff.encode(wire(name), 1 << 40, 1, 65_535, None)))
             for name, listener in self.listeners.items():  # well-formed forgeries at the seqs it needs next
                 for pkt in self.forgeries(listener.core.receiver.next_seq):
                     self.send("mallory", name, ("packet", pkt))
@@ -884,7 +898,8 @@ class Sim:
         self.judge_as_a_run(c)
         return {"seed": self.seed, "log": c, "terms": len(self.leaders), "virtual_ms": self.now // MS,
                 "faults": len(self.trace), "loss": self.loss, "alerts": len(delivered),
-                "emitter_in_doubt": self.emitter.core.in_doubt}
+                "emitter_in_doubt": self.emitter.core.in_doubt,
+                "backoffs": sum(self.listeners[n].client.backoffs for n in CLIENTS)}
 
 
 def run_seed(seed: int) -> tuple[int, str | None, dict | None]:
@@ -926,5 +941,6 @@ def main(first: int, seeds: int, verbose: bool = False, jobs: int = 1) -> int:
         print(f"  reproduce: tape sim --first {seed} --seeds 1 -v")
     terms = sum(r["terms"] for r in results)
     print(f"{seeds} seeds in {secs:.1f} s: {len(failures)} failed; {sum(r['log'] for r in results):,} messages "
-          f"committed, {terms} terms, {sum(r['faults'] for r in results)} faults injected")
+          f"committed, {terms} terms, {sum(r['faults'] for r in results)} faults injected, "
+          f"{sum(r['backoffs'] for r in results)} back-offs honoured")
     return 1 if failures else 0

@@ -236,6 +236,7 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
         "latency_ms": {**applied_lat, "measured": "inbound (sequencer stamp) to applied, slowest replica"},
         "submit_to_sequenced_ms": {"p50": lat.get("p50"), "p99": lat.get("p99"), "max": lat.get("max"),
                                    "measured": "client submit to seen sequenced on the stream"},
+        "backoffs": {"honoured": run.load.get("backoffs", 0), "paused_s": run.load.get("paused_s", 0.0)},
         "alert_ms": {**run.emitter.get("latency_ms", {}), "delivery": run.emitter.get("delivery"),
                      "measured": "purchase stamped to its alert delivered by the emitter"},
     })
@@ -264,6 +265,9 @@ def _print_verdict(console, title: str, checks: dict, figures: dict, report: dic
     for name, ok in checks.items():
         table.add_row(name, figures[name], "[green]ok[/green]" if ok else "[red]FAIL[/red]")
     table.add_row("rate achieved", f"{report['rate_msgs_per_s']:,.0f} msg/s", "")
+    b = report.get("backoffs", {})
+    table.add_row("clients told to back off (leader overloaded)",
+                  f"{b.get('honoured', 0):,} times, {b.get('paused_s', 0):.2f} s paused", "")
     for label, lat in (("inbound to applied", report["latency_ms"]),
                        ("client submit to sequenced", report["submit_to_sequenced_ms"]),
                        (f"purchase to alert delivered ({report['alert_ms']['delivery']})", report["alert_ms"])):

@@ -32,6 +32,12 @@ FETCH_MAX = 100_000  # entries one fetch answer carries at most
 MAX_LIVE_BUFFER = 32 << 20  # bytes queued to a follower before it is caught up from the journal instead
 MAX_HELD_BATCHES = 4096  # per client: batches held that arrived ahead of a lost one
 
+# --- overload: the leader asks clients to back off (protocol/backoff.py) -------------------
+OVERLOAD_NS = 50_000_000  # the inbound socket not emptied by any drain this long: overloaded
+BACKOFF_INTERVAL_NS = 100_000_000  # one back-off per client at most this often
+BACKOFF_RETRY_MS = 50  # the pause a back-off asks for
+MAX_RETRY_MS = 1_000  # the longest pause a client honours, whatever a back-off says
+
 # --- TCP reads and frames ----------------------------------------------------------------
 STREAM_READ = 1 << 20  # bytes per read() on a replication or replay connection
 CONTROL_READ = 65536  # bytes per read() on a low-rate connection (hellos, acks, alerts)
@@ -70,6 +76,8 @@ def _check() -> None:
     assert REPLAY_CHUNK * (messages.SEQUENCED_SIZE + 3) <= STREAM_READ
     assert soupbintcp.FRAME_LEN.size + 1 + 46 <= REPLAY_LOGIN_FRAME <= soupbintcp.MAX_FRAME, "a login must fit"
     assert REPLAY_BEHIND < RECEIVER_MAX_HELD
+    assert BACKOFF_RETRY_MS <= MAX_RETRY_MS and BACKOFF_RETRY_MS * 1_000_000 <= BACKOFF_INTERVAL_NS, \
+        "a client paused by one back-off sends again before the next may come"
 
 
 _check()

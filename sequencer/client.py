@@ -4,20 +4,28 @@
 them, and sends each batch to every sequencer; the StreamListener feeds
 the public stream back to the core, whose acknowledgements release
 `submit`'s back-pressure and `wait_acked`; a timer sends again what the
-core says is due (sequencer/client_core.py has the policy).
+core says is due (sequencer/client_core.py has the policy). The send
+socket hears the leader's back-offs: `submit` holds new batches while the
+core says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import time
 
 from tape.node import netif
 from tape.node.listener import StreamListener
+from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config
 from tape.node.transport import udp_socket
 from tape.protocol import moldudp64
+from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
 from tape.sequencer.client_core import ClientCore, Recovery
+
+log = logging.getLogger("tape.client")
 
 
 class Client:
@@ -27,6 +35,8 @@ class Client:
         self.core = ClientCore(moldudp64.session_bytes(name), cfg.client(name).key, cfg.max_packet,
                                cfg.client_resend_ms * 1_000_000)
         self.sequencers = [(n.host, n.inbound_port) for n in cfg.by_role("sequencer")]
+        self._leaders = {(socket.gethostbyname(h), p) for h, p in self.sequencers}  # where back-offs come from
+        self.badlog = RateLimitedLog(log)
         self.max_in_flight = max_in_flight
         self.interface = netif.resolve(cfg.interface_of(cfg.client(name)))
         self.listener = StreamListener(cfg, self.interface, self._on_stream, drop, seed)
@@ -40,15 +50,18 @@ class Client:
     resends = property(lambda self: self.core.resends)
     rejected = property(lambda self: self.core.rejected)  # [(client seq, reason)] sequenced as rejects
     latencies_ns = property(lambda self: self.core.latencies_ns)
+    backoffs = property(lambda self: self.core.backoffs)  # back-offs honoured
 
     async def start(self) -> None:
         self.sock, _ = udp_socket("127.0.0.1" if self.interface.startswith("127.") else "0.0.0.0")
         self.listener.start()
+        asyncio.get_running_loop().add_reader(self.sock, self._on_backoff)
         self._task = asyncio.create_task(self._resend_loop())
 
     async def close(self) -> None:
         if self._task:
             self._task.cancel()
+        asyncio.get_running_loop().remove_reader(self.sock)
         self.listener.stop()
         self.sock.close()
 
@@ -57,9 +70,21 @@ class Client:
         while self.in_flight + len(msgs) > self.max_in_flight and self.in_flight > 0:
             self._progress.clear()
             await self._progress.wait()
+        while pause := self.core.pause_left_ns(time.monotonic_ns()):
+            await asyncio.sleep(pause / 1e9)
         for data in self.core.submit(msgs, time.monotonic_ns()):
             self._send(data)
         return self.core.next_cseq - 1
+
+    def _on_backoff(self) -> None:
+        for _ in range(DRAIN_DATAGRAMS):
+            try:
+                data, source = self.sock.recvfrom(DATAGRAM_BUFFER)
+            except (BlockingIOError, OSError):
+                return
+            reason = self.core.on_backoff(data, time.monotonic_ns(), source in self._leaders)
+            if reason is not None:
+                self.badlog.warn(reason, "dropped a datagram of %d bytes from %s:%d: %s", len(data), *source, reason)
 
     def _send(self, data: bytes) -> None:
         for addr in self.sequencers:

@@ -14,6 +14,11 @@ outbox, or, like `tape load`, regenerated from its seed); `resume(acked)`
 goes on after the last one it found sequenced in the stream, so that it
 does not send again what is already in the log.
 
+Back-off: an overloaded leader answers a batch with a back-off
+(protocol/backoff.py); `on_backoff` honours one that names a batch in
+flight, newer than any it honoured, and pauses new batches and resends for
+its retry-after (at most MAX_RETRY_MS).
+
 Resend policy: at most RESENDS_PER_ROUND batches per call, the oldest
 first. The oldest one blocks everything behind it (the leader holds what
 arrives ahead of it), so it is resent at the plain timeout; the ones behind
@@ -27,9 +32,9 @@ import hashlib
 import hmac
 from collections import deque
 
-from tape.protocol import messages, moldudp64
-from tape.protocol.errors import InvariantViolation
-from tape.protocol.limits import RESENDS_PER_ROUND
+from tape.protocol import backoff, messages, moldudp64
+from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.limits import MAX_RETRY_MS, RESENDS_PER_ROUND
 
 MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
 _REJECT_MARK = messages.BLOCK_PREFIX + bytes((messages.REJECTED,))  # a block of type 'J' starts so
@@ -79,6 +84,11 @@ class ClientCore:
         self.resends = 0
         self.latencies_ns: list[int] = []  # submit -> seen sequenced, one sample per batch
         self.rejected: list[tuple[int, str]] = []  # (client seq, reason): sequenced as ingress rejects
+        self.paused_until_ns = 0  # told to back off until then
+        self.backed_off_seq = 0  # the newest batch (first client seq) a back-off named
+        self.backoffs = 0  # back-offs honoured
+        self.paused_ns = 0  # time paused by them, in all
+        self.backoff_drops: dict[str, int] = {}
 
     @property
     def in_flight(self) -> int:
@@ -131,9 +141,40 @@ class ClientCore:
                 code, reasons = m[messages.SHARES], messages.INGRESS_REJECTS
                 self.rejected.append((m[messages.CLIENT_SEQ], reasons[code - 1] if 0 < code <= len(reasons) else "?"))
 
+    def on_backoff(self, data: bytes, now_ns: int, from_sequencer: bool = True) -> str | None:
+        """A datagram on the send socket, from a sequencer's inbound address or not: returns
+        the drop reason, or None if honoured as a back-off."""
+        if not from_sequencer:
+            return self._drop_backoff("not_a_sequencer")
+        try:
+            b = backoff.decode(data, self.key)
+        except ProtocolError as e:
+            return self._drop_backoff(e.reason)
+        if b.client != self.origin:
+            return self._drop_backoff("wrong_client")
+        if not self.acked < b.client_seq < self.next_cseq or b.client_seq <= self.backed_off_seq:
+            return self._drop_backoff("stale")  # not in flight, or named before: a replay asks for nothing
+        self.backed_off_seq = b.client_seq
+        until = now_ns + min(b.retry_ms, MAX_RETRY_MS) * 1_000_000
+        if until > self.paused_until_ns:
+            self.paused_ns += until - max(now_ns, self.paused_until_ns)
+            self.paused_until_ns = until
+        self.backoffs += 1
+        return None
+
+    def _drop_backoff(self, reason: str) -> str:
+        self.backoff_drops[reason] = self.backoff_drops.get(reason, 0) + 1
+        return reason
+
+    def pause_left_ns(self, now_ns: int) -> int:
+        """How long the client must still hold new batches (0: it may send)."""
+        return max(0, self.paused_until_ns - now_ns)
+
     def on_timer(self, now_ns: int) -> list[bytes]:
-        """The batches due to be sent again, the oldest first."""
+        """The batches due to be sent again, the oldest first; none while backing off."""
         out = []
+        if now_ns < self.paused_until_ns:
+            return out
         for i, u in enumerate(self.unacked):
             if len(out) == RESENDS_PER_ROUND:
                 break

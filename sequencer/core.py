@@ -1,9 +1,10 @@
 """The leader sequencer's logic. Pure: no sockets, files or clock.
 
-Events in: inbound batches (bytes and the time they arrived), acks from
-followers, the shell's report that its own journal holds a batch, timer
-ticks. Actions out: a `Batch` to journal and replicate, packets to publish
-(only committed ones), heartbeats.
+Events in: inbound batches (bytes, the time they arrived, where from), the
+shell's report after each drain of the inbound socket, acks from followers,
+the shell's report that its own journal holds a batch, timer ticks. Actions
+out: a `Batch` to journal and replicate, packets to publish (only committed
+ones), heartbeats, back-offs to send to clients while overloaded.
 
 Commit before publish: packets are cut when a batch is stamped and released
 only when a majority of voters (this leader included) holds the batch.
@@ -19,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import repeat
 
-from tape.protocol import messages, moldudp64
+from tape.protocol import backoff, messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import MAX_HELD_BATCHES
+from tape.protocol.limits import BACKOFF_INTERVAL_NS, BACKOFF_RETRY_MS, MAX_HELD_BATCHES, OVERLOAD_NS
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
 
@@ -98,12 +99,16 @@ class LeaderCore:
         self._last_sequenced_ns = 0
         self._last_published_ns = 0
         self.term_start_seq = 0
+        self._busy_since_ns: int | None = None  # the first drain since which none emptied the inbound socket
+        self._backoff_at: dict[bytes, int] = {}  # client -> when it was last told to back off
+        self.backoffs: list[tuple[object, bytes]] = []  # (source, datagram) to send; the shell takes them
         # Counters (the shell exposes them as metrics).
         self.accepted = 0
         self.dropped: dict[str, int] = {}
         self.rejected: dict[str, int] = {}  # client messages sequenced as ingress rejects, by reason
         self.published_packets = 0
         self.published_messages = 0
+        self.backoffs_sent = 0
 
     # --- inbound ---------------------------------------------------------------
 
@@ -124,8 +129,9 @@ class LeaderCore:
         self.term_start_seq = batch.first_seq
         return Batch(prev_seq + 1, prev_seq, prev_term, self.term, closing + batch.messages)
 
-    def on_inbound(self, data: bytes, now_ns: int) -> str | None:
-        """Accept an inbound batch; returns the drop reason, or None."""
+    def on_inbound(self, data: bytes, now_ns: int, source: object = None) -> str | None:
+        """Accept an inbound batch; returns the drop reason, or None. `source`: where the batch
+        came from, opaque here; an overloaded leader queues a back-off to it in `backoffs`."""
         try:
             client, cseq, count = moldudp64.decode_header(data)
         except ProtocolError as e:
@@ -142,6 +148,8 @@ class LeaderCore:
             data = body
         if count == 0 or count == 0xFFFF or cseq == 0:
             return self._drop("bad_batch")
+        if source is not None and self.overloaded(now_ns):
+            self._back_off(client, cseq, key, source, now_ns)
         try:
             messages.check_inbound_batch(data, count)
         except ProtocolError as e:
@@ -189,6 +197,31 @@ class LeaderCore:
         self._pending_count += count - skip
         self.client_last[client] = cseq + count - 1
         self.accepted += count - skip
+
+    def _back_off(self, client: bytes, cseq: int, key: bytes | None, source: object, now_ns: int) -> None:
+        """Answered only after the client's MAC checked out (or it has no key), once per interval
+        per configured client, smaller than the batch: no reflector for forged sources."""
+        if now_ns - self._backoff_at.get(client, now_ns - BACKOFF_INTERVAL_NS) < BACKOFF_INTERVAL_NS:
+            return
+        self._backoff_at[client] = now_ns
+        self.backoffs.append((source, backoff.encode(client, self.term, cseq, BACKOFF_RETRY_MS, key)))
+        self.backoffs_sent += 1
+
+    def note_drain(self, emptied: bool, now_ns: int) -> None:
+        """The shell read its inbound socket empty (or stopped at its drain limit)."""
+        if emptied:
+            self._busy_since_ns = None
+        elif self._busy_since_ns is None:
+            self._busy_since_ns = now_ns
+
+    def overloaded(self, now_ns: int) -> bool:
+        """No drain has emptied the inbound socket for OVERLOAD_NS: batches arrive faster than
+        this leader sequences them."""
+        return self._busy_since_ns is not None and now_ns - self._busy_since_ns >= OVERLOAD_NS
+
+    def take_backoffs(self) -> list[tuple[object, bytes]]:
+        out, self.backoffs = self.backoffs, []
+        return out
 
     def _drop(self, reason: str) -> str:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1

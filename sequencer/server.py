@@ -40,6 +40,7 @@ from tape.protocol.limits import (
     DATAGRAM_BUFFER,
     DRAIN_DATAGRAMS,
     MAX_BATCH_MESSAGES,
+    OVERLOAD_NS,
 )
 from tape.protocol.packets import messages_per_packet
 from tape.sequencer.core import Batch, LeaderCore
@@ -84,7 +85,7 @@ class Sequencer(NodeProcess):
         self.terms_led = 0
         self.published_seq = 0  # highest seq this process ever published, in any term
         self.published_terms: dict[int, list[int]] = {}  # term -> [first, last] seq this process published
-        self._last = {"published": 0, "accepted": 0, "packets": 0, "dropped": {}}
+        self._last = {"published": 0, "accepted": 0, "packets": 0, "backoffs": 0, "dropped": {}}
 
     # --- metrics -----------------------------------------------------------------
 
@@ -100,6 +101,10 @@ class Sequencer(NodeProcess):
             dropped[k] = dropped.get(k, 0) + v
         yield "dropped_datagrams", "counter", "inbound datagrams dropped, by reason", \
             {**dropped, "injected_loss": self.loss.dropped, "not_leader": self.not_leader_drops}
+        yield "overloaded", "gauge", f"1 while no drain emptied the inbound socket for {OVERLOAD_NS // 10**6} ms", \
+            1 if c and c.overloaded(time.time_ns()) else 0
+        yield "backoffs_sent", "counter", "back-offs sent to clients while overloaded", \
+            self._last["backoffs"] + (c.backoffs_sent if c else 0)
         yield "sequenced_seq", "gauge", "highest seq in this node's log", self.journal.last_seq
         commit = c.commit_seq if c else self.voter.commit_seq
         yield "commit_seq", "gauge", "highest seq known held by a majority", commit
@@ -220,6 +225,7 @@ class Sequencer(NodeProcess):
         self._last["accepted"] += c.accepted
         self._last["published"] += c.published_messages
         self._last["packets"] += c.published_packets
+        self._last["backoffs"] += c.backoffs_sent
         for k, v in c.dropped.items():
             self._last["dropped"][k] = self._last["dropped"].get(k, 0) + v
         self.voter.resync(c.commit_seq, c.sequenced_client_last())
@@ -269,22 +275,30 @@ class Sequencer(NodeProcess):
                 self.not_leader_drops += 1
             return
         now = time.time_ns()
+        emptied = False
         for _ in range(DRAIN_DATAGRAMS):
             try:
-                data = sock.recv(DATAGRAM_BUFFER)
+                data, source = sock.recvfrom(DATAGRAM_BUFFER)
             except BlockingIOError:
+                emptied = True
                 break
             self.inbound_datagrams += 1
             self.inbound_bytes += len(data)
             if loss.drop():
                 continue
-            reason = core.on_inbound(data, now)
+            reason = core.on_inbound(data, now, source)
             if reason is not None and reason != "duplicate":
                 self.badlog.warn(reason, "dropped inbound datagram of %d bytes: %s", len(data), reason)
             if core.pending >= MAX_BATCH_MESSAGES:  # one batch must fit one append frame
                 self._process(core.flush(now))
                 if self.core is not core:
                     return  # stepped down (disk full): the rest waits in the socket for whoever leads
+        core.note_drain(emptied, now)
+        for source, datagram in core.take_backoffs():
+            try:
+                sock.sendto(datagram, source)
+            except OSError:
+                pass  # a back-off is advice: the client's window holds it anyway
         batch = core.flush(now)
         if batch is not None:
             self._process(batch)

@@ -1,8 +1,8 @@
 """The byte examples shown in docs/, rebuilt from code. test_docs.py checks
 that every example in the docs equals these bytes."""
 
+from tape.protocol import backoff, linkauth
 from tape.protocol import journal as jfmt
-from tape.protocol import linkauth
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol import soupbintcp as soup
@@ -30,6 +30,7 @@ EXAMPLES = {
     "request": m.encode_request(TAPE, 5, 3),
     "signed_request": StreamKeys([LINK_KEY]).sign_request(m.encode_request(TAPE, 5, 3), ("10.0.0.7", 40001)),
     "inbound_batch": m.encode_packet(CLIENT1, 1, [R, P]),
+    "backoff": backoff.encode(CLIENT1, 2, 27, 50, LINK_KEY),
     "soup_login": soup.login("tail01", "", "TAPE", 1),
     "soup_login_accepted": soup.login_accepted(TAPE, 1),
     "soup_sequenced": soup.sequenced(R_SEQ),

@@ -4,6 +4,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import inbound, sequenced
 
+from tape.protocol import backoff
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol import soupbintcp as soup
@@ -11,11 +12,14 @@ from tape.protocol.errors import ProtocolError
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.receiver import StreamReceiver
 
+KEY = b"k" * 32
 VALID = st.one_of(
     st.lists(sequenced, min_size=1, max_size=17).map(lambda s: PacketBuilder(b"TAPE      ", 1).add_sequenced(s)[0]),
     st.lists(inbound, min_size=1, max_size=20).map(lambda s: m.encode_packet(b"client1   ", 1, s)),
     st.just(m.encode_heartbeat(b"TAPE      ", 9)),
     st.just(m.encode_request(b"TAPE      ", 3, 4)),
+    st.just(backoff.encode(b"client1   ", 2, 1, 50, None)),
+    st.just(backoff.encode(b"client1   ", 2, 1, 50, KEY)),
 )
 
 
@@ -47,6 +51,8 @@ def every_decoder(data: bytes) -> None:
         lambda d: soup.FrameDecoder().feed(d),
         soup.parse_login,
         soup.parse_login_accepted,
+        lambda d: backoff.decode(d, None),
+        lambda d: backoff.decode(d, KEY),
     ):
         try:
             decode(data)

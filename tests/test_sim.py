@@ -14,7 +14,9 @@ from tape.sequencer.followers import FollowerLinks
 
 def test_two_thousand_seeds_hold_every_invariant(capsys):
     assert sim.main(1, 2000, jobs=2) == 0, capsys.readouterr().out[-3000:]
-    assert "2000 seeds" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2000 seeds" in out
+    assert int(re.search(r"(\d+) back-offs honoured", out)[1]) > 0  # overloaded leaders were among the faults
 
 
 def test_a_seed_is_reproducible():
@@ -170,3 +172,9 @@ def test_the_simulator_catches_voters_that_vote_after_losing_their_disk(monkeypa
                         r"|[\w-]+ refused: .* sends entries from seq \d+ that differ from those committed"
                         r"|[\w-]+ holds at committed seq \d+ a message other than the one published)", f)
                for f in failures), failures
+
+
+def test_the_simulator_catches_a_client_that_a_back_off_stops_for_good(monkeypatch):
+    monkeypatch.setattr(ClientCore, "pause_left_ns", lambda self, now: 1 if self.backoffs else 0)
+    stalled = [s for s in range(1, 301) if "no progress" in (sim.run_seed(s)[1] or "")]
+    assert stalled, "no seed noticed clients that never send again after a back-off"

@@ -1,0 +1,174 @@
+"""Overload: the leader's back-offs (protocol/backoff.py) from LeaderCore to ClientCore."""
+
+import hashlib
+import hmac
+import json
+
+import pytest
+
+from tape.node.journal_store import Journal
+from tape.ops.local import LocalCluster
+from tape.protocol import backoff
+from tape.protocol import messages as M
+from tape.protocol import messages as msg
+from tape.protocol import moldudp64 as m
+from tape.protocol.errors import ProtocolError
+from tape.protocol.limits import BACKOFF_INTERVAL_NS, BACKOFF_RETRY_MS, MAX_RETRY_MS, OVERLOAD_NS
+from tape.protocol.packets import PacketBuilder
+from tape.sequencer.client_core import ClientCore
+from tape.sequencer.core import LeaderCore
+
+S = b"TAPE      "
+A, B = b"clientA   ", b"clientB   "
+KEY = b"k" * 32
+MS = 1_000_000
+TRADES = 300_000
+
+
+def leader():
+    core = LeaderCore(S, b"seq-a     ", 3, [b"rw-1      ", b"rw-2      "], {A: None, B: KEY})
+    core.start_term(0)
+    return core
+
+
+def batch(client, cseq, n, key=None):
+    data = m.encode_packet(client, cseq, [msg.purchase_request(cseq + i, 10, "X", "Y") for i in range(n)])
+    return data + hmac.new(key, data, hashlib.sha256).digest() if key else data
+
+
+def overloaded_leader(now=0):
+    core = leader()
+    core.note_drain(False, now)  # a drain stopped at its limit: the socket still holds datagrams
+    return core
+
+
+def test_the_leader_is_overloaded_only_once_no_drain_has_emptied_its_socket_for_the_interval():
+    core = leader()
+    core.note_drain(False, 0)
+    core.note_drain(False, OVERLOAD_NS - 1)
+    assert not core.overloaded(OVERLOAD_NS - 1)
+    assert core.overloaded(OVERLOAD_NS)
+    core.note_drain(True, OVERLOAD_NS + 1)  # read empty once: the backlog is gone
+    assert not core.overloaded(10 * OVERLOAD_NS)
+    core.note_drain(False, 10 * OVERLOAD_NS)
+    assert not core.overloaded(11 * OVERLOAD_NS - 1) and core.overloaded(11 * OVERLOAD_NS)
+
+
+def test_an_overloaded_leader_answers_each_client_at_most_once_per_interval_and_still_sequences():
+    core = overloaded_leader()
+    t = OVERLOAD_NS
+    assert core.on_inbound(batch(B, 1, 3, KEY), t, "addr-b") is None
+    assert core.on_inbound(batch(B, 4, 3, KEY), t + 1, "addr-b") is None  # within the interval: no second
+    assert core.on_inbound(batch(A, 1, 2), t + 2, "addr-a") is None
+    out = core.take_backoffs()
+    assert [src for src, _ in out] == ["addr-b", "addr-a"] and core.take_backoffs() == []
+    assert backoff.decode(out[0][1], KEY) == backoff.BackOff(B, 3, 1, BACKOFF_RETRY_MS)
+    assert backoff.decode(out[1][1], None) == backoff.BackOff(A, 3, 1, BACKOFF_RETRY_MS)
+    assert len(out[0][1]) == backoff.FIELDS.size + backoff.MAC_SIZE and len(out[1][1]) == backoff.FIELDS.size
+    core.on_inbound(batch(B, 7, 1, KEY), t + BACKOFF_INTERVAL_NS, "addr-b")  # a resend counts too
+    assert [backoff.decode(d, KEY).client_seq for _, d in core.take_backoffs()] == [7]
+    assert core.backoffs_sent == 3
+    assert len(core.flush(t + BACKOFF_INTERVAL_NS).messages) == 3 + 3 + 2 + 1  # nothing refused
+
+
+def test_no_back_off_without_overload_a_source_or_an_authenticated_batch():
+    core = leader()
+    core.on_inbound(batch(A, 1, 1), 0, "addr")
+    assert core.take_backoffs() == []  # not overloaded
+    core = overloaded_leader()
+    t = OVERLOAD_NS
+    core.on_inbound(batch(A, 1, 1), t)  # no source: the simulator's or a test's batch
+    # Forged or broken input is never answered: a leader is no reflector for spoofed sources.
+    assert core.on_inbound(batch(B, 1, 1, b"x" * 32), t, "victim") == "unauthenticated"
+    assert core.on_inbound(batch(b"nobody    ", 1, 1), t, "victim") == "unknown_client"
+    assert core.on_inbound(b"junk", t, "victim") == "truncated"
+    assert core.take_backoffs() == [] and core.backoffs_sent == 0
+
+
+def test_back_off_datagrams_refuse_what_is_not_one():
+    good = backoff.encode(B, 1, 5, 50, KEY)
+    assert backoff.decode(good, KEY).retry_ms == 50
+    flipped = good[:-1] + bytes([good[-1] ^ 1])
+    for bad, reason in ((good[:-1], "bad_backoff"), (b"XBO1" + good[4:], "bad_backoff"), (flipped, "unauthenticated"),
+                        (good[:backoff.FIELDS.size], "bad_backoff"), (batch(B, 1, 1, KEY), "bad_backoff")):
+        with pytest.raises(ProtocolError) as e:
+            backoff.decode(bad, KEY)
+        assert e.value.reason == reason
+    with pytest.raises(ProtocolError):
+        backoff.decode(good, b"y" * 32)
+    # Read by a sequencer as an inbound batch, a back-off is not a known client's.
+    assert leader().on_inbound(good, 0, "x") == "unknown_client"
+
+
+def client(key=None, origin=A):
+    return ClientCore(origin, key, 1400, 100 * MS)
+
+
+def test_a_client_pauses_new_batches_and_resends_for_the_retry_after():
+    c = client(KEY, B)
+    c.submit([msg.purchase_request(i, 10, "X", "Y") for i in range(40)], 0)  # two batches
+    assert c.on_backoff(backoff.encode(B, 1, c.per_batch + 1, 50, KEY), 10 * MS) is None
+    assert c.pause_left_ns(10 * MS) == 50 * MS and c.pause_left_ns(60 * MS) == 0
+    assert c.on_timer(59 * MS + 100 * MS) != []  # due, and no longer paused
+    c2 = client(KEY, B)
+    c2.submit([msg.purchase_request(1, 10, "X", "Y")], 0)
+    c2.on_backoff(backoff.encode(B, 1, 1, 300, KEY), 90 * MS)
+    assert c2.on_timer(150 * MS) == []  # the batch is due (100 ms), but the leader asked for quiet
+    assert len(c2.on_timer(390 * MS)) == 1
+    assert (c2.backoffs, c2.paused_ns) == (1, 300 * MS)
+
+
+def test_a_client_honours_only_fresh_authentic_back_offs_for_batches_in_flight():
+    c = client(KEY, B)
+    c.submit([msg.purchase_request(i, 10, "X", "Y") for i in range(2 * c.per_batch)], 0)  # two batches
+    assert c.on_backoff(backoff.encode(B, 1, 1, 50, KEY), 0, from_sequencer=False) == "not_a_sequencer"
+    assert c.on_backoff(backoff.encode(B, 1, 1, 50, b"x" * 32), 0) == "unauthenticated"
+    assert c.on_backoff(backoff.encode(A, 1, 1, 50, KEY), 0) == "wrong_client"
+    assert c.on_backoff(backoff.encode(B, 1, c.next_cseq, 50, KEY), 0) == "stale"  # names a batch not sent
+    honoured = backoff.encode(B, 1, c.per_batch + 1, 50, KEY)
+    assert c.on_backoff(honoured, 0) is None
+    assert c.on_backoff(honoured, 20 * MS) == "stale"  # a replay of one honoured
+    assert c.on_backoff(backoff.encode(B, 1, 1, 50, KEY), 20 * MS) == "stale"  # older than one honoured
+    assert c.backoff_drops == {"not_a_sequencer": 1, "unauthenticated": 1, "wrong_client": 1, "stale": 3}
+
+
+def test_a_back_off_for_an_acknowledged_batch_asks_for_nothing_and_a_pause_is_bounded():
+    c = client(KEY, B)
+    c.submit([msg.purchase_request(i, 10, "X", "Y") for i in range(54)], 0)
+    lead = leader()
+    lead.on_inbound(c.unacked[0].datagram, 1)
+    for p in PacketBuilder(S, 2).add_sequenced(lead.flush(2).messages):
+        c.on_delivered(p, 0, 3)
+    second = c.per_batch + 1
+    assert c.acked == second - 1
+    assert c.on_backoff(backoff.encode(B, 3, 1, 50, KEY), 4) == "stale"
+    assert c.on_backoff(backoff.encode(B, 3, second, 65_535, KEY), 4) is None
+    assert c.pause_left_ns(4) == MAX_RETRY_MS * MS  # whatever a back-off says
+
+
+# --- the processes ------------------------------------------------------------------------
+
+def test_an_overloaded_leader_tells_the_clients_to_back_off_and_nothing_is_lost(tmp_path):
+    """Two clients send 300,000 trades as fast as they can build them (a datagram costs a client
+    far less than sequencing its trades costs the leader, so its socket backs up past the
+    overload threshold): they are told to back off, pause, and every trade is sequenced once."""
+    cluster = LocalCluster(tmp_path)
+    try:
+        cluster.start_all()
+        load = cluster.start("load", "load", "--rate", "100000000", "--messages", str(TRADES), "--seed", "3")
+        assert load.wait(timeout=180) == 0, cluster.output("load")
+        report = json.loads(cluster.output("load"))
+        assert report["acked"] == TRADES and report["backoffs"] > 0 and report["paused_s"] > 0, report
+        sent = cluster.metrics("seq-a")['tape_sequencer_backoffs_sent_total{node="seq-a"}']
+        assert sent >= report["backoffs"]
+        for name in ("seq-a", "rw-1", "rw-2"):
+            assert cluster.stop(name) == 0
+        seqs = {}
+        for _, _, raw in Journal(cluster.journal_dir("rw-1")).read(1):
+            m = M.SEQUENCED.unpack(raw)
+            if m[M.TYPE] in M.CLIENT_SEQ_TYPES:
+                seqs.setdefault(m[M.ORIGIN], []).append(m[M.CLIENT_SEQ])
+        assert sorted(len(s) for s in seqs.values()) == [TRADES // 2] * 2
+        assert all(s == list(range(1, len(s) + 1)) for s in seqs.values())  # each once, in client order
+    finally:
+        cluster.close()
