@@ -12,7 +12,7 @@ import time
 from tape.node.gctune import tune_gc
 from tape.ops.config import Config
 from tape.ops.tradegen import TradeGenerator
-from tape.sequencer.client import Client
+from tape.sequencer.client import sharing_listeners
 
 ID_SPACE = 10**12  # each client's generator draws ids from its own range
 # Trades built before the clock starts (about 90 bytes each in memory): making up random trades is
@@ -41,13 +41,15 @@ def percentile(values: list, q: float) -> float:
 
 async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed: int, drop: float,
                    overfill: float, ack_timeout: float = 60.0, resume: bool = False) -> dict:
-    clients = [Client(cfg, name, drop, seed + i) for i, name in enumerate(names)]
+    listeners, clients = sharing_listeners(cfg, names, drop, seed)  # the stream read once, not once a client
     gens = [TradeGenerator(seed + i, overfill, first_id=i * ID_SPACE + 1) for i in range(len(names))]
     quotas = [total // len(names) + (i < total % len(names)) for i in range(len(names))]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    for listener in listeners:
+        listener.start()
     for c in clients:
         await c.start()
     await asyncio.sleep(0.05)  # joined the group before the first message
@@ -92,12 +94,14 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
         "rate_acked": round((sum(c.acked for c in clients) - resumed) / elapsed, 1),
         "latency_ms": {"p50": round(percentile(lat, 0.5), 3), "p99": round(percentile(lat, 0.99), 3),
                        "max": round(max(lat, default=0.0), 3)},
-        "gap_requests": sum(c.listener.requests_sent for c in clients),
+        "gap_requests": sum(listener.requests_sent for listener in listeners),
         "cpu_s": round(_cpu_seconds() - cpu_before, 3),  # while submitting and listening (not building trades)
         "build_cpu_s": round(cpu_before, 3),  # start-up and the trades built ahead
     }
     for c in clients:
         await c.close()
+    for listener in listeners:
+        await listener.close()
     return result
 
 

@@ -29,7 +29,10 @@ log = logging.getLogger("tape.client")
 
 
 class Client:
-    def __init__(self, cfg: Config, name: str, drop: float = 0.0, seed: int = 0, max_in_flight: int = 100_000):
+    def __init__(self, cfg: Config, name: str, drop: float = 0.0, seed: int = 0, max_in_flight: int = 100_000,
+                 listener: StreamListener | None = None):
+        """`listener`: the stream as other clients of this process read it (`sharing_listeners`);
+        by default the client reads it itself."""
         self.cfg = cfg
         self.name = name
         self.core = ClientCore(moldudp64.session_bytes(name), cfg.client(name).key, cfg.max_packet,
@@ -39,7 +42,8 @@ class Client:
         self.badlog = RateLimitedLog(log)
         self.max_in_flight = max_in_flight
         self.interface = netif.resolve(cfg.interface_of(cfg.client(name)))
-        self.listener = StreamListener(cfg, self.interface, self._on_stream, drop, seed)
+        self._own_listener = listener is None
+        self.listener = listener or StreamListener(cfg, self.interface, self.on_stream, drop, seed)
         self._progress = asyncio.Event()
         self._task = None
 
@@ -54,7 +58,8 @@ class Client:
 
     async def start(self) -> None:
         self.sock, _ = udp_socket("127.0.0.1" if self.interface.startswith("127.") else "0.0.0.0")
-        self.listener.start()
+        if self._own_listener:
+            self.listener.start()
         asyncio.get_running_loop().add_reader(self.sock, self._on_backoff)
         self._task = asyncio.create_task(self._resend_loop())
 
@@ -62,7 +67,8 @@ class Client:
         if self._task:
             self._task.cancel()
         asyncio.get_running_loop().remove_reader(self.sock)
-        self.listener.stop()
+        if self._own_listener:
+            self.listener.stop()
         self.sock.close()
 
     async def submit(self, msgs: list[bytes]) -> int:
@@ -119,7 +125,7 @@ class Client:
                 return False
         return True
 
-    def _on_stream(self, first: int, pkt: bytes, skip: int) -> None:
+    def on_stream(self, first: int, pkt: bytes, skip: int) -> None:
         if self.core.on_delivered(pkt, skip, time.monotonic_ns()):
             self._progress.set()
 
@@ -128,3 +134,28 @@ class Client:
             await asyncio.sleep(self.cfg.client_resend_ms / 4000)
             for data in self.core.on_timer(time.monotonic_ns()):
                 self._send(data)
+
+
+def sharing_listeners(cfg: Config, names: list[str], drop: float = 0.0, seed: int = 0) -> tuple[list, list]:
+    """Clients of one process that read the stream once per interface, not once each: one
+    listener hands each packet to every client on its interface (each finds its own
+    acknowledgements in it). Returns (listeners, clients); the caller starts and stops the
+    listeners."""
+    groups: dict[str, tuple[StreamListener, list[Client]]] = {}
+    clients = []
+    for name in names:
+        interface = netif.resolve(cfg.interface_of(cfg.client(name)))
+        if interface not in groups:
+            group: list[Client] = []
+            groups[interface] = (StreamListener(cfg, interface, _fan_out(group), drop, seed + len(groups)), group)
+        listener, group = groups[interface]
+        group.append(Client(cfg, name, listener=listener))
+        clients.append(group[-1])
+    return [listener for listener, _ in groups.values()], clients
+
+
+def _fan_out(clients: list[Client]):
+    def deliver(first: int, pkt: bytes, skip: int) -> None:
+        for c in clients:
+            c.on_stream(first, pkt, skip)
+    return deliver

@@ -243,3 +243,22 @@ def test_forged_replication_frames_without_the_cluster_key_change_nothing(cluste
         assert m[f'tape_{role}_link_refused_total{{node="{name}",reason="bad_hello"}}'] == 1
         # The forged term (1000) never taken; an election of its own under a starved machine may move it a little.
         assert m[f'tape_{role}_term{{node="{name}"}}'] < 1000
+
+
+def test_clients_of_one_process_read_the_stream_once_per_interface(tmp_path):
+    from tape.ops.config import default_toml, load
+    from tape.protocol import messages as M
+    from tape.protocol.packets import PacketBuilder
+    from tape.sequencer.client import sharing_listeners
+
+    path = tmp_path / "cluster.toml"
+    text = default_toml(tmp_path, clients=3)
+    path.write_text(text.replace('name = "load2"', 'name = "load2"\ninterface = "127.0.0.2"'))
+    listeners, clients = sharing_listeners(load(path), ["load0", "load1", "load2"])
+    assert len(listeners) == 2 and [c.listener for c in clients] == [listeners[0], listeners[0], listeners[1]]
+    trade = M.purchase_request(1, 10, "X", "Y")
+    entries = [M.stamp(trade, 1, moldudp64.session_bytes(n), cseq) for n, cseq in (("load0", 4), ("load1", 7))]
+    for c in clients:
+        c.core.next_cseq = 10  # as if they had sent that much
+    listeners[0].deliver(1, PacketBuilder(b"TAPE      ", 1).add_sequenced(entries)[0], 0)
+    assert [c.acked for c in clients] == [4, 7, 0]  # each found its own in the one packet
