@@ -62,6 +62,7 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
             rows.append({"rate_offered": rate, "rate_achieved": long["rate_msgs_per_s"],
                          "verdict": long["verdict"], "terms": len(long["terms"]),
                          "inbound_to_applied_ms": long["latency_ms"],
+                         "stamped_to_published_ms": long.get("commit_ms", {}),
                          "submit_to_sequenced_ms": long["submit_to_sequenced_ms"],
                          "us_per_msg": marginal_us(short, long)})
     console.print(_table(rows, short_s, long_s, max_packet or DEFAULT_MAX_PACKET))
@@ -94,9 +95,10 @@ def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int) -> 
     table.add_row("achieved msg/s", *(f"{r['rate_achieved']:,.0f}" for r in rows))
     table.add_row("verdict, terms", *(f"{r['verdict']}, {r['terms']}" for r in rows))
     for label, key in (("inbound to applied", "inbound_to_applied_ms"),
+                       ("of which stamped to published", "stamped_to_published_ms"),
                        ("submit to sequenced", "submit_to_sequenced_ms")):
         table.add_row(f"{label} p50 / p99 ms",
-                      *(f"{r[key].get('p50') or 0:.1f} / {r[key].get('p99') or 0:.1f}" for r in rows))
+                      *(f"{r.get(key, {}).get('p50') or 0:.1f} / {r.get(key, {}).get('p99') or 0:.1f}" for r in rows))
     for p in (*PROCESSES, "whole cluster"):
         table.add_row(p if p != "whole cluster" else "[bold]whole cluster[/bold]",
                       *(f"{r['us_per_msg'][p]:.2f}" for r in rows))

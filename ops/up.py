@@ -237,6 +237,9 @@ def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> 
         "submit_to_sequenced_ms": {"p50": lat.get("p50"), "p99": lat.get("p99"), "max": lat.get("max"),
                                    "measured": "client submit to seen sequenced on the stream"},
         "backoffs": {"honoured": run.load.get("backoffs", 0), "paused_s": run.load.get("paused_s", 0.0)},
+        "commit_ms": {**max((st.get("commit_ms", {}) for st in run.sequencers.values()),
+                            key=lambda c: c.get("count", 0), default={}),
+                      "measured": "a batch stamped to published by the leader (the sequencer that published most)"},
         "alert_ms": {**run.emitter.get("latency_ms", {}), "delivery": run.emitter.get("delivery"),
                      "measured": "purchase stamped to its alert delivered by the emitter"},
     })
@@ -269,6 +272,7 @@ def _print_verdict(console, title: str, checks: dict, figures: dict, report: dic
     table.add_row("clients told to back off (leader overloaded)",
                   f"{b.get('honoured', 0):,} times, {b.get('paused_s', 0):.2f} s paused", "")
     for label, lat in (("inbound to applied", report["latency_ms"]),
+                       ("of which stamped to published (leader)", report["commit_ms"]),
                        ("client submit to sequenced", report["submit_to_sequenced_ms"]),
                        (f"purchase to alert delivered ({report['alert_ms']['delivery']})", report["alert_ms"])):
         table.add_row(f"latency p50 / p99 / max, {label}",

@@ -21,11 +21,13 @@ import json
 import logging
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tape.node.diskspace import DiskFull
 from tape.node.journal_repair import open_checked
+from tape.node.latency import LatencyHistogram, LatencySamples
 from tape.node.process import NodeProcess
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
@@ -85,6 +87,9 @@ class Sequencer(NodeProcess):
         self.terms_led = 0
         self.published_seq = 0  # highest seq this process ever published, in any term
         self.published_terms: dict[int, list[int]] = {}  # term -> [first, last] seq this process published
+        self._stamped: deque[tuple[int, int, int]] = deque()  # (last seq, stamped ns, messages) of unpublished batches
+        self.commit_latency = LatencySamples()  # stamped to published, one weighted sample a batch
+        self.commit_histogram = LatencyHistogram()
         self._last = {"published": 0, "accepted": 0, "packets": 0, "backoffs": 0, "dropped": {}}
 
     # --- metrics -----------------------------------------------------------------
@@ -128,6 +133,8 @@ class Sequencer(NodeProcess):
         yield "step_downs", "counter", "times this node stopped leading, by reason", self.step_downs
         yield "refused", "counter", "peers' messages that contradict this node's log, by reason", \
             dict(self.voter.refused)
+        yield "commit_seconds", "histogram", "a batch stamped to published (a majority journaled it), one " \
+            "sample a batch", self.commit_histogram
         if c:
             yield "follower_match_seq", "gauge", "highest seq each follower holds", \
                 {k.decode().strip(): v for k, v in c.match.items()}, "follower"
@@ -222,6 +229,7 @@ class Sequencer(NodeProcess):
                 link.writer.close()  # (a partition holds them open until it heals)
         self.links = {}
         self.followers_core = None
+        self._stamped.clear()  # what it did not publish, the next leader may
         self._last["accepted"] += c.accepted
         self._last["published"] += c.published_messages
         self._last["packets"] += c.published_packets
@@ -259,7 +267,7 @@ class Sequencer(NodeProcess):
         self.journal.close()
         status = {"name": self.node.name, "term": self.voter.election.term, "last_seq": self.journal.last_seq,
                   "published_terms": {str(t): span for t, span in sorted(self.published_terms.items())},
-                  "failed": self.failed}
+                  "failed": self.failed, "commit_ms": self.commit_latency.summary_ms()}
         (Path(self.node.data) / "status.json").write_text(json.dumps(status, indent=1))
         log.info("%s stopped at seq %d, term %d", self.node.name, self.journal.last_seq, self.voter.election.term)
 
@@ -307,6 +315,7 @@ class Sequencer(NodeProcess):
         """Replicate to live followers, journal, publish what commits.
         Followers get the batch before the leader's own fsync (as Raft
         allows), so the two disk writes overlap instead of adding up."""
+        self._stamped.append((batch.last_seq, time.time_ns(), len(batch.messages)))
         send, wake = self.followers_core.live_for(batch.first_seq, batch.last_seq)
         if send:
             frame = rep.encode_append(self.core.term, self.node.wire_name, batch.prev_seq, batch.prev_term,
@@ -340,8 +349,13 @@ class Sequencer(NodeProcess):
             if 0 < count < 0xFFFF:
                 msgs += count
                 first = first or int.from_bytes(pkt[10:18], "big")
-        self.core.note_published(len(packets), msgs, time.time_ns())
+        now = time.time_ns()
+        self.core.note_published(len(packets), msgs, now)
         self.published_seq = max(self.published_seq, self.core.published_seq)
+        while self._stamped and self._stamped[0][0] <= self.published_seq:
+            _, stamped, count = self._stamped.popleft()
+            self.commit_latency.add(now - stamped, count)
+            self.commit_histogram.observe(now - stamped)
         if msgs:  # which seqs this process published in which term: drills judge terms by it
             span = self.published_terms.setdefault(self.core.term, [first, 0])
             span[1] = self.core.published_seq

@@ -163,6 +163,8 @@ def test_an_overloaded_leader_tells_the_clients_to_back_off_and_nothing_is_lost(
         assert sent >= report["backoffs"]
         for name in ("seq-a", "rw-1", "rw-2"):
             assert cluster.stop(name) == 0
+        commit = json.loads((tmp_path / "data" / "seq-a" / "status.json").read_text())["commit_ms"]
+        assert commit["count"] > TRADES and 0 < commit["p50"] <= commit["p99"] <= commit["max"]  # stamped to published
         seqs = {}
         for _, _, raw in Journal(cluster.journal_dir("rw-1")).read(1):
             m = M.SEQUENCED.unpack(raw)
