@@ -352,7 +352,7 @@ class Sequencer(NodeProcess):
         now = time.time_ns()
         self.core.note_published(len(packets), msgs, now)
         self.published_seq = max(self.published_seq, self.core.published_seq)
-        while self._stamped and self._stamped[0][0] <= self.published_seq:
+        while self._stamped and self._stamped[0][0] <= self.core.published_seq:
             _, stamped, count = self._stamped.popleft()
             self.commit_latency.add(now - stamped, count)
             self.commit_histogram.observe(now - stamped)
