@@ -1,7 +1,9 @@
-"""The one thing pyproject.toml cannot say stably: the journal's record encoding in C (the
-voters' hottest loop). Optional: without a compiler the build skips it and
-protocol/journal.py uses the same function in Python."""
+"""What pyproject.toml cannot say stably: the C extensions. Optional: without a compiler the build
+skips them and the same functions run in Python (protocol/journal.py, replicas/audit.py, ...)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("tape.protocol._speedups", sources=["protocol/_speedups.c"], optional=True)])
+setup(ext_modules=[
+    Extension("tape.protocol._speedups", sources=["protocol/_speedups.c"], optional=True),
+    Extension("tape.replicas._audit", sources=["replicas/_audit.c"], optional=True),
+])

@@ -469,9 +469,8 @@ class Listener:
                 raise Violation(f"{self.name} delivered at seq {seq} a message other than the one published")
             self.delivered.append(raw)
         if self.replica is not None:
-            msgs = M.decode_delivered(d.packet, d.skip)
             before = self.machine.alerts_raised
-            for action in self.replica.on_run(d.first_seq, msgs):
+            for action in self.replica.on_packet(d.first_seq, d.packet, d.skip):
                 if isinstance(action, SendAlerts):
                     self.send_alerts(action)
             raised = self.machine.alerts_raised - before  # the newest alerts, at the end of the outbox

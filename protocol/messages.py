@@ -162,6 +162,11 @@ def decode_delivered(data, skip: int = 0) -> list:
     return list(_SEQUENCED_BLOCK.iter_unpack(memoryview(data)[HEADER_SIZE + skip * SEQUENCED_BLOCK_SIZE:]))
 
 
+def decode_delivered_one(data, index: int) -> tuple:
+    """Message number `index` of a delivered packet."""
+    return _SEQUENCED_BLOCK.unpack_from(data, HEADER_SIZE + index * SEQUENCED_BLOCK_SIZE)
+
+
 def check_packet_messages(data, count: int) -> None:
     _check_blocks(data, count, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE, ALL_TYPES)
 

@@ -35,7 +35,14 @@ import struct
 from collections import deque
 from typing import NamedTuple
 
+from tape.protocol import messages
 from tape.protocol.errors import InvariantViolation
+from tape.protocol.moldudp64 import HEADER_SIZE
+
+try:
+    from tape.replicas._audit import BookTable, apply_fast
+except ImportError:  # built without a C compiler: the pure books and rules do it all
+    BookTable = apply_fast = None
 
 DEFAULT_BOOK_TTL_NS = 3600 * 10**9
 DEFAULT_ORPHAN_TTL_NS = 10 * 10**9
@@ -46,6 +53,9 @@ REJECT_REASONS = ("duplicate_order", "bad_shares", "client_mismatch", "stock_mis
 _OPENED, _FILLED, _ALERT, _HELD, _REJECT, _CONTROL = b"O", b"F", b"A", b"H", b"X", b"C"
 _ALERT_RECORD = struct.Struct(">QQQQq16s8sqqQ")
 _REJECT_RECORD = struct.Struct(">QQB")
+BOOK = struct.Struct(">qq16s8sQ?Q")  # a snapshot's book record: requested, cumulative, client, stock, opened_ns,
+# alerted, request_seq (the fields of a book, in its order)
+_NEVER = 2**64 - 1  # no expiry due (the compiled loop's clock is u64)
 
 
 class Alert(NamedTuple):
@@ -84,14 +94,31 @@ class Alert(NamedTuple):
 
 
 
+class Books(dict):
+    """order id -> [requested, cumulative, client, stock, opened_ns, alerted, request_seq]: the pure
+    books. The compiled ones (`_audit.BookTable`) read the same but hand out copies, so the rules
+    write a changed book back."""
+
+    def packed(self, order_ids) -> list[tuple[bytes, bytes]]:
+        """(key, record) of each of these order ids with a book, in their order (snapshots)."""
+        pack, get = BOOK.pack, self.get
+        return [(order_id.to_bytes(8, "big"), pack(*book)) for order_id in order_ids
+                if (book := get(order_id)) is not None]
+
+
 class AuditMachine:
-    def __init__(self, book_ttl_ns: int = DEFAULT_BOOK_TTL_NS, orphan_ttl_ns: int = DEFAULT_ORPHAN_TTL_NS):
+    def __init__(self, book_ttl_ns: int = DEFAULT_BOOK_TTL_NS, orphan_ttl_ns: int = DEFAULT_ORPHAN_TTL_NS,
+                 compiled: bool | None = None):
+        """`compiled`: books in C and the common cases applied from packets' bytes (the default
+        where Tape was built with a compiler); False: all in Python, the definition."""
+        if compiled and apply_fast is None:
+            raise RuntimeError("the compiled audit (replicas/_audit.c) was not built")
+        self.compiled = apply_fast is not None if compiled is None else compiled
         self.book_ttl_ns = book_ttl_ns
         self.orphan_ttl_ns = orphan_ttl_ns
         self.last_seq = 0  # last applied
         self.now_ns = 0
-        # order id -> [requested, cumulative, client, stock, opened_ns, alerted, request_seq]
-        self.books: dict[int, list] = {}
+        self.books = self.new_books()
         self._book_expiry: deque = deque()  # (expires_ns, order id, request seq), in stamp order
         # order id -> [(seq, stamp, purchase tuple), ...] in seq order
         self.orphans: dict[int, list] = {}
@@ -105,6 +132,9 @@ class AuditMachine:
         self.chain = bytes(16)
         self._codes = bytearray()  # effect bytes since the last fold
         self.dirty: set[int] = set()  # order ids whose book or orphans changed since the last snapshot
+
+    def new_books(self):
+        return BookTable() if self.compiled else Books()
 
     # --- the digest ----------------------------------------------------------------
 
@@ -152,6 +182,37 @@ class AuditMachine:
             start = end
         return out
 
+    def apply_packet(self, first_seq: int, packet: bytes, skip: int = 0) -> list[Alert]:
+        """Apply a delivered packet's messages from number `skip` (at first_seq) on: the replica's
+        path. Compiled, most of them never become Python objects: the C applies the common cases
+        and hands each other message to the rules here (`_apply`), then goes on."""
+        if not self.compiled:
+            return self.apply_run(first_seq, messages.decode_delivered(packet, skip))
+        if first_seq != self.last_seq + 1:
+            raise InvariantViolation(f"applying seq {first_seq} after {self.last_seq}")
+        out: list[Alert] = []
+        index, total = skip, (len(packet) - HEADER_SIZE) // messages.SEQUENCED_BLOCK_SIZE
+        while index < total:
+            seq = self.last_seq + 1  # runs end at fold points, where the digest chain folds
+            end = min(total, index + DIGEST_BLOCK - (seq - 1) % DIGEST_BLOCK)
+            while index < end:
+                done, self.now_ns = apply_fast(self.books, self._codes, self.dirty, self._book_expiry, self.orphans,
+                                               self.book_ttl_ns, self.now_ns, self._next_expiry(), packet, index,
+                                               end, seq)
+                index, seq = index + done, seq + done
+                self.last_seq, self.applied = seq - 1, self.applied + done
+                if index < end:  # not a common case: the rules
+                    self._apply(seq, [messages.decode_delivered_one(packet, index)], out)
+                    index, seq = index + 1, seq + 1
+            if self.last_seq % DIGEST_BLOCK == 0:
+                self._fold()
+        return out
+
+    def _next_expiry(self) -> int:
+        """When the first book or orphan expires (_NEVER: none)."""
+        b, o = self._book_expiry, self._orphan_expiry
+        return min(b[0][0] if b else _NEVER, o[0][0] if o else _NEVER, _NEVER)
+
     def _apply(self, first_seq: int, msgs: list, out: list) -> None:
         """The hot path: the common purchase and request cases are inlined."""
         books = self.books
@@ -181,6 +242,7 @@ class AuditMachine:
                     if total > book[0] and not book[5]:
                         self._alert(seq, m, book, seq, out)
                     else:
+                        books[order_id] = book  # (the compiled books hand out copies)
                         code(70)  # 'F'
                 elif book is not None:
                     self._purchase(seq, m, book, seq, out)  # a reject
@@ -219,10 +281,12 @@ class AuditMachine:
         if not book[5] and book[1] > book[0]:
             self._alert(seq, m, book, emit_seq, out)
         else:
+            self.books[m[1]] = book
             self._codes += _FILLED
 
     def _alert(self, seq: int, m: tuple, book: list, emit_seq: int, out: list) -> None:
         book[5] = True
+        self.books[m[1]] = book
         alert = Alert(emit_seq, seq, m[5], m[1], m[3], m[4], book[0], book[1], m[6])
         self.alerts_raised += 1
         self._effect(_ALERT + alert.encode())

@@ -25,7 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from tape.protocol.limits import REPLAY_BEHIND
-from tape.protocol.messages import SESSION_END
+from tape.protocol.messages import SEQUENCED_BLOCK_SIZE, SESSION_END
+from tape.protocol.moldudp64 import HEADER_SIZE
 from tape.protocol.receiver import StreamReceiver
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 
@@ -69,13 +70,24 @@ class ReplicaCore:
         self._snapshot_at = now_ns
         self.last_fold: SendDigest | None = None  # resent on every welcome
 
+    def on_packet(self, first_seq: int, packet: bytes, skip: int) -> list[ReplicaAction]:
+        """Apply a delivered packet's messages from number `skip` on (an impossible order raises
+        InvariantViolation): what the replica process and the simulator do."""
+        alerts = self.machine.apply_packet(first_seq, packet, skip)
+        ended = SESSION_END in packet[HEADER_SIZE + 2::SEQUENCED_BLOCK_SIZE][skip:][-2:]
+        return self._applied(first_seq, alerts, ended)
+
     def on_run(self, first_seq: int, msgs: list) -> list[ReplicaAction]:
         """Apply consecutive decoded messages (an impossible order raises InvariantViolation)."""
         alerts = self.machine.apply_run(first_seq, msgs)
-        self._since_snapshot += len(msgs)
+        return self._applied(first_seq, alerts, any(m[0] == SESSION_END for m in msgs[-2:]))
+
+    def _applied(self, first_seq: int, alerts: list[Alert], ended: bool) -> list[ReplicaAction]:
+        """`ended`: the session's end entry was among the last two applied (only its seal may follow it)."""
         last = self.machine.last_seq
+        self._since_snapshot += last - first_seq + 1
         folded = last // DIGEST_BLOCK > (first_seq - 1) // DIGEST_BLOCK
-        if any(m[0] == SESSION_END for m in msgs[-2:]):  # only its seal may follow it
+        if ended:
             self.session_ended = True
         out: list[ReplicaAction] = []
         if alerts:

@@ -153,23 +153,22 @@ class Replica(NodeProcess):
         if self.failed:
             return
         try:
-            msgs = messages.decode_delivered(pkt, skip)
-            actions = self.core.on_run(first, msgs)
+            actions = self.core.on_packet(first, pkt, skip)
         except (ProtocolError, InvariantViolation) as e:
             # Skipping would diverge this replica from the others: stop applying, loudly.
             self.fail(f"cannot apply seq {first}: {e}")
             return
-        self._note_latency(pkt, skip, msgs)
+        self._note_latency(pkt, skip)
         self._carry_out(actions)
 
-    def _note_latency(self, pkt: bytes, skip: int, msgs: list) -> None:
+    def _note_latency(self, pkt: bytes, skip: int) -> None:
         """Stamp to applied, once a packet: its messages were stamped together (one drain of the
         leader's inbound socket), so the first trade's lag stands for every trade in it."""
         kinds = pkt[HEADER_SIZE + 2 + skip * messages.SEQUENCED_BLOCK_SIZE::messages.SEQUENCED_BLOCK_SIZE]
         trades = len(kinds) - len(kinds.translate(None, TRADE_TYPES))
         if trades:
-            first = next(m for m in msgs if m[messages.TYPE] in TRADE_TYPES)
-            lag = time.time_ns() - first[messages.STAMP]
+            first = skip + next(i for i, kind in enumerate(kinds) if kind in TRADE_TYPES)
+            lag = time.time_ns() - messages.decode_delivered_one(pkt, first)[messages.STAMP]
             self.latency.add(lag, trades)
             self.latency_histogram.observe(lag)
 

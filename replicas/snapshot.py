@@ -29,9 +29,8 @@ import lmdb
 
 from tape.node.aside import aside_path
 from tape.protocol import messages as M
-from tape.replicas.audit import AuditMachine
+from tape.replicas.audit import BOOK, AuditMachine
 
-BOOK = struct.Struct(">qq16s8sQ?Q")  # requested, cumulative, client, stock, opened_ns, alerted, request_seq
 ORPHAN = struct.Struct(">Q")  # seq, followed by the 75-byte message
 STATE = struct.Struct(">QQQ16sI")  # last_seq, now_ns, applied, chain, len(pending)
 FORMAT = 2  # 2: with checksums
@@ -132,8 +131,7 @@ class SnapshotStore:
         save (one key per order touched): the old records read and the new ones written by one
         LMDB call each, and hashed by one call each."""
         keys = [order_id.to_bytes(8, "big") for order_id in dirty]
-        pack, get = BOOK.pack, books.get
-        new = [(key, pack(*book)) for key, order_id in zip(keys, dirty) if (book := get(order_id)) is not None]
+        new = books.packed(dirty)
         with txn.cursor(db=self.books) as cursor:
             old = [(bytes(k), bytes(v)) for k, v in cursor.getmulti(keys)]
             cursor.putmulti(new)
@@ -176,7 +174,7 @@ class SnapshotStore:
                 meta = json.loads(bytes(raw[STATE.size + npend:]))
                 if meta.get("format") != FORMAT:
                     raise SnapshotInvalid(f"snapshot format {meta.get('format')} is not {FORMAT}")
-                books, orphans, total = self._read_records(txn)
+                books, orphans, total = self._read_records(txn, m.new_books())
         except (lmdb.Error, struct.error, ValueError, KeyError) as e:
             raise SnapshotInvalid(f"unreadable snapshot ({type(e).__name__}: {e})") from None
         if f"{total:032x}" != meta.get("records_sum"):
@@ -198,9 +196,9 @@ class SnapshotStore:
         return {k: v for k, v in meta.items()
                 if k not in ("format", "rejects", "alerts_raised", "records_sum", "outbox_sum")}
 
-    def _read_records(self, txn) -> tuple[dict, dict, int]:
-        """Every book and orphan record, decoded, and their checksum."""
-        books, orphans, records, total = {}, {}, [], 0
+    def _read_records(self, txn, books) -> tuple[dict, dict, int]:
+        """Every book (into `books`, empty) and orphan record, decoded, and their checksum."""
+        orphans, records, total = {}, [], 0
         for key, value in txn.cursor(db=self.books):
             records.append((bytes(key), bytes(value)))
             books[int.from_bytes(key, "big")] = list(BOOK.unpack(value))

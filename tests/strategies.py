@@ -2,7 +2,7 @@
 
 from hypothesis import strategies as st
 
-from tape.protocol import messages
+from tape.protocol import messages, moldudp64
 
 
 def ascii_text(n):
@@ -22,3 +22,9 @@ sequenced = st.one_of(
     st.builds(messages.term_start, u64, session, u64, ascii_text(10)),
     st.builds(messages.time_tick, u64, session),
 )
+
+
+def packet_of(first_seq: int, msgs: list, session: bytes = b"TEST      ") -> bytes:
+    """A downstream packet holding these decoded sequenced messages (as a listener delivers it)."""
+    blocks = b"".join(messages.BLOCK_PREFIX + messages.SEQUENCED.pack(*m) for m in msgs)
+    return moldudp64.HEADER.pack(session, first_seq, len(msgs)) + blocks

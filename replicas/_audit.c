@@ -1,0 +1,508 @@
+/* A replica's books in C, and the audit's two common cases applied straight
+ * from a delivered packet's bytes (replicas/audit.py holds the rules; this
+ * is where most messages go in a replica process, docs/replicas.md).
+ *
+ *   BookTable   order id -> book, a mapping with the Python books' interface
+ *               (a book reads as the list [requested, cumulative, client,
+ *               stock, opened_ns, alerted, request_seq], a copy: write it
+ *               back to change it). 72 bytes a book in one open-addressed
+ *               array, no Python object per book: nothing for the
+ *               collector to walk, and a snapshot packs its dirty books
+ *               without chasing seven objects each.
+ *   apply_fast  applies messages index..end-1 of a packet while each is one
+ *               of the cases AuditMachine._apply inlines (a purchase that
+ *               fills an open book without crossing it, a request that opens
+ *               a new book, a control message) and no expiry falls due;
+ *               returns how many it applied, leaving the next one to the
+ *               Python rules. Effects, dirty ids and expiry entries are
+ *               exactly those the Python records for the same messages:
+ *               tests/test_audit_compiled.py holds the two equal.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEADER_SIZE 20      /* MoldUDP64 header */
+#define BLOCK_SIZE 77       /* u16 length + a 75-byte sequenced message */
+#define AT_ORDER 3          /* offsets inside a block: type at 2, then the message's fields */
+#define AT_SHARES 11
+#define AT_CLIENT 19
+#define AT_STOCK 35
+#define AT_STAMP 51
+#define CLIENT_LEN 16
+#define STOCK_LEN 8
+#define RECORD_SIZE 57      /* a snapshot's book record: ">qq16s8sQ?Q" */
+#define MIN_CAPACITY 1024   /* slots; grown x2 whenever half full */
+#define PURCHASE 'P'
+#define REQUEST 'R'
+
+typedef struct {
+    uint64_t order_id;
+    int64_t requested, cumulative;
+    uint64_t opened_ns, request_seq;
+    char client[CLIENT_LEN], stock[STOCK_LEN];
+    uint8_t alerted, used;
+} Book;
+
+typedef struct {
+    PyObject_HEAD
+    Book *slots;
+    size_t mask;  /* capacity - 1, capacity a power of two */
+    size_t count;
+} BookTable;
+
+static PyTypeObject BookTableType;
+
+/* Runs of 64 consecutive order ids share a run of slots (clients number their orders in sequence,
+ * and an order's purchases follow it closely: the books in use stay in a few cache lines); the
+ * runs themselves are scattered by a multiplicative hash, so ids in a pattern do not pile up. */
+static size_t home(uint64_t order_id, size_t mask) {
+    uint64_t run = (order_id >> 6) * 0x9E3779B97F4A7C15ull;
+    return (size_t)(((run ^ (run >> 29)) << 6) | (order_id & 63)) & mask;
+}
+
+static Book *find(BookTable *t, uint64_t order_id) {
+    for (size_t i = home(order_id, t->mask);; i = (i + 1) & t->mask) {
+        Book *b = &t->slots[i];
+        if (!b->used) return NULL;
+        if (b->order_id == order_id) return b;
+    }
+}
+
+static int grow(BookTable *t) {
+    size_t old_cap = t->mask + 1, cap = old_cap * 2;
+    Book *old = t->slots, *slots = PyMem_Calloc(cap, sizeof(Book));
+    if (slots == NULL) { PyErr_NoMemory(); return -1; }
+    t->slots = slots;
+    t->mask = cap - 1;
+    for (size_t i = 0; i < old_cap; i++) {
+        if (!old[i].used) continue;
+        size_t j = home(old[i].order_id, t->mask);
+        while (slots[j].used) j = (j + 1) & t->mask;
+        slots[j] = old[i];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+/* A slot for a book not in the table (pointers into the table die here: it may grow). */
+static Book *insert(BookTable *t, uint64_t order_id) {
+    if ((t->count + 1) * 2 > t->mask + 1 && grow(t) < 0) return NULL;
+    size_t i = home(order_id, t->mask);
+    while (t->slots[i].used) i = (i + 1) & t->mask;
+    Book *b = &t->slots[i];
+    memset(b, 0, sizeof(Book));
+    b->used = 1;
+    b->order_id = order_id;
+    t->count++;
+    return b;
+}
+
+/* Linear probing's deletion without tombstones: later books of the same run move back. */
+static void erase(BookTable *t, Book *b) {
+    size_t i = (size_t)(b - t->slots), j = i;
+    for (;;) {
+        j = (j + 1) & t->mask;
+        if (!t->slots[j].used) break;
+        size_t k = home(t->slots[j].order_id, t->mask);
+        int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stays) {
+            t->slots[i] = t->slots[j];
+            i = j;
+        }
+    }
+    t->slots[i].used = 0;
+    t->count--;
+}
+
+/* --- the Python mapping ------------------------------------------------------------------ */
+
+/* An order id from Python: 0 on success, 1 if it cannot be one (no such book), -1 on error. */
+static int key_of(PyObject *key, uint64_t *order_id) {
+    if (!PyLong_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "order ids are ints");
+        return -1;
+    }
+    *order_id = PyLong_AsUnsignedLongLong(key);
+    if (*order_id == (uint64_t)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        return 1;
+    }
+    return 0;
+}
+
+static PyObject *book_list(const Book *b) {
+    return Py_BuildValue("[LLy#y#KOK]", (long long)b->requested, (long long)b->cumulative, b->client,
+                         (Py_ssize_t)CLIENT_LEN, b->stock, (Py_ssize_t)STOCK_LEN,
+                         (unsigned long long)b->opened_ns, b->alerted ? Py_True : Py_False,
+                         (unsigned long long)b->request_seq);
+}
+
+static int text_field(PyObject *item, char *out, Py_ssize_t width, const char *name) {
+    char *p;
+    Py_ssize_t n;
+    if (PyBytes_AsStringAndSize(item, &p, &n) < 0) return -1;
+    if (n != width) {
+        PyErr_Format(PyExc_ValueError, "a book's %s is %zd bytes, not %zd", name, n, width);
+        return -1;
+    }
+    memcpy(out, p, (size_t)width);
+    return 0;
+}
+
+/* A book's fields from a 7-item sequence, into `b` (a scratch copy: the table is untouched on error). */
+static int book_from(PyObject *value, Book *b) {
+    PyObject *seq = PySequence_Fast(value, "a book is a sequence of 7 fields");
+    if (seq == NULL) return -1;
+    int rc = -1;
+    if (PySequence_Fast_GET_SIZE(seq) != 7) {
+        PyErr_SetString(PyExc_ValueError, "a book is a sequence of 7 fields");
+        goto done;
+    }
+    PyObject **f = PySequence_Fast_ITEMS(seq);
+    b->requested = PyLong_AsLongLong(f[0]);
+    b->cumulative = PyLong_AsLongLong(f[1]);
+    b->opened_ns = PyLong_AsUnsignedLongLong(f[4]);
+    b->request_seq = PyLong_AsUnsignedLongLong(f[6]);
+    if (PyErr_Occurred()) goto done;
+    int alerted = PyObject_IsTrue(f[5]);
+    if (alerted < 0 || text_field(f[2], b->client, CLIENT_LEN, "client") < 0 ||
+        text_field(f[3], b->stock, STOCK_LEN, "stock") < 0) goto done;
+    b->alerted = (uint8_t)alerted;
+    rc = 0;
+done:
+    Py_DECREF(seq);
+    return rc;
+}
+
+static Py_ssize_t table_len(BookTable *t) { return (Py_ssize_t)t->count; }
+
+static PyObject *table_getitem(BookTable *t, PyObject *key) {
+    uint64_t order_id;
+    int rc = key_of(key, &order_id);
+    if (rc < 0) return NULL;
+    Book *b = rc ? NULL : find(t, order_id);
+    if (b == NULL) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return book_list(b);
+}
+
+static int table_setitem(BookTable *t, PyObject *key, PyObject *value) {
+    uint64_t order_id;
+    int rc = key_of(key, &order_id);
+    if (rc < 0) return -1;
+    Book *b = rc ? NULL : find(t, order_id);
+    if (value == NULL) {  /* del t[key] */
+        if (b == NULL) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        erase(t, b);
+        return 0;
+    }
+    if (rc) {
+        PyErr_SetString(PyExc_OverflowError, "an order id is an unsigned 64-bit int");
+        return -1;
+    }
+    Book scratch;
+    if (book_from(value, &scratch) < 0) return -1;
+    if (b == NULL && (b = insert(t, order_id)) == NULL) return -1;
+    scratch.order_id = order_id;
+    scratch.used = 1;
+    *b = scratch;
+    return 0;
+}
+
+static int table_contains(BookTable *t, PyObject *key) {
+    uint64_t order_id;
+    int rc = key_of(key, &order_id);
+    return rc < 0 ? -1 : rc ? 0 : find(t, order_id) != NULL;
+}
+
+static PyObject *table_get(BookTable *t, PyObject *args) {
+    PyObject *key, *fallback = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O:get", &key, &fallback)) return NULL;
+    uint64_t order_id;
+    int rc = key_of(key, &order_id);
+    if (rc < 0) return NULL;
+    Book *b = rc ? NULL : find(t, order_id);
+    if (b == NULL) return Py_NewRef(fallback);
+    return book_list(b);
+}
+
+/* keys() or items(), in slot order (callers that need an order sort). */
+static PyObject *listing(BookTable *t, int with_books) {
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (size_t i = 0; i <= t->mask; i++) {
+        Book *b = &t->slots[i];
+        if (!b->used) continue;
+        PyObject *item = with_books ? Py_BuildValue("(KN)", (unsigned long long)b->order_id, book_list(b))
+                                    : PyLong_FromUnsignedLongLong(b->order_id);
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+static PyObject *table_keys(BookTable *t, PyObject *unused) { return listing(t, 0); }
+static PyObject *table_items(BookTable *t, PyObject *unused) { return listing(t, 1); }
+
+static PyObject *table_iter(BookTable *t) {
+    PyObject *keys = listing(t, 0);
+    if (keys == NULL) return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static void put_be64(unsigned char *p, uint64_t v) {
+    for (int i = 7; i >= 0; i--, v >>= 8) p[i] = (unsigned char)v;
+}
+
+static uint64_t get_be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = v << 8 | p[i];
+    return v;
+}
+
+/* packed(order_ids): [(key, record)] for those with a book, in the given order; the snapshot's
+ * layout (replicas/audit.py BOOK), keys u64 big-endian. */
+static PyObject *table_packed(BookTable *t, PyObject *order_ids) {
+    PyObject *ids = PySequence_Fast(order_ids, "packed() takes a sequence of order ids");
+    if (ids == NULL) return NULL;
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < PySequence_Fast_GET_SIZE(ids); i++) {
+        uint64_t order_id;
+        int rc = key_of(PySequence_Fast_GET_ITEM(ids, i), &order_id);
+        Book *b = rc ? NULL : find(t, order_id);
+        if (rc < 0) goto fail;
+        if (b == NULL) continue;
+        unsigned char key[8], rec[RECORD_SIZE];
+        put_be64(key, order_id);
+        put_be64(rec, (uint64_t)b->requested);
+        put_be64(rec + 8, (uint64_t)b->cumulative);
+        memcpy(rec + 16, b->client, CLIENT_LEN);
+        memcpy(rec + 32, b->stock, STOCK_LEN);
+        put_be64(rec + 40, b->opened_ns);
+        rec[48] = b->alerted;
+        put_be64(rec + 49, b->request_seq);
+        PyObject *pair = Py_BuildValue("(y#y#)", key, (Py_ssize_t)8, rec, (Py_ssize_t)RECORD_SIZE);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_XDECREF(pair);
+            goto fail;
+        }
+        Py_DECREF(pair);
+    }
+    Py_DECREF(ids);
+    return out;
+fail:
+    Py_DECREF(ids);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* Equal to a mapping with the same books (tests compare machines' books). */
+static PyObject *as_dict(PyObject *o) {
+    if (PyDict_Check(o)) return Py_NewRef(o);
+    PyObject *items = listing((BookTable *)o, 1), *d = items == NULL ? NULL : PyDict_New();
+    if (d != NULL && PyDict_MergeFromSeq2(d, items, 1) < 0) Py_CLEAR(d);
+    Py_XDECREF(items);
+    return d;
+}
+
+static PyObject *table_richcompare(PyObject *t, PyObject *other, int op) {
+    if ((op != Py_EQ && op != Py_NE) || !(PyDict_Check(other) || Py_IS_TYPE(other, &BookTableType)))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *a = as_dict(t), *b = a == NULL ? NULL : as_dict(other);
+    PyObject *r = b == NULL ? NULL : PyObject_RichCompare(a, b, op);
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return r;
+}
+
+static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "BookTable() takes no arguments");
+        return NULL;
+    }
+    BookTable *t = (BookTable *)type->tp_alloc(type, 0);
+    if (t == NULL) return NULL;
+    t->slots = PyMem_Calloc(MIN_CAPACITY, sizeof(Book));
+    if (t->slots == NULL) {
+        Py_DECREF(t);
+        return PyErr_NoMemory();
+    }
+    t->mask = MIN_CAPACITY - 1;
+    return (PyObject *)t;
+}
+
+static void table_dealloc(BookTable *t) {
+    PyMem_Free(t->slots);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyMappingMethods table_mapping = {(lenfunc)table_len, (binaryfunc)table_getitem,
+                                         (objobjargproc)table_setitem};
+static PySequenceMethods table_sequence = {.sq_contains = (objobjproc)table_contains};
+
+static PyMethodDef table_methods[] = {
+    {"get", (PyCFunction)table_get, METH_VARARGS, "get(order_id, default=None): the book as a list, or default"},
+    {"keys", (PyCFunction)table_keys, METH_NOARGS, "the order ids with a book, in no particular order"},
+    {"items", (PyCFunction)table_items, METH_NOARGS, "(order id, book) pairs, in no particular order"},
+    {"packed", (PyCFunction)table_packed, METH_O, "packed(order_ids): [(key, record)] of those with a book"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject BookTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tape.replicas._audit.BookTable",
+    .tp_basicsize = sizeof(BookTable),
+    .tp_dealloc = (destructor)table_dealloc,
+    .tp_as_mapping = &table_mapping,
+    .tp_as_sequence = &table_sequence,
+    .tp_iter = (getiterfunc)table_iter,
+    .tp_richcompare = table_richcompare,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "order id -> book, in C (see the module's comment)",
+    .tp_methods = table_methods,
+    .tp_new = table_new,
+};
+
+/* --- the common cases, from a packet's bytes ------------------------------------------------ */
+
+static int mark_dirty(PyObject *dirty, uint64_t order_id) {
+    PyObject *id = PyLong_FromUnsignedLongLong(order_id);
+    if (id == NULL) return -1;
+    int rc = PySet_Add(dirty, id);
+    Py_DECREF(id);
+    return rc;
+}
+
+static int expire_later(PyObject *append, uint64_t expires, uint64_t order_id, uint64_t seq) {
+    PyObject *entry = Py_BuildValue("(KKK)", (unsigned long long)expires, (unsigned long long)order_id,
+                                    (unsigned long long)seq);
+    if (entry == NULL) return -1;
+    PyObject *r = PyObject_CallOneArg(append, entry);
+    Py_DECREF(entry);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* A request that opens a book (new, shares > 0, no held purchases) or a purchase that fills one
+ * without crossing it; 1 if applied, 0 if the Python rules must take it, -1 on error. */
+static int apply_trade(BookTable *t, const unsigned char *m, uint64_t seq, uint64_t stamp, uint64_t book_ttl,
+                       PyObject *dirty, PyObject *orphans, PyObject *expiry_append, int *expiry_empty,
+                       uint64_t *next_expiry, char *code) {
+    uint64_t order_id = get_be64(m + AT_ORDER);
+    int64_t shares = (int64_t)get_be64(m + AT_SHARES);
+    Book *b = find(t, order_id);
+    if (m[2] == PURCHASE) {
+        int64_t total;
+        if (b == NULL || shares <= 0 || memcmp(b->client, m + AT_CLIENT, CLIENT_LEN) ||
+            memcmp(b->stock, m + AT_STOCK, STOCK_LEN) || __builtin_add_overflow(b->cumulative, shares, &total) ||
+            (total > b->requested && !b->alerted)) return 0;  /* a reject, a hold or an alert */
+        if (mark_dirty(dirty, order_id) < 0) return -1;
+        b->cumulative = total;
+        *code = 'F';
+        return 1;
+    }
+    if (b != NULL || shares <= 0 || stamp > UINT64_MAX - book_ttl) return 0;
+    if (PyDict_GET_SIZE(orphans)) {  /* purchases held for some order: is it this one? */
+        PyObject *id = PyLong_FromUnsignedLongLong(order_id);
+        int held = id == NULL ? -1 : PyDict_Contains(orphans, id);
+        Py_XDECREF(id);
+        if (held) return held < 0 ? -1 : 0;
+    }
+    if (mark_dirty(dirty, order_id) < 0 || expire_later(expiry_append, stamp + book_ttl, order_id, seq) < 0 ||
+        (b = insert(t, order_id)) == NULL) return -1;
+    b->requested = shares;
+    b->opened_ns = stamp;
+    b->request_seq = seq;
+    memcpy(b->client, m + AT_CLIENT, CLIENT_LEN);
+    memcpy(b->stock, m + AT_STOCK, STOCK_LEN);
+    if (*expiry_empty && stamp + book_ttl < *next_expiry) *next_expiry = stamp + book_ttl;
+    *expiry_empty = 0;
+    *code = 'O';
+    return 1;
+}
+
+/* apply_fast(books, codes, dirty, book_expiry, orphans, book_ttl, now, next_expiry, packet, index,
+ *            end, seq) -> (applied, now) */
+static PyObject *apply_fast(PyObject *self, PyObject *args) {
+    BookTable *t;
+    PyObject *codes, *dirty, *expiry, *orphans;
+    unsigned long long book_ttl, now, next_due, seq;
+    Py_buffer pkt;
+    Py_ssize_t index, end;
+    if (!PyArg_ParseTuple(args, "O!YO!OO!KKKy*nnK:apply_fast", &BookTableType, &t, &codes, &PySet_Type, &dirty,
+                          &expiry, &PyDict_Type, &orphans, &book_ttl, &now, &next_due, &pkt, &index, &end, &seq))
+        return NULL;
+    uint64_t next_expiry = next_due;
+    PyObject *result = NULL, *append = NULL;
+    char *out = NULL;
+    Py_ssize_t n = 0;
+    if (index < 0 || end < index || HEADER_SIZE + end * BLOCK_SIZE > pkt.len) {
+        PyErr_SetString(PyExc_ValueError, "message range outside the packet");
+        goto done;
+    }
+    Py_ssize_t queued = PyObject_Size(expiry);
+    append = PyObject_GetAttrString(expiry, "append");
+    out = PyMem_Malloc((size_t)(end - index) + 1);
+    if (queued < 0 || append == NULL || out == NULL) goto done;
+    int expiry_empty = queued == 0;
+    const unsigned char *p = (const unsigned char *)pkt.buf + HEADER_SIZE;
+    for (; index + n < end; n++) {
+        const unsigned char *m = p + (index + n) * BLOCK_SIZE;
+        uint64_t stamp = get_be64(m + AT_STAMP);
+        if (stamp > now) {
+            if (next_expiry <= stamp) break;  /* an expiry falls due at this message */
+            now = stamp;
+        }
+        if (m[2] != PURCHASE && m[2] != REQUEST) {
+            out[n] = 'C';  /* control: term start, time tick, seal, session end */
+            continue;
+        }
+        int rc = apply_trade(t, m, seq + (uint64_t)n, stamp, book_ttl, dirty, orphans, append, &expiry_empty,
+                             &next_expiry, out + n);
+        if (rc < 0) goto done;
+        if (rc == 0) break;
+    }
+    Py_ssize_t had = PyByteArray_GET_SIZE(codes);
+    if (PyByteArray_Resize(codes, had + n) < 0) goto done;
+    memcpy(PyByteArray_AS_STRING(codes) + had, out, (size_t)n);
+    result = Py_BuildValue("(nK)", n, now);
+done:
+    PyMem_Free(out);
+    Py_XDECREF(append);
+    PyBuffer_Release(&pkt);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"apply_fast", apply_fast, METH_VARARGS, "the audit's common cases from a packet's bytes (see the module)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_audit",
+                                    "A replica's books in C and the audit's common cases", -1, methods};
+
+PyMODINIT_FUNC PyInit__audit(void) {
+    if (PyType_Ready(&BookTableType) < 0) return NULL;
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL) return NULL;
+    if (PyModule_AddObjectRef(mod, "BookTable", (PyObject *)&BookTableType) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
+}

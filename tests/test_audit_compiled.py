@@ -1,0 +1,182 @@
+"""replicas/_audit.c against the pure audit: the compiled books behave as the pure ones, and a
+machine fed packets through the compiled common cases ends every packet in the very state the
+pure rules reach on the same messages (books, orphans, expiry queues, dirty ids, effects, alerts,
+digest); and where a C compiler exists it was built."""
+
+import random
+import shutil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import packet_of as packet
+
+from tape.ops.tradegen import TradeGenerator
+from tape.protocol import messages as M
+from tape.replicas import audit
+from tape.replicas.audit import AuditMachine, Books
+
+compiled = pytest.mark.skipif(audit.apply_fast is None, reason="built without a C compiler")
+ORIGIN = b"client1   "
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+def test_the_compiled_audit_was_built_where_a_compiler_exists():
+    assert audit.apply_fast is not None and AuditMachine().compiled
+
+
+def seqd(raw: bytes, stamp: int, cseq: int) -> tuple:
+    return M.decode(M.stamp(raw, stamp, ORIGIN, cseq))
+
+
+@st.composite
+def streams(draw):
+    """Every rule's case: fills, alerts, rejects, held purchases, expiries, control messages, ids at
+    both ends of u64 (few orders, so that they collide)."""
+    orders = draw(st.lists(st.sampled_from([1, 2, 3, 2**63, 2**64 - 1, 77]), min_size=1, max_size=5, unique=True))
+    stamp, out = 0, []
+    for i in range(draw(st.integers(1, 150))):
+        stamp += draw(st.sampled_from([0, 0, 1, 5, 30, 200]))
+        kind = draw(st.sampled_from("RPPPPPK"))
+        order, shares = draw(st.sampled_from(orders)), draw(st.sampled_from([-1, 0, 1, 10, 40, 100]))
+        client, stock = draw(st.sampled_from("AAAB")), draw(st.sampled_from("XXXY"))
+        if kind == "K":
+            out.append(M.decode(M.time_tick(stamp, ORIGIN)))
+        elif kind == "R":
+            out.append(seqd(M.purchase_request(order, shares, client, stock), stamp, i + 1))
+        else:
+            out.append(seqd(M.purchase(1000 + i, order, shares, client, stock), stamp, i + 1))
+    return out
+
+
+def state(m: AuditMachine) -> tuple:
+    return (dict(m.books.items()), m.orphans, list(m._book_expiry), list(m._orphan_expiry), set(m.dirty),
+            m.pending_effects, m.chain, m.rejects, m.alerts_raised, m.applied, m.last_seq, m.now_ns)
+
+
+@compiled
+@settings(max_examples=300, deadline=None)
+@given(streams(), st.lists(st.tuples(st.integers(1, 20), st.integers(0, 3)), min_size=1, max_size=12),
+       st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]))
+def test_packets_through_the_compiled_cases_end_as_the_pure_rules_do(stream, cuts, book_ttl, orphan_ttl):
+    pure = AuditMachine(book_ttl, orphan_ttl, compiled=False)
+    fast = AuditMachine(book_ttl, orphan_ttl, compiled=True)
+    pos, k = 0, 0
+    while pos < len(stream):
+        size, back = cuts[k % len(cuts)]
+        back = min(back, pos)  # the packet begins with messages already applied: delivered from `skip`
+        msgs = stream[pos - back:pos + size]
+        assert fast.apply_packet(pos + 1, packet(pos - back + 1, msgs), back) == pure.apply_run(pos + 1, msgs[back:])
+        assert state(fast) == state(pure) and fast.digest() == pure.digest()
+        pos, k = pos - back + len(msgs), k + 1
+
+
+@compiled
+@pytest.mark.parametrize("seed", range(2))
+def test_most_generated_trades_never_reach_the_python_rules(seed):
+    """The point of it: on the load generator's stream the Python rules see only the alerts."""
+    gen = TradeGenerator(seed, overfill_share=0.2)
+    msgs = [seqd(raw, 10**18 + i // 100, i + 1) for i, raw in enumerate(gen.take(20_000))]
+    pure, fast = AuditMachine(compiled=False), AuditMachine(compiled=True)
+    ruled = []
+    rules = fast._apply
+    fast._apply = lambda seq, ms, out: (ruled.append(seq), rules(seq, ms, out))
+    for first in range(0, len(msgs), 17):  # a 1,400-byte packet's worth each, folds crossed
+        chunk = msgs[first:first + 17]
+        assert fast.apply_packet(first + 1, packet(first + 1, chunk)) == pure.apply_run(first + 1, chunk)
+    assert state(fast) == state(pure) and fast.digest() == pure.digest()
+    assert 0 < len(ruled) == fast.alerts_raised < len(msgs) / 10
+
+
+@compiled
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3000), st.integers(-5, 5)), max_size=3000))
+def test_the_compiled_books_behave_as_a_dict(ops):
+    """Inserts and deletes past growth (1,024 slots at first) and clustered ids: a dict is the model."""
+    table, model = audit.BookTable(), Books()
+    for put, order_id, shares in ops:
+        order_id *= 1024  # ids that share home slots
+        if put:
+            book = [shares, shares * 2, b"C" * 16, b"S" * 8, order_id, shares > 0, 2**64 - 1]
+            table[order_id] = model[order_id] = book
+        elif order_id in model:
+            del table[order_id], model[order_id]
+        assert (order_id in table) == (order_id in model) and table.get(order_id) == model.get(order_id)
+    assert len(table) == len(model) and table == model and sorted(table) == sorted(model)
+    ids = sorted(model)[::2] + [2**64 - 1, 5]
+    assert table.packed(ids) == model.packed(ids)
+
+
+@compiled
+@pytest.mark.parametrize("seed", range(3))
+def test_the_compiled_books_stay_a_dict_through_many_deletes(seed):
+    """A dense table (runs of neighbours in the probe sequence) where deletes must move books back."""
+    rng, table, model = random.Random(seed), audit.BookTable(), Books()
+    for step in range(40_000):
+        order_id = rng.randrange(3000)
+        if rng.random() < 0.55:
+            table[order_id] = model[order_id] = [step, 0, b"C" * 16, b"S" * 8, 0, False, order_id]
+        elif order_id in model:
+            del table[order_id], model[order_id]
+        if step % 1000 == 0:
+            assert table == model
+    assert table == model and all(table[k] == v for k, v in model.items())
+
+
+def home(order_id: int, slots: int = 1024) -> int:
+    """The first slot _audit.c probes for an order id (a fresh table has 1,024)."""
+    run = (order_id >> 6) * 0x9E3779B97F4A7C15 % 2**64
+    return (((run ^ (run >> 29)) << 6 | order_id % 64) % 2**64) % slots
+
+
+@compiled
+def test_a_run_of_books_that_wraps_round_the_table_survives_deletes():
+    by_home = {slot: [i for i in range(300_000) if home(i) == slot][:2] for slot in (1022, 1023, 0)}
+    for ids in ([*by_home[1022][:1], *by_home[1023][:1], *by_home[0][:1]],  # each at its home
+                [*by_home[1022][:1], *by_home[1023]], [*by_home[1023], *by_home[0]],  # displaced
+                [*by_home[1022], *by_home[1023], *by_home[0]]):
+        for gone in ids:
+            table = audit.BookTable()
+            for order_id in ids:
+                table[order_id] = [order_id, 0, b"C" * 16, b"S" * 8, 0, False, 0]
+            del table[gone]
+            assert sorted(table) == sorted(set(ids) - {gone})
+            assert all(table.get(i) == [i, 0, b"C" * 16, b"S" * 8, 0, False, 0] for i in set(ids) - {gone})
+
+
+@compiled
+def test_the_compiled_books_refuse_what_a_book_cannot_hold():
+    table = audit.BookTable()
+    good = [1, 0, b"C" * 16, b"S" * 8, 0, False, 0]
+    for key, book, error in [(2**64, good, OverflowError), (-1, good, OverflowError), ("1", good, TypeError),
+                             (1, good[:6], ValueError), (1, [1, 0, b"C", b"S" * 8, 0, False, 0], ValueError),
+                             (1, [2**63, 0, b"C" * 16, b"S" * 8, 0, False, 0], OverflowError),
+                             (1, [1, 0, "C" * 16, b"S" * 8, 0, False, 0], TypeError)]:
+        with pytest.raises(error):
+            table[key] = book
+    assert len(table) == 0 and 2**64 not in table and table.get(-1) is None
+    with pytest.raises(KeyError):
+        del table[7]
+
+
+@compiled
+def test_a_packet_cut_short_is_refused_before_anything_changes():
+    m = AuditMachine(compiled=True)
+    pkt = packet(1, [seqd(M.purchase_request(1, 100, "A", "X"), 5, 1)] * 3)
+    with pytest.raises(ValueError):
+        audit.apply_fast(m.books, m._codes, m.dirty, m._book_expiry, m.orphans, 1, 0, 2**64 - 1, pkt[:-1], 0, 3, 1)
+    assert len(m.books) == 0 and not m.dirty and not m.pending_effects
+
+
+def test_both_kinds_replay_a_random_stream_to_the_same_digest():
+    """Without the compiled kind (no compiler) this still checks the pure path through packets."""
+    rng = random.Random(4)
+    msgs = [seqd(M.purchase_request(i, 50, "A", "X") if rng.random() < 0.3 else
+                 M.purchase(i, rng.randrange(1, i + 2), rng.choice([10, 30, 60]), "A", "X"), i, i + 1)
+            for i in range(1, 9000)]
+    machines = [AuditMachine(10**4, 10**3, compiled=False)] + \
+        ([AuditMachine(10**4, 10**3, compiled=True)] if audit.apply_fast else [])
+    for m in machines:
+        for first in range(0, len(msgs), 17):
+            m.apply_packet(first + 1, packet(first + 1, msgs[first:first + 17]))
+    assert len({m.digest() for m in machines}) == 1 and machines[0].rejects["orphan_expired"] > 0
