@@ -11,8 +11,9 @@
  *               without chasing seven objects each.
  *   apply_fast  applies messages index..end-1 of a packet while each is one
  *               of the cases AuditMachine._apply inlines (a purchase that
- *               fills an open book without crossing it, a request that opens
- *               a new book, a control message) and no expiry falls due;
+ *               fills an open book, raising its alert if it crosses it, a
+ *               request that opens a new book, a control message) and no
+ *               expiry falls due;
  *               returns how many it applied, leaving the next one to the
  *               Python rules. Effects, dirty ids and expiry entries are
  *               exactly those the Python records for the same messages:
@@ -295,7 +296,11 @@ static PyObject *table_packed(BookTable *t, PyObject *order_ids) {
         put_be64(rec + 40, b->opened_ns);
         rec[48] = b->alerted;
         put_be64(rec + 49, b->request_seq);
-        PyObject *pair = Py_BuildValue("(y#y#)", key, (Py_ssize_t)8, rec, (Py_ssize_t)RECORD_SIZE);
+        PyObject *k = PyBytes_FromStringAndSize((const char *)key, 8);
+        PyObject *v = PyBytes_FromStringAndSize((const char *)rec, RECORD_SIZE);
+        PyObject *pair = k == NULL || v == NULL ? NULL : PyTuple_Pack(2, k, v);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
         if (pair == NULL || PyList_Append(out, pair) < 0) {
             Py_XDECREF(pair);
             goto fail;
@@ -380,110 +385,171 @@ static PyTypeObject BookTableType = {
 
 /* --- the common cases, from a packet's bytes ------------------------------------------------ */
 
-static int mark_dirty(PyObject *dirty, uint64_t order_id) {
+#define AT_PURCHASE_ID 43
+#define ALERT_RECORD 88     /* audit.py _ALERT_RECORD: ">QQQQq16s8sqqQ" */
+
+typedef struct {  /* one apply_fast call's context */
+    BookTable *t;
+    PyObject *dirty, *orphans, *expiry_append, *alert_type, *alerts;
+    uint64_t book_ttl, next_expiry;
+    int expiry_empty;
+    char *effects;  /* the digest's effect bytes of what was applied, for `codes` */
+    size_t used, cap;
+} Run;
+
+static char *effect_space(Run *r, size_t n) {
+    if (r->used + n > r->cap) {
+        size_t cap = (r->used + n) * 2;
+        char *grown = PyMem_Realloc(r->effects, cap);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        r->effects = grown;
+        r->cap = cap;
+    }
+    char *at = r->effects + r->used;
+    r->used += n;
+    return at;
+}
+
+static int effect(Run *r, char code) {
+    char *at = effect_space(r, 1);
+    if (at != NULL) *at = code;
+    return at == NULL ? -1 : 0;
+}
+
+static int mark_dirty(Run *r, uint64_t order_id) {
     PyObject *id = PyLong_FromUnsignedLongLong(order_id);
     if (id == NULL) return -1;
-    int rc = PySet_Add(dirty, id);
+    int rc = PySet_Add(r->dirty, id);
     Py_DECREF(id);
     return rc;
 }
 
-static int expire_later(PyObject *append, uint64_t expires, uint64_t order_id, uint64_t seq) {
+static int expire_later(Run *r, uint64_t expires, uint64_t order_id, uint64_t seq) {
     PyObject *entry = Py_BuildValue("(KKK)", (unsigned long long)expires, (unsigned long long)order_id,
                                     (unsigned long long)seq);
     if (entry == NULL) return -1;
-    PyObject *r = PyObject_CallOneArg(append, entry);
+    PyObject *done = PyObject_CallOneArg(r->expiry_append, entry);
     Py_DECREF(entry);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
 }
 
-/* A request that opens a book (new, shares > 0, no held purchases) or a purchase that fills one
- * without crossing it; 1 if applied, 0 if the Python rules must take it, -1 on error. */
-static int apply_trade(BookTable *t, const unsigned char *m, uint64_t seq, uint64_t stamp, uint64_t book_ttl,
-                       PyObject *dirty, PyObject *orphans, PyObject *expiry_append, int *expiry_empty,
-                       uint64_t *next_expiry, char *code) {
+/* The purchase that first crosses its book: the Alert, and its effect ('A' + its record). */
+static int alert(Run *r, const Book *b, const unsigned char *m, uint64_t seq, uint64_t stamp) {
+    uint64_t purchase_id = get_be64(m + AT_PURCHASE_ID);
+    PyObject *a = PyObject_CallFunction(r->alert_type, "KKKKy#y#LLK", (unsigned long long)seq,
+                                        (unsigned long long)seq, (unsigned long long)purchase_id,
+                                        (unsigned long long)b->order_id, b->client, (Py_ssize_t)CLIENT_LEN,
+                                        b->stock, (Py_ssize_t)STOCK_LEN, (long long)b->requested,
+                                        (long long)b->cumulative, (unsigned long long)stamp);
+    int rc = a == NULL ? -1 : PyList_Append(r->alerts, a);
+    Py_XDECREF(a);
+    unsigned char *rec = rc < 0 ? NULL : (unsigned char *)effect_space(r, 1 + ALERT_RECORD);
+    if (rec == NULL) return -1;
+    rec[0] = 'A';
+    put_be64(rec + 1, seq);
+    put_be64(rec + 9, seq);
+    put_be64(rec + 17, purchase_id);
+    put_be64(rec + 25, b->order_id);
+    put_be64(rec + 33, (uint64_t)b->requested);
+    memcpy(rec + 41, b->client, CLIENT_LEN);
+    memcpy(rec + 57, b->stock, STOCK_LEN);
+    put_be64(rec + 65, (uint64_t)b->cumulative);
+    put_be64(rec + 73, stamp);
+    put_be64(rec + 81, 0);
+    return 0;
+}
+
+/* A purchase that fills its open book (crossing it or not); 1 if applied, 0 if the rules must take it
+ * (a reject or a hold), -1 on error. */
+static int purchase(Run *r, const unsigned char *m, uint64_t seq, uint64_t stamp) {
+    uint64_t order_id = get_be64(m + AT_ORDER);
+    int64_t shares = (int64_t)get_be64(m + AT_SHARES), total;
+    Book *b = find(r->t, order_id);
+    if (b == NULL || shares <= 0 || memcmp(b->client, m + AT_CLIENT, CLIENT_LEN) ||
+        memcmp(b->stock, m + AT_STOCK, STOCK_LEN) || __builtin_add_overflow(b->cumulative, shares, &total))
+        return 0;
+    int crosses = total > b->requested && !b->alerted;
+    if (crosses && stamp > INT64_MAX) return 0;  /* an alert's stamp is an i64: the rules refuse it */
+    if (mark_dirty(r, order_id) < 0) return -1;
+    b->cumulative = total;
+    if (!crosses) return effect(r, 'F') < 0 ? -1 : 1;
+    b->alerted = 1;
+    return alert(r, b, m, seq, stamp) < 0 ? -1 : 1;
+}
+
+/* A request that opens a new book (shares > 0, no purchases held for it); 1, 0 or -1 as above. */
+static int request(Run *r, const unsigned char *m, uint64_t seq, uint64_t stamp) {
     uint64_t order_id = get_be64(m + AT_ORDER);
     int64_t shares = (int64_t)get_be64(m + AT_SHARES);
-    Book *b = find(t, order_id);
-    if (m[2] == PURCHASE) {
-        int64_t total;
-        if (b == NULL || shares <= 0 || memcmp(b->client, m + AT_CLIENT, CLIENT_LEN) ||
-            memcmp(b->stock, m + AT_STOCK, STOCK_LEN) || __builtin_add_overflow(b->cumulative, shares, &total) ||
-            (total > b->requested && !b->alerted)) return 0;  /* a reject, a hold or an alert */
-        if (mark_dirty(dirty, order_id) < 0) return -1;
-        b->cumulative = total;
-        *code = 'F';
-        return 1;
-    }
-    if (b != NULL || shares <= 0 || stamp > UINT64_MAX - book_ttl) return 0;
-    if (PyDict_GET_SIZE(orphans)) {  /* purchases held for some order: is it this one? */
+    if (shares <= 0 || stamp > UINT64_MAX - r->book_ttl || find(r->t, order_id) != NULL) return 0;
+    if (PyDict_GET_SIZE(r->orphans)) {  /* purchases held for some order: is it this one? */
         PyObject *id = PyLong_FromUnsignedLongLong(order_id);
-        int held = id == NULL ? -1 : PyDict_Contains(orphans, id);
+        int held = id == NULL ? -1 : PyDict_Contains(r->orphans, id);
         Py_XDECREF(id);
         if (held) return held < 0 ? -1 : 0;
     }
-    if (mark_dirty(dirty, order_id) < 0 || expire_later(expiry_append, stamp + book_ttl, order_id, seq) < 0 ||
-        (b = insert(t, order_id)) == NULL) return -1;
+    Book *b;
+    if (mark_dirty(r, order_id) < 0 || expire_later(r, stamp + r->book_ttl, order_id, seq) < 0 ||
+        (b = insert(r->t, order_id)) == NULL) return -1;
     b->requested = shares;
     b->opened_ns = stamp;
     b->request_seq = seq;
     memcpy(b->client, m + AT_CLIENT, CLIENT_LEN);
     memcpy(b->stock, m + AT_STOCK, STOCK_LEN);
-    if (*expiry_empty && stamp + book_ttl < *next_expiry) *next_expiry = stamp + book_ttl;
-    *expiry_empty = 0;
-    *code = 'O';
-    return 1;
+    if (r->expiry_empty && stamp + r->book_ttl < r->next_expiry) r->next_expiry = stamp + r->book_ttl;
+    r->expiry_empty = 0;
+    return effect(r, 'O') < 0 ? -1 : 1;
 }
 
-/* apply_fast(books, codes, dirty, book_expiry, orphans, book_ttl, now, next_expiry, packet, index,
- *            end, seq) -> (applied, now) */
+/* apply_fast(books, codes, dirty, book_expiry, orphans, book_ttl, now, next_expiry, packet, index, end,
+ *            seq, alert_type, alerts) -> (applied, now): alerts raised are appended to `alerts`. */
 static PyObject *apply_fast(PyObject *self, PyObject *args) {
-    BookTable *t;
-    PyObject *codes, *dirty, *expiry, *orphans;
+    Run r = {0};
+    PyObject *codes, *expiry;
     unsigned long long book_ttl, now, next_due, seq;
     Py_buffer pkt;
-    Py_ssize_t index, end;
-    if (!PyArg_ParseTuple(args, "O!YO!OO!KKKy*nnK:apply_fast", &BookTableType, &t, &codes, &PySet_Type, &dirty,
-                          &expiry, &PyDict_Type, &orphans, &book_ttl, &now, &next_due, &pkt, &index, &end, &seq))
+    Py_ssize_t index, end, n = 0;
+    if (!PyArg_ParseTuple(args, "O!YO!OO!KKKy*nnKOO!:apply_fast", &BookTableType, &r.t, &codes, &PySet_Type,
+                          &r.dirty, &expiry, &PyDict_Type, &r.orphans, &book_ttl, &now, &next_due, &pkt, &index,
+                          &end, &seq, &r.alert_type, &PyList_Type, &r.alerts))
         return NULL;
-    uint64_t next_expiry = next_due;
-    PyObject *result = NULL, *append = NULL;
-    char *out = NULL;
-    Py_ssize_t n = 0;
+    r.book_ttl = book_ttl;
+    r.next_expiry = next_due;
+    PyObject *result = NULL;
     if (index < 0 || end < index || HEADER_SIZE + end * BLOCK_SIZE > pkt.len) {
         PyErr_SetString(PyExc_ValueError, "message range outside the packet");
         goto done;
     }
     Py_ssize_t queued = PyObject_Size(expiry);
-    append = PyObject_GetAttrString(expiry, "append");
-    out = PyMem_Malloc((size_t)(end - index) + 1);
-    if (queued < 0 || append == NULL || out == NULL) goto done;
-    int expiry_empty = queued == 0;
+    r.expiry_append = PyObject_GetAttrString(expiry, "append");
+    if (queued < 0 || r.expiry_append == NULL || effect_space(&r, (size_t)(end - index) + 64) == NULL) goto done;
+    r.used = 0;
+    r.expiry_empty = queued == 0;
     const unsigned char *p = (const unsigned char *)pkt.buf + HEADER_SIZE;
     for (; index + n < end; n++) {
         const unsigned char *m = p + (index + n) * BLOCK_SIZE;
         uint64_t stamp = get_be64(m + AT_STAMP);
         if (stamp > now) {
-            if (next_expiry <= stamp) break;  /* an expiry falls due at this message */
+            if (r.next_expiry <= stamp) break;  /* an expiry falls due at this message */
             now = stamp;
         }
-        if (m[2] != PURCHASE && m[2] != REQUEST) {
-            out[n] = 'C';  /* control: term start, time tick, seal, session end */
-            continue;
-        }
-        int rc = apply_trade(t, m, seq + (uint64_t)n, stamp, book_ttl, dirty, orphans, append, &expiry_empty,
-                             &next_expiry, out + n);
+        int rc = m[2] == PURCHASE ? purchase(&r, m, seq + (uint64_t)n, stamp)
+               : m[2] == REQUEST ? request(&r, m, seq + (uint64_t)n, stamp)
+               : effect(&r, 'C') < 0 ? -1 : 1;  /* control: term start, time tick, seal, session end */
         if (rc < 0) goto done;
         if (rc == 0) break;
     }
     Py_ssize_t had = PyByteArray_GET_SIZE(codes);
-    if (PyByteArray_Resize(codes, had + n) < 0) goto done;
-    memcpy(PyByteArray_AS_STRING(codes) + had, out, (size_t)n);
+    if (PyByteArray_Resize(codes, had + (Py_ssize_t)r.used) < 0) goto done;
+    memcpy(PyByteArray_AS_STRING(codes) + had, r.effects, r.used);
     result = Py_BuildValue("(nK)", n, now);
 done:
-    PyMem_Free(out);
-    Py_XDECREF(append);
+    PyMem_Free(r.effects);
+    Py_XDECREF(r.expiry_append);
     PyBuffer_Release(&pkt);
     return result;
 }

@@ -196,11 +196,13 @@ class AuditMachine:
             seq = self.last_seq + 1  # runs end at fold points, where the digest chain folds
             end = min(total, index + DIGEST_BLOCK - (seq - 1) % DIGEST_BLOCK)
             while index < end:
+                raised = len(out)
                 done, self.now_ns = apply_fast(self.books, self._codes, self.dirty, self._book_expiry, self.orphans,
                                                self.book_ttl_ns, self.now_ns, self._next_expiry(), packet, index,
-                                               end, seq)
+                                               end, seq, Alert, out)
                 index, seq = index + done, seq + done
                 self.last_seq, self.applied = seq - 1, self.applied + done
+                self.alerts_raised += len(out) - raised
                 if index < end:  # not a common case: the rules
                     self._apply(seq, [messages.decode_delivered_one(packet, index)], out)
                     index, seq = index + 1, seq + 1

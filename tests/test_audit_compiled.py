@@ -73,8 +73,9 @@ def test_packets_through_the_compiled_cases_end_as_the_pure_rules_do(stream, cut
 
 @compiled
 @pytest.mark.parametrize("seed", range(2))
-def test_most_generated_trades_never_reach_the_python_rules(seed):
-    """The point of it: on the load generator's stream the Python rules see only the alerts."""
+def test_generated_trades_never_reach_the_python_rules(seed):
+    """The point of it: on the load generator's stream (which never breaks a rule) the Python rules
+    see nothing, alerts included."""
     gen = TradeGenerator(seed, overfill_share=0.2)
     msgs = [seqd(raw, 10**18 + i // 100, i + 1) for i, raw in enumerate(gen.take(20_000))]
     pure, fast = AuditMachine(compiled=False), AuditMachine(compiled=True)
@@ -85,7 +86,7 @@ def test_most_generated_trades_never_reach_the_python_rules(seed):
         chunk = msgs[first:first + 17]
         assert fast.apply_packet(first + 1, packet(first + 1, chunk)) == pure.apply_run(first + 1, chunk)
     assert state(fast) == state(pure) and fast.digest() == pure.digest()
-    assert 0 < len(ruled) == fast.alerts_raised < len(msgs) / 10
+    assert fast.alerts_raised > 100 and ruled == []
 
 
 @compiled
@@ -164,7 +165,8 @@ def test_a_packet_cut_short_is_refused_before_anything_changes():
     m = AuditMachine(compiled=True)
     pkt = packet(1, [seqd(M.purchase_request(1, 100, "A", "X"), 5, 1)] * 3)
     with pytest.raises(ValueError):
-        audit.apply_fast(m.books, m._codes, m.dirty, m._book_expiry, m.orphans, 1, 0, 2**64 - 1, pkt[:-1], 0, 3, 1)
+        audit.apply_fast(m.books, m._codes, m.dirty, m._book_expiry, m.orphans, 1, 0, 2**64 - 1, pkt[:-1], 0, 3, 1,
+                         audit.Alert, [])
     assert len(m.books) == 0 and not m.dirty and not m.pending_effects
 
 
