@@ -22,6 +22,10 @@ GAPFILL_MAX_HOSTS = 10_000  # hosts whose buckets are remembered (the least rece
 # The emitter's quorum delivery: alerts held awaiting a quorum (a replica that would exceed it is
 # refused until it reconnects), about 100 bytes each.
 MAX_PENDING_ALERTS = 100_000
+# The emitter judges a replica's copy of a recorded alert against the bytes it recorded: the newest
+# this many are kept in memory too (~100 bytes each), so that copies arriving close behind the
+# first need no LMDB read.
+RECENT_ALERTS = 65_536
 
 # --- the leader's batches ----------------------------------------------------------------
 # A batch is one journal append and one replication frame: the leader cuts a drain

@@ -22,6 +22,7 @@ at that point of its N-th batch.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import alertlink
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import CONTROL_READ
+from tape.protocol.limits import CONTROL_READ, RECENT_ALERTS
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit import Alert
 from tape.replicas.emitter_core import (
@@ -56,6 +57,13 @@ class IntentNotRecorded(Exception):
 
 
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
+
+
+def keep_newest(recent: dict[int, bytes], records: list[tuple[int, bytes]], limit: int) -> None:
+    """Add (emit seq, bytes) records, in rising emit seq, and forget the oldest beyond `limit`."""
+    recent.update(records)
+    for seq in list(itertools.islice(recent, max(0, len(recent) - limit))):  # insertion order: the oldest first
+        del recent[seq]
 
 
 class Emitter(NodeProcess):
@@ -84,6 +92,7 @@ class Emitter(NodeProcess):
         self.record_failures = 0
         self.refusal_log = RateLimitedLog(log)
         self.by_replica: dict[bytes, asyncio.StreamWriter] = {}  # its latest connection: where a rebuild order goes
+        self.recent: dict[int, bytes] = {}  # emit seq -> the bytes recorded, the newest RECENT_ALERTS
 
     @property
     def mark(self) -> int:
@@ -234,15 +243,17 @@ class Emitter(NodeProcess):
     async def _carry_out(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, RecordIntent):
+                records = [(a.emit_seq, a.encode()) for a in action.alerts]
                 try:
                     with self.env.begin(write=True) as txn:
-                        for a in action.alerts:
-                            txn.put(a.emit_seq.to_bytes(8, "big"), a.encode(), db=self.outbox)
+                        for seq, raw in records:
+                            txn.put(seq.to_bytes(8, "big"), raw, db=self.outbox)
                         txn.put(b"mark", action.alerts[-1].emit_seq.to_bytes(8, "big"), db=self.meta)
                 except lmdb.Error as e:
                     self.core.on_intent_failed(action.alerts)
                     self.record_failures += 1
                     raise IntentNotRecorded(str(e)) from None
+                keep_newest(self.recent, records, RECENT_ALERTS)  # done moves the same bytes: copies are judged by them
             elif isinstance(action, DeliverAlerts):
                 records = [a.to_dict(self.cfg.session) for a in action.alerts]
                 await asyncio.to_thread(self._deliver_all, records)
@@ -293,11 +304,13 @@ class Emitter(NodeProcess):
                       "the outbox, in doubt at the next start", alerts[0].emit_seq, alerts[-1].emit_seq, e)
 
     def _judge(self, a: Alert) -> None:
-        key = a.emit_seq.to_bytes(8, "big")
-        with self.env.begin() as txn:
-            recorded = txn.get(key, db=self.delivered_db)
-            if recorded is None:
-                recorded = txn.get(key, db=self.outbox)
+        recorded = self.recent.get(a.emit_seq)
+        if recorded is None:  # older than the recent ones, or recorded before this process started
+            key = a.emit_seq.to_bytes(8, "big")
+            with self.env.begin() as txn:
+                recorded = txn.get(key, db=self.delivered_db)
+                if recorded is None:
+                    recorded = txn.get(key, db=self.outbox)
         if not self.core.judge_copy(a, recorded):
             what = "was raised by no other replica" if recorded is None else "differs from the one delivered"
             log.error("DIVERGENCE: alert at emit seq %d %s: %s", a.emit_seq, what, a)

@@ -16,6 +16,7 @@ from tape.ops.config import load
 from tape.ops.local import LocalCluster
 from tape.protocol import alertlink
 from tape.replicas.audit import Alert
+from tape.replicas.emitter import keep_newest
 from tape.replicas.sinks import JsonLinesSink, WebhookSink
 
 
@@ -259,3 +260,11 @@ def test_a_compromised_replica_forges_an_alert_only_under_first_delivery(tmp_pat
             assert "reached no quorum" in cluster.logs["emitter"].read_text()
     finally:
         cluster.close()
+
+
+def test_the_emitter_keeps_the_newest_recorded_alerts_within_its_limit():
+    recent: dict[int, bytes] = {}
+    for first in range(1, 100, 7):
+        keep_newest(recent, [(seq, b"%d" % seq) for seq in range(first, first + 7)], 20)
+        assert len(recent) <= 20 and max(recent) == first + 6
+    assert list(recent) == list(range(86, 106)) and recent[105] == b"105"
