@@ -12,6 +12,8 @@
  *                      sequenced messages (protocol/messages.py)
  *   stamp_run          a client's inbound messages stamped (messages.py)
  *   invalid_inbound    what the ingress checks reject (messages.py)
+ *   verify_sealed      a stream packet's seal checked, its keyed BLAKE2b tag
+ *                      recomputed (protocol/streamauth.py)
  *   records_sum        a replica snapshot's checksum share of many records
  *                      (replicas/snapshot.py): the sum mod 2^128 of each
  *                      record's BLAKE2b-128 (RFC 7693, unkeyed), read as a
@@ -274,9 +276,15 @@ static const uint8_t B2_SIGMA[12][16] = {
 static uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
 
 static uint64_t load_le64(const unsigned char *p) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t v;
+    memcpy(&v, p, 8);  /* one load */
+    return v;
+#else
     uint64_t v = 0;
     for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
     return v;
+#endif
 }
 
 #define B2_G(a, b, c, d, x, y)                 \
@@ -308,28 +316,93 @@ static void b2_compress(uint64_t h[8], const unsigned char *block, uint64_t t, i
     for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
 }
 
-/* BLAKE2b with an `outlen`-byte digest of the concatenation of `nparts` byte strings. */
-static void blake2b_parts(unsigned char *out, size_t outlen, int nparts, const unsigned char **part,
-                          const size_t *len) {
+/* BLAKE2b with an `outlen`-byte digest of the concatenation of `nparts` byte strings, keyed with
+ * `key` (keylen 1..64) or unkeyed (keylen 0): a key is a zero-padded first block (RFC 7693, 3.3). */
+static void blake2b_keyed_parts(unsigned char *out, size_t outlen, const unsigned char *key, size_t keylen,
+                                int nparts, const unsigned char **part, const size_t *len) {
     uint64_t h[8];
     unsigned char block[128];
     size_t fill = 0;
     uint64_t t = 0;
     for (int i = 0; i < 8; i++) h[i] = B2_IV[i];
-    h[0] ^= 0x01010000ULL ^ outlen;
+    h[0] ^= 0x01010000ULL ^ (keylen << 8) ^ outlen;
+    if (keylen) {
+        memset(block, 0, 128);
+        memcpy(block, key, keylen);
+        fill = 128;
+    }
     for (int p = 0; p < nparts; p++) {
-        for (size_t i = 0; i < len[p]; i++) {
+        const unsigned char *in = part[p];
+        size_t left = len[p];
+        while (left) {
             if (fill == 128) {  /* a full block is compressed only once more input follows it */
                 t += 128;
                 b2_compress(h, block, t, 0);
                 fill = 0;
             }
-            block[fill++] = part[p][i];
+            size_t n = left < 128 - fill ? left : 128 - fill;
+            memcpy(block + fill, in, n);
+            fill += n, in += n, left -= n;
         }
     }
     memset(block + fill, 0, 128 - fill);
     b2_compress(h, block, t + fill, 1);
     for (size_t i = 0; i < outlen; i++) out[i] = (unsigned char)(h[i / 8] >> (8 * (i % 8)));
+}
+
+static void blake2b_parts(unsigned char *out, size_t outlen, int nparts, const unsigned char **part,
+                          const size_t *len) {
+    blake2b_keyed_parts(out, outlen, NULL, 0, nparts, part, len);
+}
+
+/* --- the stream's seals (protocol/streamauth.py StreamKeys.verify_pure) ------------------- */
+
+#define SEALED_BLOCK 77     /* u16 length + a 75-byte sequenced message */
+#define SEAL_SIZE 75
+#define SEAL_AT_TAG 17      /* inside the seal: 'A' | first seq u64 | entries i64 | tag 16 | key id 8 | ... */
+#define SEAL_AT_KEY_ID 33
+#define TAG_SIZE 16
+#define AUTH_TYPE 'A'
+
+/* verify_sealed(packet, keys_by_id) -> None, or why not: "unsealed", "unknown_key", "bad_tag". */
+static PyObject *verify_sealed(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "y*O!:verify_sealed", &data, &PyDict_Type, &keys)) return NULL;
+    const unsigned char *p = data.buf;
+    Py_ssize_t n = data.len;
+    const char *why = "unsealed";
+    PyObject *key = NULL;
+    if (n < 20 + SEALED_BLOCK) goto done;
+    uint64_t seq = get_u64(p + 10), count = (uint64_t)(p[18] << 8 | p[19]);
+    const unsigned char *seal = p + n - SEAL_SIZE;
+    if ((uint64_t)n != 20 + count * SEALED_BLOCK || seal[0] != AUTH_TYPE || get_u64(seal + 1) != seq ||
+        get_u64(seal + 9) != count - 1) goto done;
+    PyObject *id = PyBytes_FromStringAndSize((const char *)seal + SEAL_AT_KEY_ID, 8);
+    if (id == NULL) { PyBuffer_Release(&data); return NULL; }
+    key = PyDict_GetItemWithError(keys, id);  /* borrowed */
+    Py_DECREF(id);
+    if (key == NULL && PyErr_Occurred()) { PyBuffer_Release(&data); return NULL; }
+    why = "unknown_key";
+    if (key == NULL) goto done;
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) > 64) {  /* as hashlib.blake2b refuses it */
+        PyErr_SetString(PyExc_ValueError, "a stream key is bytes of at most 64");
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    static const unsigned char zero[TAG_SIZE];
+    size_t at = (size_t)(seal - p) + SEAL_AT_TAG;
+    const unsigned char *part[3] = {p, zero, p + at + TAG_SIZE};
+    size_t len[3] = {at, TAG_SIZE, (size_t)n - at - TAG_SIZE};
+    unsigned char tag[TAG_SIZE], diff = 0;
+    blake2b_keyed_parts(tag, TAG_SIZE, (const unsigned char *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
+                        3, part, len);
+    for (int i = 0; i < TAG_SIZE; i++) diff |= tag[i] ^ p[at + i];  /* in constant time */
+    why = diff ? "bad_tag" : NULL;
+done:
+    PyBuffer_Release(&data);
+    if (why == NULL) Py_RETURN_NONE;
+    return PyUnicode_InternFromString(why);
 }
 
 static PyObject *records_sum(PyObject *self, PyObject *args) {
@@ -366,6 +439,8 @@ static PyObject *records_sum(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"verify_sealed", verify_sealed, METH_VARARGS,
+     "None if a packet is one whole sealed range whose tag verifies, else why (protocol/streamauth.py)."},
     {"records_sum", records_sum, METH_VARARGS,
      "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
     {"invalid_inbound", invalid_inbound, METH_VARARGS, "What ingress rejects (protocol/messages.py)."},

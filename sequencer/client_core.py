@@ -37,7 +37,6 @@ from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import MAX_RETRY_MS, RESENDS_PER_ROUND
 
 MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
-_REJECT_MARK = messages.BLOCK_PREFIX + bytes((messages.REJECTED,))  # a block of type 'J' starts so
 
 
 class Unacked:
@@ -122,7 +121,7 @@ class ClientCore:
         """Messages skip.. of an in-order packet of the stream; True if they acknowledged something."""
         start = moldudp64.HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
         top = messages.client_seq_maxima(memoryview(packet)[start:], 2).get(self.origin, 0)
-        if _REJECT_MARK in packet:  # rare: some block is a reject; is it one of ours?
+        if messages.REJECTED in packet[start + 2::messages.SEQUENCED_BLOCK_SIZE]:  # rare: a reject; one of ours?
             self._note_rejects(packet, skip)
         if top <= self.acked:
             return False

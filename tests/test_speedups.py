@@ -143,3 +143,35 @@ def test_a_records_sum_is_blake2b_128_of_prefix_and_record():
     for bad in (["text"], [(b"k", "text")], [(b"k",)]):
         with pytest.raises((TypeError, ValueError)):
             snapshot.records_sum(b"books:", bad)
+
+
+STREAM_KEYS = [b"k" * 32, bytes(range(64)), b""]  # a usual key, the longest, none (BLAKE2b unkeyed)
+
+
+@compiled
+@given(st.integers(0, 40), st.sampled_from(STREAM_KEYS), st.sampled_from(STREAM_KEYS),
+       st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), max_size=3), st.integers(0, 3))
+def test_c_and_pure_verify_stream_seals_alike(entries, signer, verifier, flips, cut):
+    """Real sealed packets, signed with one key and checked against another, with bytes flipped
+    (header, entries, seal, tag) and tails cut: the same verdict from C and Python."""
+    from tape.protocol.streamauth import StreamKeys
+
+    msgs = [M.stamp(M.purchase(i, i, 5, "A", "X"), 7, b"load0     ", i + 1) for i in range(entries)]
+    _, pkt = StreamKeys([signer]).seal_packet(b"S         ", 9, msgs, 7, b"seq-a     ")
+    data = bytearray(pkt[:len(pkt) - cut])
+    for at, value in flips:
+        if data:
+            data[at % len(data)] = value
+    keys = StreamKeys([verifier])
+    assert keys.verify(bytes(data)) == keys.verify_pure(bytes(data))
+    if not flips and not cut:
+        assert keys.verify(pkt) == (None if signer == verifier else "unknown_key")
+
+
+@compiled
+@given(st.binary(max_size=300))
+def test_c_and_pure_refuse_random_datagrams_alike(data):
+    from tape.protocol.streamauth import StreamKeys
+
+    keys = StreamKeys([b"k" * 32])
+    assert keys.verify(data) == keys.verify_pure(data) is not None
