@@ -267,7 +267,8 @@ def _text(raw: bytes) -> str:
         return raw.hex()
 
 
-ORIGIN_AT = struct.calcsize(">BQq16s8sQQ")  # 57: where a sequenced message's origin starts
+STAMP_AT = struct.calcsize(">BQq16s8sQ")  # 49: where a sequenced message's stamp starts
+ORIGIN_AT = STAMP_AT + 8  # 57: where its origin starts
 CLIENT_SEQ_AT = ORIGIN_AT + 10  # 67
 _CLIENT_SEQ_TYPES = bytes(CLIENT_SEQ_TYPES)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import struct
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from tape.replicas.snapshot import move_aside, open_verified
 
 log = logging.getLogger("tape.replica")
 TRADE_TYPES = bytes((messages.REQUEST, messages.PURCHASE))
+BLOCK_STAMP = struct.Struct(f">{2 + messages.STAMP_AT}xQ")  # a block's stamp, alone
 ALERT_SIZE = len(Alert(0, 0, 0, 0, b" " * 16, b" " * 8, 0, 0, 0).encode())
 
 
@@ -164,11 +166,12 @@ class Replica(NodeProcess):
     def _note_latency(self, pkt: bytes, skip: int) -> None:
         """Stamp to applied, once a packet: its messages were stamped together (one drain of the
         leader's inbound socket), so the first trade's lag stands for every trade in it."""
-        kinds = pkt[HEADER_SIZE + 2 + skip * messages.SEQUENCED_BLOCK_SIZE::messages.SEQUENCED_BLOCK_SIZE]
+        start = HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
+        kinds = pkt[start + 2::messages.SEQUENCED_BLOCK_SIZE]
         trades = len(kinds) - len(kinds.translate(None, TRADE_TYPES))
         if trades:
-            first = skip + next(i for i, kind in enumerate(kinds) if kind in TRADE_TYPES)
-            lag = time.time_ns() - messages.decode_delivered_one(pkt, first)[messages.STAMP]
+            first = 0 if kinds[0] in TRADE_TYPES else next(i for i, kind in enumerate(kinds) if kind in TRADE_TYPES)
+            lag = time.time_ns() - BLOCK_STAMP.unpack_from(pkt, start + first * messages.SEQUENCED_BLOCK_SIZE)[0]
             self.latency.add(lag, trades)
             self.latency_histogram.observe(lag)
 
