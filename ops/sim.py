@@ -373,8 +373,8 @@ class Voter:
                 now = self.clock()
                 self.leader.on_inbound(msg[1], now, src)  # bad input comes back as a reason: counted, dropped
                 self.leader.note_drain(self.sim.now >= self.sim.busy.get(self.name, 0), now)
-                for client, data in self.leader.take_backoffs():
-                    self.sim.send(self.name, client, ("backoff", data))
+                for client, data in self.leader.take_advice():
+                    self.sim.send(self.name, client, ("advice", data))
                 batch = self.leader.flush(self.clock())
                 if batch is not None:
                     self.process(batch)
@@ -447,8 +447,10 @@ class Listener:
             self.replica.on_ack(msg[1])
         elif msg[0] == "link_lost":
             self.replica.on_link_lost()
-        elif msg[0] == "backoff" and self.client is not None:
-            self.client.on_backoff(msg[1], self.sim.now, src in SEQUENCERS)
+        elif msg[0] == "advice" and self.client is not None:
+            if self.client.on_advice(msg[1], self.sim.now, src in SEQUENCERS) is None:
+                for data in self.client.on_timer(self.sim.now):  # a resend asked for: now
+                    self.submit(data)
         if msg[0] != "packet":
             return
         actions = self.core.on_datagram(msg[1])
@@ -745,7 +747,7 @@ class Sim:
                              SESSION + b"\x00" * 8 + b"\x00\x05" + b"junk"):
                     self.send("mallory", dst, ("packet", blob) if dst in self.listeners else ("inbound", blob))
             for name in CLIENTS:  # a back-off from elsewhere than a sequencer: dropped
-                self.send("mallory", name, ("backoff", backoff.encode(wire(name), 1 << 40, 1, 65_535, None)))
+                self.send("mallory", name, ("advice", backoff.encode(wire(name), 1 << 40, 1, 65_535, None)))
             for name, listener in self.listeners.items():  # well-formed forgeries at the seqs it needs next
                 for pkt in self.forgeries(listener.core.receiver.next_seq):
                     self.send("mallory", name, ("packet", pkt))

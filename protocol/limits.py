@@ -40,6 +40,11 @@ MAX_HELD_BATCHES = 4096  # per client: batches held that arrived ahead of a lost
 OVERLOAD_NS = 50_000_000  # the inbound socket not emptied by any drain this long: overloaded
 BACKOFF_INTERVAL_NS = 100_000_000  # one back-off per client at most this often
 BACKOFF_RETRY_MS = 50  # the pause a back-off asks for
+# A batch ahead of a lost one: the leader asks its client to resend the missing one at once, again
+# for the same one at most this often; a client resends a batch asked for only if it did not send
+# it in the last RESEND_ASK_FLOOR_NS (a replayed request costs one duplicate batch at most).
+RESEND_ASK_INTERVAL_NS = 10_000_000
+RESEND_ASK_FLOOR_NS = 5_000_000
 MAX_RETRY_MS = 1_000  # the longest pause a client honours, whatever a back-off says
 
 # --- TCP reads and frames ----------------------------------------------------------------

@@ -60,7 +60,7 @@ class Client:
         self.sock, _ = udp_socket("127.0.0.1" if self.interface.startswith("127.") else "0.0.0.0")
         if self._own_listener:
             self.listener.start()
-        asyncio.get_running_loop().add_reader(self.sock, self._on_backoff)
+        asyncio.get_running_loop().add_reader(self.sock, self._on_advice)
         self._task = asyncio.create_task(self._resend_loop())
 
     async def close(self) -> None:
@@ -82,14 +82,18 @@ class Client:
             self._send(data)
         return self.core.next_cseq - 1
 
-    def _on_backoff(self) -> None:
+    def _on_advice(self) -> None:
         for _ in range(DRAIN_DATAGRAMS):
             try:
                 data, source = self.sock.recvfrom(DATAGRAM_BUFFER)
             except (BlockingIOError, OSError):
                 return
-            reason = self.core.on_backoff(data, time.monotonic_ns(), source in self._leaders)
-            if reason is not None:
+            now = time.monotonic_ns()
+            reason = self.core.on_advice(data, now, source in self._leaders)
+            if reason is None:  # (a resend request made a batch due now)
+                for datagram in self.core.on_timer(now):
+                    self._send(datagram)
+            elif reason != "sent_recently":
                 self.badlog.warn(reason, "dropped a datagram of %d bytes from %s:%d: %s", len(data), *source, reason)
 
     def _send(self, data: bytes) -> None:

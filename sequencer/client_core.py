@@ -14,10 +14,13 @@ outbox, or, like `tape load`, regenerated from its seed); `resume(acked)`
 goes on after the last one it found sequenced in the stream, so that it
 does not send again what is already in the log.
 
-Back-off: an overloaded leader answers a batch with a back-off
-(protocol/backoff.py); `on_backoff` honours one that names a batch in
-flight, newer than any it honoured, and pauses new batches and resends for
-its retry-after (at most MAX_RETRY_MS).
+Advice from the leader (protocol/backoff.py), read by `on_advice`: a
+back-off (the leader is overloaded) is honoured if it names a batch in
+flight, newer than any it honoured: new batches and resends pause for its
+retry-after (at most MAX_RETRY_MS). A resend request (the leader holds a
+batch ahead of one it never got) makes the batch holding that client seq
+due at once, unless it was sent in the last RESEND_ASK_FLOOR_NS; the shell
+then sends what `on_timer` returns.
 
 Resend policy: at most RESENDS_PER_ROUND batches per call, the oldest
 first. The oldest one blocks everything behind it (the leader holds what
@@ -34,7 +37,7 @@ from collections import deque
 
 from tape.protocol import backoff, messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import MAX_RETRY_MS, RESENDS_PER_ROUND
+from tape.protocol.limits import MAX_RETRY_MS, RESEND_ASK_FLOOR_NS, RESENDS_PER_ROUND
 
 MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
 
@@ -42,11 +45,12 @@ MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
 class Unacked:
     """An inbound batch sent and not yet seen sequenced."""
 
-    __slots__ = ("first_cseq", "count", "datagram", "sent_ns", "due_ns", "resends")
+    __slots__ = ("first_cseq", "count", "datagram", "sent_ns", "last_sent_ns", "due_ns", "resends")
 
     def __init__(self, first_cseq: int, count: int, datagram: bytes, now_ns: int, timeout_ns: int):
         self.first_cseq, self.count, self.datagram = first_cseq, count, datagram
-        self.sent_ns, self.due_ns, self.resends = now_ns, now_ns + timeout_ns, 0
+        self.sent_ns = self.last_sent_ns = now_ns
+        self.due_ns, self.resends = now_ns + timeout_ns, 0
 
     @property
     def last_cseq(self) -> int:
@@ -86,6 +90,7 @@ class ClientCore:
         self.paused_until_ns = 0  # told to back off until then
         self.backed_off_seq = 0  # the newest batch (first client seq) a back-off named
         self.backoffs = 0  # back-offs honoured
+        self.resends_asked = 0  # resend requests honoured
         self.paused_ns = 0  # time paused by them, in all
         self.backoff_drops: dict[str, int] = {}
 
@@ -140,9 +145,9 @@ class ClientCore:
                 code, reasons = m[messages.SHARES], messages.INGRESS_REJECTS
                 self.rejected.append((m[messages.CLIENT_SEQ], reasons[code - 1] if 0 < code <= len(reasons) else "?"))
 
-    def on_backoff(self, data: bytes, now_ns: int, from_sequencer: bool = True) -> str | None:
+    def on_advice(self, data: bytes, now_ns: int, from_sequencer: bool = True) -> str | None:
         """A datagram on the send socket, from a sequencer's inbound address or not: returns
-        the drop reason, or None if honoured as a back-off."""
+        the drop reason, or None if honoured (a back-off, or a resend request)."""
         if not from_sequencer:
             return self._drop_backoff("not_a_sequencer")
         try:
@@ -151,6 +156,8 @@ class ClientCore:
             return self._drop_backoff(e.reason)
         if b.client != self.origin:
             return self._drop_backoff("wrong_client")
+        if isinstance(b, backoff.Resend):
+            return self._resend_asked(b.client_seq, now_ns)
         if not self.acked < b.client_seq < self.next_cseq or b.client_seq <= self.backed_off_seq:
             return self._drop_backoff("stale")  # not in flight, or named before: a replay asks for nothing
         self.backed_off_seq = b.client_seq
@@ -160,6 +167,19 @@ class ClientCore:
             self.paused_until_ns = until
         self.backoffs += 1
         return None
+
+    def _resend_asked(self, client_seq: int, now_ns: int) -> str | None:
+        """The leader lacks this client seq: the batch holding it is due now."""
+        if not self.acked < client_seq < self.next_cseq:
+            return self._drop_backoff("stale")
+        for u in self.unacked:  # the oldest first: a missing batch is near the head of the line
+            if u.first_cseq <= client_seq <= u.last_cseq:
+                if now_ns - u.last_sent_ns < RESEND_ASK_FLOOR_NS:
+                    return self._drop_backoff("sent_recently")
+                u.due_ns = min(u.due_ns, now_ns)
+                self.resends_asked += 1
+                return None
+        return self._drop_backoff("stale")  # (acknowledged in between)
 
     def _drop_backoff(self, reason: str) -> str:
         self.backoff_drops[reason] = self.backoff_drops.get(reason, 0) + 1
@@ -181,6 +201,7 @@ class ClientCore:
                 u.resends += 1
                 backoff = 1 if i == 0 else min(1 << u.resends, MAX_BACKOFF)
                 u.due_ns = now_ns + self.resend_ns * backoff
+                u.last_sent_ns = now_ns
                 out.append(u.datagram)
         self.resends += len(out)
         return out

@@ -22,7 +22,13 @@ from itertools import repeat
 
 from tape.protocol import backoff, messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import BACKOFF_INTERVAL_NS, BACKOFF_RETRY_MS, MAX_HELD_BATCHES, OVERLOAD_NS
+from tape.protocol.limits import (
+    BACKOFF_INTERVAL_NS,
+    BACKOFF_RETRY_MS,
+    MAX_HELD_BATCHES,
+    OVERLOAD_NS,
+    RESEND_ASK_INTERVAL_NS,
+)
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
 
@@ -101,7 +107,8 @@ class LeaderCore:
         self.term_start_seq = 0
         self._busy_since_ns: int | None = None  # the first drain since which none emptied the inbound socket
         self._backoff_at: dict[bytes, int] = {}  # client -> when it was last told to back off
-        self.backoffs: list[tuple[object, bytes]] = []  # (source, datagram) to send; the shell takes them
+        self._resend_asked: dict[bytes, tuple[int, int]] = {}  # client -> (missing client seq, when asked)
+        self.advice: list[tuple[object, bytes]] = []  # (source, back-off or resend) to send; the shell takes them
         # Counters (the shell exposes them as metrics).
         self.accepted = 0
         self.dropped: dict[str, int] = {}
@@ -109,6 +116,7 @@ class LeaderCore:
         self.published_packets = 0
         self.published_messages = 0
         self.backoffs_sent = 0
+        self.resends_asked = 0
 
     # --- inbound ---------------------------------------------------------------
 
@@ -131,7 +139,8 @@ class LeaderCore:
 
     def on_inbound(self, data: bytes, now_ns: int, source: object = None) -> str | None:
         """Accept an inbound batch; returns the drop reason, or None. `source`: where the batch
-        came from, opaque here; an overloaded leader queues a back-off to it in `backoffs`."""
+        came from, opaque here: a back-off (overloaded) or a resend request (a batch missing
+        ahead of this one) to it is queued in `advice`."""
         try:
             client, cseq, count = moldudp64.decode_header(data)
         except ProtocolError as e:
@@ -158,11 +167,13 @@ class LeaderCore:
         if cseq + count - 1 <= last:
             return self._drop("duplicate")
         if cseq > last + 1:
-            # Ahead of a lost batch: hold it until the client resends the gap.
+            # Ahead of a lost batch: hold it until the client resends the gap, and ask for that now.
             held = self._held.setdefault(client, {})
             if cseq not in held and len(held) >= MAX_HELD_BATCHES:
                 return self._drop("client_seq_gap")
             held[cseq] = (count, data)
+            if source is not None:
+                self._ask_resend(client, last + 1, key, source, now_ns)
             return None
         self._accept(client, cseq, count, data, last)
         held = self._held.get(client)
@@ -204,8 +215,17 @@ class LeaderCore:
         if now_ns - self._backoff_at.get(client, now_ns - BACKOFF_INTERVAL_NS) < BACKOFF_INTERVAL_NS:
             return
         self._backoff_at[client] = now_ns
-        self.backoffs.append((source, backoff.encode(client, self.term, cseq, BACKOFF_RETRY_MS, key)))
+        self.advice.append((source, backoff.encode(client, self.term, cseq, BACKOFF_RETRY_MS, key)))
         self.backoffs_sent += 1
+
+    def _ask_resend(self, client: bytes, missing: int, key: bytes | None, source: object, now_ns: int) -> None:
+        """Once per missing client seq, again after RESEND_ASK_INTERVAL_NS if it is still missing."""
+        asked = self._resend_asked.get(client)
+        if asked is not None and asked[0] == missing and now_ns - asked[1] < RESEND_ASK_INTERVAL_NS:
+            return
+        self._resend_asked[client] = (missing, now_ns)
+        self.advice.append((source, backoff.encode_resend(client, self.term, missing, key)))
+        self.resends_asked += 1
 
     def note_drain(self, emptied: bool, now_ns: int) -> None:
         """The shell read its inbound socket empty (or stopped at its drain limit)."""
@@ -219,8 +239,9 @@ class LeaderCore:
         this leader sequences them."""
         return self._busy_since_ns is not None and now_ns - self._busy_since_ns >= OVERLOAD_NS
 
-    def take_backoffs(self) -> list[tuple[object, bytes]]:
-        out, self.backoffs = self.backoffs, []
+    def take_advice(self) -> list[tuple[object, bytes]]:
+        """The back-offs and resend requests to send, each to the source address of a batch."""
+        out, self.advice = self.advice, []
         return out
 
     def _drop(self, reason: str) -> str:

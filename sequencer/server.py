@@ -90,7 +90,7 @@ class Sequencer(NodeProcess):
         self._stamped: deque[tuple[int, int, int]] = deque()  # (last seq, stamped ns, messages) of unpublished batches
         self.commit_latency = LatencySamples()  # stamped to published, one weighted sample a batch
         self.commit_histogram = LatencyHistogram()
-        self._last = {"published": 0, "accepted": 0, "packets": 0, "backoffs": 0, "dropped": {}}
+        self._last = {"published": 0, "accepted": 0, "packets": 0, "backoffs": 0, "resends_asked": 0, "dropped": {}}
 
     # --- metrics -----------------------------------------------------------------
 
@@ -110,6 +110,8 @@ class Sequencer(NodeProcess):
             1 if c and c.overloaded(time.time_ns()) else 0
         yield "backoffs_sent", "counter", "back-offs sent to clients while overloaded", \
             self._last["backoffs"] + (c.backoffs_sent if c else 0)
+        yield "resends_asked", "counter", "clients asked to resend a batch that batches after it overtook", \
+            self._last["resends_asked"] + (c.resends_asked if c else 0)
         yield "sequenced_seq", "gauge", "highest seq in this node's log", self.journal.last_seq
         commit = c.commit_seq if c else self.voter.commit_seq
         yield "commit_seq", "gauge", "highest seq known held by a majority", commit
@@ -234,6 +236,7 @@ class Sequencer(NodeProcess):
         self._last["published"] += c.published_messages
         self._last["packets"] += c.published_packets
         self._last["backoffs"] += c.backoffs_sent
+        self._last["resends_asked"] += c.resends_asked
         for k, v in c.dropped.items():
             self._last["dropped"][k] = self._last["dropped"].get(k, 0) + v
         self.voter.resync(c.commit_seq, c.sequenced_client_last())
@@ -302,7 +305,7 @@ class Sequencer(NodeProcess):
                 if self.core is not core:
                     return  # stepped down (disk full): the rest waits in the socket for whoever leads
         core.note_drain(emptied, now)
-        for source, datagram in core.take_backoffs():
+        for source, datagram in core.take_advice():
             try:
                 sock.sendto(datagram, source)
             except OSError:

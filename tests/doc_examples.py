@@ -31,6 +31,7 @@ EXAMPLES = {
     "signed_request": StreamKeys([LINK_KEY]).sign_request(m.encode_request(TAPE, 5, 3), ("10.0.0.7", 40001)),
     "inbound_batch": m.encode_packet(CLIENT1, 1, [R, P]),
     "backoff": backoff.encode(CLIENT1, 2, 27, 50, LINK_KEY),
+    "resend": backoff.encode_resend(CLIENT1, 2, 27, LINK_KEY),
     "soup_login": soup.login("tail01", "", "TAPE", 1),
     "soup_login_accepted": soup.login_accepted(TAPE, 1),
     "soup_sequenced": soup.sequenced(R_SEQ),

@@ -1,4 +1,5 @@
-"""Overload: the leader's back-offs (protocol/backoff.py) from LeaderCore to ClientCore."""
+"""The leader's advice (protocol/backoff.py) from LeaderCore to ClientCore: back-offs under
+overload, and requests to resend a batch that later ones overtook."""
 
 import hashlib
 import hmac
@@ -13,7 +14,14 @@ from tape.protocol import messages as M
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import BACKOFF_INTERVAL_NS, BACKOFF_RETRY_MS, MAX_RETRY_MS, OVERLOAD_NS
+from tape.protocol.limits import (
+    BACKOFF_INTERVAL_NS,
+    BACKOFF_RETRY_MS,
+    MAX_RETRY_MS,
+    OVERLOAD_NS,
+    RESEND_ASK_FLOOR_NS,
+    RESEND_ASK_INTERVAL_NS,
+)
 from tape.protocol.packets import PacketBuilder
 from tape.sequencer.client_core import ClientCore
 from tape.sequencer.core import LeaderCore
@@ -60,13 +68,13 @@ def test_an_overloaded_leader_answers_each_client_at_most_once_per_interval_and_
     assert core.on_inbound(batch(B, 1, 3, KEY), t, "addr-b") is None
     assert core.on_inbound(batch(B, 4, 3, KEY), t + 1, "addr-b") is None  # within the interval: no second
     assert core.on_inbound(batch(A, 1, 2), t + 2, "addr-a") is None
-    out = core.take_backoffs()
-    assert [src for src, _ in out] == ["addr-b", "addr-a"] and core.take_backoffs() == []
+    out = core.take_advice()
+    assert [src for src, _ in out] == ["addr-b", "addr-a"] and core.take_advice() == []
     assert backoff.decode(out[0][1], KEY) == backoff.BackOff(B, 3, 1, BACKOFF_RETRY_MS)
     assert backoff.decode(out[1][1], None) == backoff.BackOff(A, 3, 1, BACKOFF_RETRY_MS)
     assert len(out[0][1]) == backoff.FIELDS.size + backoff.MAC_SIZE and len(out[1][1]) == backoff.FIELDS.size
     core.on_inbound(batch(B, 7, 1, KEY), t + BACKOFF_INTERVAL_NS, "addr-b")  # a resend counts too
-    assert [backoff.decode(d, KEY).client_seq for _, d in core.take_backoffs()] == [7]
+    assert [backoff.decode(d, KEY).client_seq for _, d in core.take_advice()] == [7]
     assert core.backoffs_sent == 3
     assert len(core.flush(t + BACKOFF_INTERVAL_NS).messages) == 3 + 3 + 2 + 1  # nothing refused
 
@@ -74,7 +82,7 @@ def test_an_overloaded_leader_answers_each_client_at_most_once_per_interval_and_
 def test_no_back_off_without_overload_a_source_or_an_authenticated_batch():
     core = leader()
     core.on_inbound(batch(A, 1, 1), 0, "addr")
-    assert core.take_backoffs() == []  # not overloaded
+    assert core.take_advice() == []  # not overloaded
     core = overloaded_leader()
     t = OVERLOAD_NS
     core.on_inbound(batch(A, 1, 1), t)  # no source: the simulator's or a test's batch
@@ -82,7 +90,7 @@ def test_no_back_off_without_overload_a_source_or_an_authenticated_batch():
     assert core.on_inbound(batch(B, 1, 1, b"x" * 32), t, "victim") == "unauthenticated"
     assert core.on_inbound(batch(b"nobody    ", 1, 1), t, "victim") == "unknown_client"
     assert core.on_inbound(b"junk", t, "victim") == "truncated"
-    assert core.take_backoffs() == [] and core.backoffs_sent == 0
+    assert core.take_advice() == [] and core.backoffs_sent == 0
 
 
 def test_back_off_datagrams_refuse_what_is_not_one():
@@ -107,12 +115,12 @@ def client(key=None, origin=A):
 def test_a_client_pauses_new_batches_and_resends_for_the_retry_after():
     c = client(KEY, B)
     c.submit([msg.purchase_request(i, 10, "X", "Y") for i in range(40)], 0)  # two batches
-    assert c.on_backoff(backoff.encode(B, 1, c.per_batch + 1, 50, KEY), 10 * MS) is None
+    assert c.on_advice(backoff.encode(B, 1, c.per_batch + 1, 50, KEY), 10 * MS) is None
     assert c.pause_left_ns(10 * MS) == 50 * MS and c.pause_left_ns(60 * MS) == 0
     assert c.on_timer(59 * MS + 100 * MS) != []  # due, and no longer paused
     c2 = client(KEY, B)
     c2.submit([msg.purchase_request(1, 10, "X", "Y")], 0)
-    c2.on_backoff(backoff.encode(B, 1, 1, 300, KEY), 90 * MS)
+    c2.on_advice(backoff.encode(B, 1, 1, 300, KEY), 90 * MS)
     assert c2.on_timer(150 * MS) == []  # the batch is due (100 ms), but the leader asked for quiet
     assert len(c2.on_timer(390 * MS)) == 1
     assert (c2.backoffs, c2.paused_ns) == (1, 300 * MS)
@@ -121,14 +129,14 @@ def test_a_client_pauses_new_batches_and_resends_for_the_retry_after():
 def test_a_client_honours_only_fresh_authentic_back_offs_for_batches_in_flight():
     c = client(KEY, B)
     c.submit([msg.purchase_request(i, 10, "X", "Y") for i in range(2 * c.per_batch)], 0)  # two batches
-    assert c.on_backoff(backoff.encode(B, 1, 1, 50, KEY), 0, from_sequencer=False) == "not_a_sequencer"
-    assert c.on_backoff(backoff.encode(B, 1, 1, 50, b"x" * 32), 0) == "unauthenticated"
-    assert c.on_backoff(backoff.encode(A, 1, 1, 50, KEY), 0) == "wrong_client"
-    assert c.on_backoff(backoff.encode(B, 1, c.next_cseq, 50, KEY), 0) == "stale"  # names a batch not sent
+    assert c.on_advice(backoff.encode(B, 1, 1, 50, KEY), 0, from_sequencer=False) == "not_a_sequencer"
+    assert c.on_advice(backoff.encode(B, 1, 1, 50, b"x" * 32), 0) == "unauthenticated"
+    assert c.on_advice(backoff.encode(A, 1, 1, 50, KEY), 0) == "wrong_client"
+    assert c.on_advice(backoff.encode(B, 1, c.next_cseq, 50, KEY), 0) == "stale"  # names a batch not sent
     honoured = backoff.encode(B, 1, c.per_batch + 1, 50, KEY)
-    assert c.on_backoff(honoured, 0) is None
-    assert c.on_backoff(honoured, 20 * MS) == "stale"  # a replay of one honoured
-    assert c.on_backoff(backoff.encode(B, 1, 1, 50, KEY), 20 * MS) == "stale"  # older than one honoured
+    assert c.on_advice(honoured, 0) is None
+    assert c.on_advice(honoured, 20 * MS) == "stale"  # a replay of one honoured
+    assert c.on_advice(backoff.encode(B, 1, 1, 50, KEY), 20 * MS) == "stale"  # older than one honoured
     assert c.backoff_drops == {"not_a_sequencer": 1, "unauthenticated": 1, "wrong_client": 1, "stale": 3}
 
 
@@ -141,9 +149,56 @@ def test_a_back_off_for_an_acknowledged_batch_asks_for_nothing_and_a_pause_is_bo
         c.on_delivered(p, 0, 3)
     second = c.per_batch + 1
     assert c.acked == second - 1
-    assert c.on_backoff(backoff.encode(B, 3, 1, 50, KEY), 4) == "stale"
-    assert c.on_backoff(backoff.encode(B, 3, second, 65_535, KEY), 4) is None
+    assert c.on_advice(backoff.encode(B, 3, 1, 50, KEY), 4) == "stale"
+    assert c.on_advice(backoff.encode(B, 3, second, 65_535, KEY), 4) is None
     assert c.pause_left_ns(4) == MAX_RETRY_MS * MS  # whatever a back-off says
+
+
+def test_a_batch_ahead_of_a_lost_one_makes_the_leader_ask_for_the_lost_one_once_per_interval():
+    core = leader()
+    assert core.on_inbound(batch(B, 1, 3, KEY), 0, "addr-b") is None and core.take_advice() == []  # in order
+    assert core.on_inbound(batch(B, 7, 2, KEY), 1, "addr-b") is None  # 4-6 lost: held
+    assert core.on_inbound(batch(B, 9, 2, KEY), 2, "addr-b") is None
+    assert core.on_inbound(batch(A, 3, 1), 3) is None  # no source known: nothing to answer
+    out = core.take_advice()
+    assert out == [("addr-b", backoff.encode_resend(B, core.term, 4, KEY))]
+    assert backoff.decode(out[0][1], KEY) == backoff.Resend(B, core.term, 4)
+    core.on_inbound(batch(B, 11, 2, KEY), 1 + RESEND_ASK_INTERVAL_NS - 1, "addr-b")  # too soon to ask again
+    assert core.take_advice() == []
+    core.on_inbound(batch(B, 13, 2, KEY), 1 + RESEND_ASK_INTERVAL_NS, "addr-b")  # still missing: asked again
+    assert [backoff.decode(d, KEY).client_seq for _, d in core.take_advice()] == [4]
+    assert core.on_inbound(batch(B, 4, 3, KEY), RESEND_ASK_INTERVAL_NS + 2, "addr-b") is None  # the gap filled
+    assert core.client_last[B] == 14 and core.take_advice() == [] and core.resends_asked == 2
+
+
+def test_a_client_resends_a_batch_the_leader_asks_for_at_once_but_not_twice_in_a_row():
+    c = client(KEY, B)
+    c.submit([msg.purchase_request(i, 10, "X", "Y") for i in range(3 * c.per_batch)], 0)  # three batches
+    second = c.per_batch + 1
+    now = RESEND_ASK_FLOOR_NS
+    assert c.on_timer(now) == []  # nothing due before the 100 ms timeout
+    assert c.on_advice(backoff.encode_resend(B, 1, second + 2, KEY), now) is None  # inside the second batch
+    assert c.on_timer(now) == [c.unacked[1].datagram] and c.resends_asked == 1
+    assert c.on_advice(backoff.encode_resend(B, 1, second, KEY), now + 1) == "sent_recently"  # asked twice
+    assert c.on_advice(backoff.encode_resend(B, 1, c.next_cseq, KEY), now) == "stale"  # never sent
+    assert c.on_advice(backoff.encode_resend(B, 1, 1, b"x" * 32), now) == "unauthenticated"
+    assert c.on_advice(backoff.encode_resend(A, 1, 1, KEY), now) == "wrong_client"
+    assert c.on_advice(backoff.encode_resend(B, 1, 1, KEY), 2 * now, from_sequencer=False) == "not_a_sequencer"
+    assert c.on_timer(2 * now) == []  # none of those made anything due
+
+
+def test_a_lost_batch_is_sequenced_one_round_trip_after_the_next_one_arrives():
+    """Leader and client cores end to end: with the first batch lost, the second one's arrival
+    brings the first again long before the client's resend timeout."""
+    c, lead = client(KEY, B), leader()
+    c.submit([msg.purchase_request(i, 10, "X", "Y") for i in range(2 * c.per_batch)], 0)
+    first, second = (u.datagram for u in c.unacked)
+    lead.on_inbound(second, 1 * MS, "addr-b")  # the first was lost on the way
+    for _, advice in lead.take_advice():
+        assert c.on_advice(advice, 6 * MS) is None
+    assert c.on_timer(6 * MS) == [first]  # 6 ms, not the 100 ms timeout
+    lead.on_inbound(first, 7 * MS, "addr-b")
+    assert lead.client_last[B] == 2 * c.per_batch
 
 
 # --- the processes ------------------------------------------------------------------------
