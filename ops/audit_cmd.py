@@ -56,7 +56,7 @@ def replay(journal: str, to_lmdb: str, cfg: Config, resume: bool = False) -> int
     into an empty directory (a snapshot already there is moved aside), or with `resume` from the
     snapshot there, which must verify."""
     from tape.node.journal_store import Journal, JournalCorruption
-    from tape.protocol import messages as M
+    from tape.protocol.moldudp64 import encode_packet
     from tape.replicas.audit import AuditMachine
     from tape.replicas.snapshot import SnapshotInvalid, SnapshotStore, move_aside
 
@@ -77,15 +77,15 @@ def replay(journal: str, to_lmdb: str, cfg: Config, resume: bool = False) -> int
         j = Journal(journal, readonly=True)
         run, first = [], machine.last_seq + 1
         for seq, _, raw in j.read(machine.last_seq + 1):
-            run.append(M.SEQUENCED.unpack(raw))
+            run.append(raw)
             if len(run) == 10_000:
-                machine.apply_run(first, run)
+                machine.apply_packet(first, encode_packet(b"replay    ", first, run))  # as a replica applies
                 first += len(run)
                 run = []
                 if machine.last_seq % 100_000 == 0:
                     store.save(machine, {"node": "replay"})
         if run:
-            machine.apply_run(first, run)
+            machine.apply_packet(first, encode_packet(b"replay    ", first, run))
     except JournalCorruption as e:
         print(f"tape replay: {e}", file=sys.stderr)
         return 1

@@ -157,7 +157,7 @@ def alter_snapshot(cluster: LocalCluster, replica: str) -> int:
     machine = AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9))
     store.load(machine)
     for order_id, book in machine.books.items():
-        book[0] = 1
+        machine.books[order_id] = [1, *book[1:]]  # (a book is read as a copy: written back)
         machine.dirty.add(order_id)
     store.save(machine, outbox=store.outbox())
     store.close()
