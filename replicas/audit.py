@@ -197,9 +197,12 @@ class AuditMachine:
             end = min(total, index + DIGEST_BLOCK - (seq - 1) % DIGEST_BLOCK)
             while index < end:
                 raised = len(out)
-                done, self.now_ns = apply_fast(self.books, self._codes, self.dirty, self._book_expiry, self.orphans,
-                                               self.book_ttl_ns, self.now_ns, self._next_expiry(), packet, index,
-                                               end, seq, Alert, out)
+                try:
+                    done, self.now_ns = apply_fast(self.books, self._codes, self.dirty, self._book_expiry,
+                                                   self.orphans, self.book_ttl_ns, self.now_ns, self._next_expiry(),
+                                                   packet, index, end, seq, Alert, out)
+                except Exception as e:  # (out of memory): what it applied of the run is not known
+                    raise InvariantViolation(f"the compiled audit failed at seq {seq}: {e!r}") from e
                 index, seq = index + done, seq + done
                 self.last_seq, self.applied = seq - 1, self.applied + done
                 self.alerts_raised += len(out) - raised

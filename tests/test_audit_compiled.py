@@ -13,6 +13,7 @@ from strategies import packet_of as packet
 
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
+from tape.protocol.errors import InvariantViolation
 from tape.replicas import audit
 from tape.replicas.audit import AuditMachine, Books
 
@@ -182,3 +183,15 @@ def test_both_kinds_replay_a_random_stream_to_the_same_digest():
         for first in range(0, len(msgs), 17):
             m.apply_packet(first + 1, packet(first + 1, msgs[first:first + 17]))
     assert len({m.digest() for m in machines}) == 1 and machines[0].rejects["orphan_expired"] > 0
+
+
+@compiled
+def test_a_failure_inside_the_compiled_cases_stops_the_machine_as_impossible(monkeypatch):
+    """It may have applied part of the run: the replica must stop (fail-stop), not go on."""
+    def failing(*args):
+        raise MemoryError()
+
+    monkeypatch.setattr(audit, "apply_fast", failing)
+    m = AuditMachine(compiled=True)
+    with pytest.raises(InvariantViolation):
+        m.apply_packet(1, packet(1, [seqd(M.purchase_request(1, 100, "A", "X"), 5, 1)]))
