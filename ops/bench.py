@@ -267,7 +267,7 @@ def bench_replica(n: int = 1_000_000, open_orders: int = 1_000_000) -> dict:
     for i in range(0, n, 1000):  # one stamp per 1,000-message batch, 1 ms apart
         packets += builder.add_stamped(inbound[i:i + 1000], stamp + i * 1000, moldudp64.session_bytes("load0"), i + 1)
     tune_gc()
-    rates = {}
+    rates, digests = {}, set()
     for compiled in [True, False] if audit.apply_fast else [False]:  # the replicas' path, then the definition
         machine = AuditMachine(compiled=compiled)
         t0 = clock()
@@ -276,6 +276,9 @@ def bench_replica(n: int = 1_000_000, open_orders: int = 1_000_000) -> dict:
             machine.apply_packet(seq, pkt)
             seq += moldudp64.HEADER.unpack_from(pkt)[2]
         rates["compiled" if compiled else "Python"] = n / (clock() - t0)
+        digests.add(machine.digest())
+    if len(digests) != 1:
+        raise RuntimeError(f"the compiled and the Python audit disagree: digests {sorted(digests)}")
     digest = machine.digest()
     snap = _bench_snapshot(open_orders)
     table = Table(title=f"tape bench replica: {n:,} messages from memory, one core{_timed_by()}")

@@ -5,8 +5,8 @@ them, and sends each batch to every sequencer; the StreamListener feeds
 the public stream back to the core, whose acknowledgements release
 `submit`'s back-pressure and `wait_acked`; a timer sends again what the
 core says is due (sequencer/client_core.py has the policy). The send
-socket hears the leader's back-offs: `submit` holds new batches while the
-core says so.
+socket hears the leader's advice: back-offs (`submit` holds new batches
+while the core says so) and resend requests (sent at once).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class ClientCore:
         self.backoffs = 0  # back-offs honoured
         self.resends_asked = 0  # resend requests honoured
         self.paused_ns = 0  # time paused by them, in all
-        self.backoff_drops: dict[str, int] = {}
+        self.advice_drops: dict[str, int] = {}  # back-offs and resend requests not acted on, by reason
 
     @property
     def in_flight(self) -> int:
@@ -149,17 +149,17 @@ class ClientCore:
         """A datagram on the send socket, from a sequencer's inbound address or not: returns
         the drop reason, or None if honoured (a back-off, or a resend request)."""
         if not from_sequencer:
-            return self._drop_backoff("not_a_sequencer")
+            return self._drop_advice("not_a_sequencer")
         try:
             b = backoff.decode(data, self.key)
         except ProtocolError as e:
-            return self._drop_backoff(e.reason)
+            return self._drop_advice(e.reason)
         if b.client != self.origin:
-            return self._drop_backoff("wrong_client")
+            return self._drop_advice("wrong_client")
         if isinstance(b, backoff.Resend):
-            return self._resend_asked(b.client_seq, now_ns)
+            return self._on_resend(b.client_seq, now_ns)
         if not self.acked < b.client_seq < self.next_cseq or b.client_seq <= self.backed_off_seq:
-            return self._drop_backoff("stale")  # not in flight, or named before: a replay asks for nothing
+            return self._drop_advice("stale")  # not in flight, or named before: a replay asks for nothing
         self.backed_off_seq = b.client_seq
         until = now_ns + min(b.retry_ms, MAX_RETRY_MS) * 1_000_000
         if until > self.paused_until_ns:
@@ -168,21 +168,21 @@ class ClientCore:
         self.backoffs += 1
         return None
 
-    def _resend_asked(self, client_seq: int, now_ns: int) -> str | None:
+    def _on_resend(self, client_seq: int, now_ns: int) -> str | None:
         """The leader lacks this client seq: the batch holding it is due now."""
         if not self.acked < client_seq < self.next_cseq:
-            return self._drop_backoff("stale")
+            return self._drop_advice("stale")
         for u in self.unacked:  # the oldest first: a missing batch is near the head of the line
             if u.first_cseq <= client_seq <= u.last_cseq:
                 if now_ns - u.last_sent_ns < RESEND_ASK_FLOOR_NS:
-                    return self._drop_backoff("sent_recently")
+                    return self._drop_advice("sent_recently")
                 u.due_ns = min(u.due_ns, now_ns)
                 self.resends_asked += 1
                 return None
-        return self._drop_backoff("stale")  # (acknowledged in between)
+        return self._drop_advice("stale")  # (acknowledged in between)
 
-    def _drop_backoff(self, reason: str) -> str:
-        self.backoff_drops[reason] = self.backoff_drops.get(reason, 0) + 1
+    def _drop_advice(self, reason: str) -> str:
+        self.advice_drops[reason] = self.advice_drops.get(reason, 0) + 1
         return reason
 
     def pause_left_ns(self, now_ns: int) -> int:

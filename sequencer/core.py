@@ -4,7 +4,8 @@ Events in: inbound batches (bytes, the time they arrived, where from), the
 shell's report after each drain of the inbound socket, acks from followers,
 the shell's report that its own journal holds a batch, timer ticks. Actions
 out: a `Batch` to journal and replicate, packets to publish (only committed
-ones), heartbeats, back-offs to send to clients while overloaded.
+ones), heartbeats, advice to clients (back-offs while overloaded, requests to
+resend a batch that later ones overtook).
 
 Commit before publish: packets are cut when a batch is stamped and released
 only when a majority of voters (this leader included) holds the batch.

@@ -309,7 +309,7 @@ class Sequencer(NodeProcess):
             try:
                 sock.sendto(datagram, source)
             except OSError:
-                pass  # a back-off is advice: the client's window holds it anyway
+                pass  # advice: the client's window and resend timer cover its loss
         batch = core.flush(now)
         if batch is not None:
             self._process(batch)

@@ -137,7 +137,7 @@ def test_a_client_honours_only_fresh_authentic_back_offs_for_batches_in_flight()
     assert c.on_advice(honoured, 0) is None
     assert c.on_advice(honoured, 20 * MS) == "stale"  # a replay of one honoured
     assert c.on_advice(backoff.encode(B, 1, 1, 50, KEY), 20 * MS) == "stale"  # older than one honoured
-    assert c.backoff_drops == {"not_a_sequencer": 1, "unauthenticated": 1, "wrong_client": 1, "stale": 3}
+    assert c.advice_drops == {"not_a_sequencer": 1, "unauthenticated": 1, "wrong_client": 1, "stale": 3}
 
 
 def test_a_back_off_for_an_acknowledged_batch_asks_for_nothing_and_a_pause_is_bounded():
