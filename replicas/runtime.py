@@ -19,6 +19,7 @@ import json
 import logging
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
@@ -36,7 +37,7 @@ from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import sealed_ranges
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
-from tape.replicas.snapshot import move_aside, open_verified
+from tape.replicas.snapshot import SaveJob, move_aside, open_verified
 
 log = logging.getLogger("tape.replica")
 TRADE_TYPES = bytes((messages.REQUEST, messages.PURCHASE))
@@ -56,6 +57,9 @@ class Replica(NodeProcess):
         self.rebuilds = 0
         self.snapshot_failures = 0
         self.rebuilt_for = 0  # the fold seq of the last rebuild order carried out
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        self._saving: asyncio.Task | None = None  # the save under way
+        self.snapshot_histogram = LatencyHistogram()
         self._open()
         self.emitters = cfg.by_role("emitter")
         self._writer: asyncio.StreamWriter | None = None
@@ -86,6 +90,7 @@ class Replica(NodeProcess):
             return False
         self.rebuilt_for = fold_seq
         await self.listener.close()
+        await self._saved()
         self.store.close()
         aside = move_aside(self.data / "lmdb")
         log.error("DIVERGED: the other replicas agree on another digest at fold seq %d: this state (moved to %s) "
@@ -111,6 +116,8 @@ class Replica(NodeProcess):
             dict(self.listener.bad)
         yield "replayed_messages", "counter", "messages caught up over TCP replay", self.replayed
         yield "snapshots", "counter", "LMDB snapshots written", self.store.saves
+        yield "snapshot_seconds", "histogram", "time to write a snapshot (its disk work, off the thread that " \
+            "applies)", self.snapshot_histogram
         yield "snapshot_failures", "counter", "snapshots the disk refused (the last one written stands)", \
             self.snapshot_failures
         yield "resumed_from_seq", "gauge", "seq of the snapshot this process started from", self.resumed_from
@@ -140,7 +147,10 @@ class Replica(NodeProcess):
         for t in [*tasks, self._catching_up]:
             t.cancel()
         self.listener.stop()
+        await self._saved()
         self._snapshot()
+        await self._saved()
+        self._saver.shutdown()
         status = {"name": self.node.name, "last_seq": self.machine.last_seq, "digest": self.machine.digest(),
                   "alerts_raised": self.machine.alerts_raised, "rejects": self.machine.rejects,
                   "resumed_from": self.resumed_from, "failed": self.failed,
@@ -204,17 +214,37 @@ class Replica(NodeProcess):
         self.fail(f"the committed message at seq {seq} cannot be decoded ({error}); skipping it would diverge")
 
     def _snapshot(self) -> None:
-        """Save the state; a save the disk refuses (full or failing) is not fatal: the last
-        snapshot stays as it was, the state stays in memory, and the next one tries again."""
+        """Take the state at this seq and write it on the snapshot thread, so that the disk's
+        fsync does not stall applying. One save at a time: one due meanwhile waits for it."""
+        if self._saving is not None:
+            return
+        job = self.store.prepare(self.machine, {"node": self.node.name},
+                                 outbox=b"".join(a.encode() for a in self.core.outbox))
+        self.core.snapshot_taken(time.monotonic_ns())
+        self._saving = self.spawn(self._save(job))
+
+    async def _save(self, job: SaveJob) -> None:
+        """A save the disk refuses (full or failing) is not fatal: the last snapshot stays as it
+        was, the state stays in memory, and the next one writes its books too."""
+        started = time.monotonic_ns()
         try:
-            self.store.save(self.machine, {"node": self.node.name},
-                            outbox=b"".join(a.encode() for a in self.core.outbox))
+            written = await asyncio.get_running_loop().run_in_executor(self._saver, self.store.write, job)
         except lmdb.Error as e:
+            self.store.abandon(self.machine, job)
             self.snapshot_failures += 1
             log.error("snapshot not written (%s; a full or failing disk?): the last one on disk stands and the "
                       "state stays in memory; trying again after the next %d messages or %d ms", e,
                       self.cfg.snapshot_every, self.cfg.snapshot_ms)
-        self.core.snapshot_taken(time.monotonic_ns())
+        else:
+            self.store.finish(job, written)
+            self.snapshot_histogram.observe(time.monotonic_ns() - started)
+        finally:
+            self._saving = None
+
+    async def _saved(self) -> None:
+        """Once the save under way (if any) has ended."""
+        if self._saving is not None:
+            await asyncio.shield(self._saving)
 
     async def _housekeeping(self) -> None:
         while True:

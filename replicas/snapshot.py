@@ -23,6 +23,7 @@ import hashlib
 import json
 import struct
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
@@ -36,6 +37,17 @@ STATE = struct.Struct(">QQQ16sI")  # last_seq, now_ns, applied, chain, len(pendi
 FORMAT = 2  # 2: with checksums
 SUM_MOD = 1 << 128
 SUM_CHUNK = 4096  # records hashed per call while loading (bounds the list of them)
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """What one save writes, taken from the machine at one seq."""
+    dirty: list[int]  # the order ids changed since the last save, sorted
+    books: list[tuple[bytes, bytes]]  # (key, record) of those with a book
+    orphans: list[tuple[int, bytes | None]]  # (order id, held purchases; None: delete the record)
+    state: bytes  # STATE and the pending effects
+    meta: dict  # the state's JSON part but for the sums
+    outbox: bytes | None
 
 
 class SnapshotInvalid(Exception):
@@ -95,50 +107,78 @@ class SnapshotStore:
     def save(self, m: AuditMachine, extra: dict | None = None, outbox: bytes | None = None) -> int:
         """Write what changed since the last save, atomically; returns keys
         written. `outbox`: the alerts not yet acknowledged, saved with it."""
+        job = self.prepare(m, extra, outbox)
+        try:
+            self.finish(job, self.write(job))
+        except lmdb.Error:
+            self.abandon(m, job)
+            raise
+        return len(job.dirty)
+
+    def prepare(self, m: AuditMachine, extra: dict | None = None, outbox: bytes | None = None) -> SaveJob:
+        """The first of a save's three steps, on the thread that applies: what changed since the
+        last save, taken at this seq (the machine's dirty set starts afresh). `write` may then run
+        on another thread while the machine moves on; `finish` (or, if the disk refused it,
+        `abandon`) comes back here. One save at a time."""
         assert self._sums_known, "save() onto a snapshot that was not loaded: its checksum is unknown"
         dirty = sorted(m.dirty)
-        books, orphans, orphan_keys = m.books, m.orphans, set(self.orphan_keys)
-        out_sum = self.outbox_sum if outbox is None else outbox_hash(outbox)
-        with self.env.begin(write=True) as txn:
-            total = self.state_sum + self._put_books(txn, dirty, books)
-            for order_id in dirty:  # few: orphans live for orphan_ttl_s, and most orders never have any
-                held = orphans.get(order_id)
-                if held or order_id in orphan_keys:
-                    total += self._put(txn, self.orphans, b"orphans", order_id.to_bytes(8, "big"), b"".join(
-                        ORPHAN.pack(seq) + M.SEQUENCED.pack(*msg) for seq, _, msg in held) if held else None)
-                    if held:
-                        orphan_keys.add(order_id)
-                    else:
-                        orphan_keys.discard(order_id)
-            total %= SUM_MOD
-            pending = m.pending_effects
-            meta = {"format": FORMAT, "rejects": m.rejects, "alerts_raised": m.alerts_raised,
-                    "book_ttl_ns": m.book_ttl_ns, "orphan_ttl_ns": m.orphan_ttl_ns, "records_sum": f"{total:032x}",
-                    "outbox_sum": out_sum, **(extra or {})}
-            if outbox is not None:
-                txn.put(b"outbox", outbox, db=self.meta)
-            txn.put(b"state", STATE.pack(m.last_seq, m.now_ns, m.applied, m.chain, len(pending)) + pending
-                    + json.dumps(meta, sort_keys=True).encode(), db=self.meta)
-        # only once the transaction committed:
-        self.state_sum, self.outbox_sum, self.orphan_keys = total, out_sum, orphan_keys
-        m.dirty.clear()
-        self.saves += 1
-        self.keys_written += len(dirty)
-        return len(dirty)
+        orphans = []
+        for order_id in dirty:  # few: orphans live for orphan_ttl_s, and most orders never have any
+            held = m.orphans.get(order_id)
+            if held or order_id in self.orphan_keys:
+                orphans.append((order_id, b"".join(ORPHAN.pack(seq) + M.SEQUENCED.pack(*msg)
+                                                   for seq, _, msg in held) if held else None))
+        pending = m.pending_effects
+        meta = {"format": FORMAT, "rejects": dict(m.rejects), "alerts_raised": m.alerts_raised,
+                "book_ttl_ns": m.book_ttl_ns, "orphan_ttl_ns": m.orphan_ttl_ns, **(extra or {})}
+        state = STATE.pack(m.last_seq, m.now_ns, m.applied, m.chain, len(pending)) + pending
+        job = SaveJob(dirty, m.books.packed(dirty), orphans, state, meta, outbox)
+        m.dirty = set()
+        return job
 
-    def _put_books(self, txn, dirty: list[int], books: dict) -> int:
+    def write(self, job: SaveJob) -> tuple[int, str, set[int]]:
+        """The save's disk work, in one transaction (any thread): returns the records' checksum,
+        the outbox's and the ids with an orphans record, for `finish`. Raises lmdb.Error if the
+        disk refuses it (nothing written)."""
+        out_sum = self.outbox_sum if job.outbox is None else outbox_hash(job.outbox)
+        orphan_keys = set(self.orphan_keys)
+        with self.env.begin(write=True) as txn:
+            total = self.state_sum + self._put_books(txn, job.dirty, job.books)
+            for order_id, record in job.orphans:
+                total += self._put(txn, self.orphans, b"orphans", order_id.to_bytes(8, "big"), record)
+                if record:
+                    orphan_keys.add(order_id)
+                else:
+                    orphan_keys.discard(order_id)
+            total %= SUM_MOD
+            meta = {**job.meta, "records_sum": f"{total:032x}", "outbox_sum": out_sum}
+            if job.outbox is not None:
+                txn.put(b"outbox", job.outbox, db=self.meta)
+            txn.put(b"state", job.state + json.dumps(meta, sort_keys=True).encode(), db=self.meta)
+        return total, out_sum, orphan_keys
+
+    def finish(self, job: SaveJob, written: tuple[int, str, set[int]]) -> None:
+        """The save committed: its sums are the store's now."""
+        self.state_sum, self.outbox_sum, self.orphan_keys = written
+        self.saves += 1
+        self.keys_written += len(job.dirty)
+
+    @staticmethod
+    def abandon(m: AuditMachine, job: SaveJob) -> None:
+        """The disk refused the save: its ids are dirty again, for the next one."""
+        m.dirty.update(job.dirty)
+
+    def _put_books(self, txn, dirty: list[int], new: list[tuple[bytes, bytes]]) -> int:
         """Write (or delete) the dirty books; returns what the checksum moves by. The hot part of a
         save (one key per order touched): the old records read and the new ones written by one
         LMDB call each, and hashed by one call each."""
         keys = [order_id.to_bytes(8, "big") for order_id in dirty]
-        new = books.packed(dirty)
         with txn.cursor(db=self.books) as cursor:
             old = [(bytes(k), bytes(v)) for k, v in cursor.getmulti(keys)]
             cursor.putmulti(new)
             if len(new) < len(keys):  # closed books: few, at their expiry
-                for key, order_id in zip(keys, dirty):
-                    if order_id not in books:
-                        txn.delete(key, db=self.books)
+                for key in sorted(set(keys) - {k for k, _ in new}):
+                    txn.delete(key, db=self.books)
         return records_sum(b"books:", new) - records_sum(b"books:", old)
 
     @staticmethod

@@ -105,6 +105,39 @@ def test_the_records_on_disk_are_the_machines_after_every_save_across_a_restart(
     assert m.rejects["orphan_expired"] > 0
 
 
+def loaded(store):
+    """A fresh machine from what `store` holds; the store's sums must be those of the disk."""
+    sums = (store.state_sum, store.outbox_sum, set(store.orphan_keys))
+    fresh = machine()
+    store.load(fresh)
+    assert (store.state_sum, store.outbox_sum, store.orphan_keys) == sums
+    return fresh
+
+
+@pytest.mark.parametrize("compiled", [False, None])
+def test_a_save_written_while_the_machine_moves_on_holds_the_state_at_its_seq(tmp_path, compiled):
+    """A replica writes its snapshot on another thread while it applies on: the job holds the
+    state as prepared, and the next save writes what changed since, the job's ids included when
+    the disk refused the job (abandon)."""
+    msgs = stream(6000)
+    m, ref, store = machine(compiled), machine(compiled), SnapshotStore(tmp_path / "lmdb")
+    apply(m, msgs[:2000], 1)
+    apply(ref, msgs[:2000], 1)
+    job = store.prepare(m, outbox=b"x" * 40)
+    apply(m, msgs[2000:4000], 2001)  # changes and closes books the job holds
+    store.finish(job, store.write(job))
+    at_job = loaded(store)
+    assert (at_job.last_seq, at_job.digest(), at_job.books, at_job.orphans) == \
+        (ref.last_seq, ref.digest(), ref.books, ref.orphans)
+    assert store.outbox() == b"x" * 40
+    refused = store.prepare(m)
+    apply(m, msgs[4000:], 4001)
+    store.abandon(m, refused)
+    store.save(m)
+    now = loaded(store)
+    assert (now.last_seq, now.digest(), now.books, now.orphans) == (m.last_seq, m.digest(), m.books, m.orphans)
+
+
 def test_snapshots_write_only_what_changed(tmp_path):
     m = machine()
     store = SnapshotStore(tmp_path / "lmdb")
