@@ -23,18 +23,21 @@ from tape.node.settings import Config
 from tape.node.transport import LossInjector, multicast_receiver, udp_socket
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
-from tape.protocol.listener import AskRewinder, Deliver, ListenerCore
+from tape.protocol.listener import Ahead, Deliver, ListenerCore
 
 log = logging.getLogger("tape.listener")
 
 
 class StreamListener:
     def __init__(self, cfg: Config, interface: str, deliver: Callable[[int, bytes, int], None], drop: float = 0.0,
-                 seed: int = 0, next_seq: int = 1, on_undecodable: Callable[[int, ProtocolError], None] | None = None):
-        """`interface`: the local address multicast arrives on (netif.resolve'd)."""
+                 seed: int = 0, next_seq: int = 1, on_undecodable: Callable[[int, ProtocolError], None] | None = None,
+                 on_ahead: Callable[[bytes], None] | None = None):
+        """`interface`: the local address multicast arrives on (netif.resolve'd). `on_ahead`: gets
+        each sealed packet held ahead of a gap (clients read their acknowledgements in it)."""
         self.cfg = cfg
         self.interface = interface
         self.deliver = deliver
+        self.on_ahead = on_ahead
         # Called when a verified (sealed) packet, the committed log itself, holds a
         # message this listener cannot decode: skipping it would diverge.
         self.on_undecodable = on_undecodable
@@ -101,6 +104,9 @@ class StreamListener:
         for a in actions:
             if isinstance(a, Deliver):
                 self.deliver(a.first_seq, a.packet, a.skip)
+            elif isinstance(a, Ahead):
+                if self.on_ahead is not None:
+                    self.on_ahead(a.packet)
             elif self.on_undecodable is not None:
                 self.on_undecodable(a.seq, a.error)
 
@@ -118,8 +124,7 @@ class StreamListener:
                 if seen.done():
                     self._gap_seen.clear()
                     seen = asyncio.ensure_future(self._gap_seen.wait())
-                ask: AskRewinder | None = self.core.on_timer(time.monotonic_ns())
-                if ask is not None:
+                for ask in self.core.on_timer(time.monotonic_ns()):
                     try:
                         await stream.send(ask.request, self.rewinders[ask.index])
                     except OSError as e:  # asked again after the timeout

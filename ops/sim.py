@@ -36,7 +36,7 @@ from tape.protocol import replication as rep
 from tape.protocol.election import Lead, Persist, Refused, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CATCHUP_CHUNK, STALL_SHARE
-from tape.protocol.listener import Deliver, ListenerCore, Undecodable
+from tape.protocol.listener import Ahead, Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.replication import Ack, Append, Fetch, Hello, Vote, VoteRequest
 from tape.protocol.streamauth import StreamKeys
@@ -459,6 +459,10 @@ class Listener:
         for a in actions:
             if isinstance(a, Undecodable):
                 raise Violation(f"{self.name}: the committed log holds an undecodable message at seq {a.seq}")
+            if isinstance(a, Ahead):
+                if self.client is not None:
+                    self.client.on_ahead(a.packet, self.sim.now)
+                continue
             self.apply(a)
 
     def apply(self, d: Deliver) -> None:
@@ -484,8 +488,7 @@ class Listener:
 
     def tick(self) -> None:
         now = self.sim.now
-        ask = self.core.on_timer(now)
-        if ask is not None:
+        for ask in self.core.on_timer(now):
             self.sim.send(self.name, REWINDERS[ask.index], ("gap", ask.request))
         if self.replica is not None and not self.replica.linked and now - self.hello_at >= RECONNECT_NS:
             self.hello_at = now  # the replica's (re)connect loop to the emitter

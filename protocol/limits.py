@@ -60,9 +60,13 @@ REPLAY_CLIENT_HEARTBEAT_S = 1.0
 # --- listeners ---------------------------------------------------------------------------
 REPLAY_BEHIND = 2_000  # messages a replica is behind the stream before it catches up over TCP
 RECEIVER_MAX_HELD = 1_000_000  # out-of-order messages a receiver holds before dropping the furthest
+GAPS_ASKED_AT_ONCE = 8  # missing runs a listener has requests out for at once
+MAX_GAP_TIMEOUT_NS = 500_000_000  # the most a listener's measured gap-request timeout grows to
+MAX_HELD_SCANNED = 4_096  # held packets a listener looks through for missing runs, per tick
 MAX_HINT_AHEAD = 1 << 24  # a heartbeat further ahead of the stream than this is far-fetched
 HINT_TRIES = 8  # with keys: gap requests a heartbeat's hint is worth while the stream does not move
 RESENDS_PER_ROUND = 16  # unacknowledged batches a client resends per round
+MAX_RESEND_TIMEOUT_NS = 1_000_000_000  # the most a client's measured resend timeout grows to
 
 # A gap between a voter's election ticks longer than this share of the minimum election timeout
 # is a stall of its process (not scheduled, blocked in a disk write, stopped): it holds the

@@ -11,10 +11,12 @@ otherwise the messages from N are delivered.
 
 from __future__ import annotations
 
+from itertools import islice
+
 from sortedcontainers import SortedDict
 
 from .errors import ProtocolError
-from .limits import RECEIVER_MAX_HELD
+from .limits import MAX_HELD_SCANNED, RECEIVER_MAX_HELD
 from .moldudp64 import MAX_BLOCKS
 
 
@@ -76,6 +78,23 @@ class StreamReceiver:
         if end <= self.next_seq:
             return None
         return self.next_seq, min(end - self.next_seq, MAX_BLOCKS)
+
+    def missing_runs(self, limit: int) -> list[tuple[int, int]]:
+        """(first seq, count) of the first `limit` runs known to be missing, in seq order: the gap
+        before the first held packet, those between held packets, the one up to the highest seq
+        known (counts at most MAX_BLOCKS, what one request asks). Looks at MAX_HELD_SCANNED held
+        packets at most."""
+        runs = []
+        start = self.next_seq
+        for seq, (count, _) in islice(self._held.items(), MAX_HELD_SCANNED):
+            if seq > start:
+                runs.append((start, min(seq - start, MAX_BLOCKS)))
+                if len(runs) == limit:
+                    return runs
+            start = max(start, seq + count)
+        if self.high_seq > start and len(self._held) <= MAX_HELD_SCANNED:
+            runs.append((start, min(self.high_seq - start, MAX_BLOCKS)))
+        return runs
 
     def lag(self) -> int:
         """How many messages known to exist are not delivered yet."""

@@ -43,7 +43,8 @@ class Client:
         self.max_in_flight = max_in_flight
         self.interface = netif.resolve(cfg.interface_of(cfg.client(name)))
         self._own_listener = listener is None
-        self.listener = listener or StreamListener(cfg, self.interface, self.on_stream, drop, seed)
+        self.listener = listener or StreamListener(cfg, self.interface, self.on_stream, drop, seed,
+                                                   on_ahead=self.on_ahead)
         self._progress = asyncio.Event()
         self._task = None
 
@@ -133,6 +134,10 @@ class Client:
         if self.core.on_delivered(pkt, skip, time.monotonic_ns()):
             self._progress.set()
 
+    def on_ahead(self, pkt: bytes) -> None:
+        if self.core.on_ahead(pkt, time.monotonic_ns()):
+            self._progress.set()
+
     async def _resend_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.client_resend_ms / 4000)
@@ -151,7 +156,8 @@ def sharing_listeners(cfg: Config, names: list[str], drop: float = 0.0, seed: in
         interface = netif.resolve(cfg.interface_of(cfg.client(name)))
         if interface not in groups:
             group: list[Client] = []
-            groups[interface] = (StreamListener(cfg, interface, _fan_out(group), drop, seed + len(groups)), group)
+            groups[interface] = (StreamListener(cfg, interface, _fan_out(group), drop, seed + len(groups),
+                                                on_ahead=_fan_out_ahead(group)), group)
         listener, group = groups[interface]
         group.append(Client(cfg, name, listener=listener))
         clients.append(group[-1])
@@ -163,3 +169,10 @@ def _fan_out(clients: list[Client]):
         for c in clients:
             c.on_stream(first, pkt, skip)
     return deliver
+
+
+def _fan_out_ahead(clients: list[Client]):
+    def ahead(pkt: bytes) -> None:
+        for c in clients:
+            c.on_ahead(pkt)
+    return ahead

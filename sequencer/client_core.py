@@ -4,7 +4,8 @@
 numbers and returns the inbound batches (datagrams) to send to every
 sequencer. `on_delivered(packet, skip)` reads the public stream: a message
 sequenced with this client as origin acknowledges everything up to its
-client seq (the sequencer accepts each client's messages in order).
+client seq (the sequencer accepts each client's messages in order);
+`on_ahead(packet)` reads a sealed packet held ahead of a gap likewise.
 `on_timer(now)` returns what is due to be sent again.
 
 A client seq names one trade forever: the leader sequences each client seq
@@ -24,9 +25,15 @@ then sends what `on_timer` returns.
 
 Resend policy: at most RESENDS_PER_ROUND batches per call, the oldest
 first. The oldest one blocks everything behind it (the leader holds what
-arrives ahead of it), so it is resent at the plain timeout; the ones behind
-it back off (up to 8x), so that a loaded cluster is not sent everything
-again.
+arrives ahead of it), so it is resent at the timeout; the ones behind it
+back off (up to 8x), so that a loaded cluster is not sent everything
+again. The timeout follows what submitting takes: the measured
+submit-to-sequenced time and its variation (TCP's, RFC 6298: srtt +
+4 rttvar, from batches sent once only), never less than the configured
+`resend_ns` and at most MAX_RESEND_TIMEOUT_NS. A fixed timeout below a
+loaded cluster's commit time resent every batch at least once, which
+loaded the leader further (more resends than batches with 2% loss at
+100,000 msg/s); a lost batch is asked for by the leader anyway.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from collections import deque
 
 from tape.protocol import backoff, messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import MAX_RETRY_MS, RESEND_ASK_FLOOR_NS, RESENDS_PER_ROUND
+from tape.protocol.limits import MAX_RESEND_TIMEOUT_NS, MAX_RETRY_MS, RESEND_ASK_FLOOR_NS, RESENDS_PER_ROUND
+from tape.protocol.rtt import RoundTrip
 
 MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
 
@@ -80,7 +88,7 @@ class ClientCore:
         room = max_packet - moldudp64.HEADER_SIZE - (messages.INBOUND_MAC_SIZE if key else 0)
         self.per_batch = room // messages.INBOUND_BLOCK_SIZE
         assert self.per_batch >= 1, f"max_packet {max_packet} holds no inbound message"
-        self.resend_ns = resend_ns
+        self.submitting = RoundTrip(resend_ns, MAX_RESEND_TIMEOUT_NS)  # submit to seen sequenced
         self.next_cseq = 1
         self.acked = 0  # highest client seq seen sequenced
         self.unacked: deque[Unacked] = deque()
@@ -97,6 +105,11 @@ class ClientCore:
     @property
     def in_flight(self) -> int:
         return self.next_cseq - 1 - self.acked
+
+    @property
+    def resend_timeout_ns(self) -> int:
+        """How long a batch waits to be seen sequenced before it is sent again."""
+        return self.submitting.timeout_ns
 
     def resume(self) -> int:
         """After a restart, once the stream was read up to its head: number from
@@ -117,7 +130,7 @@ class ClientCore:
             data = moldudp64.encode_packet(self.origin, self.next_cseq, chunk)
             if self.key:
                 data += hmac.new(self.key, data, hashlib.sha256).digest()
-            self.unacked.append(Unacked(self.next_cseq, len(chunk), data, now_ns, self.resend_ns))
+            self.unacked.append(Unacked(self.next_cseq, len(chunk), data, now_ns, self.resend_timeout_ns))
             self.next_cseq += len(chunk)
             out.append(data)
         return out
@@ -125,15 +138,28 @@ class ClientCore:
     def on_delivered(self, packet: bytes, skip: int, now_ns: int) -> bool:
         """Messages skip.. of an in-order packet of the stream; True if they acknowledged something."""
         start = moldudp64.HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
-        top = messages.client_seq_maxima(memoryview(packet)[start:], 2).get(self.origin, 0)
         if messages.REJECTED in packet[start + 2::messages.SEQUENCED_BLOCK_SIZE]:  # rare: a reject; one of ours?
             self._note_rejects(packet, skip)
+        return self._acknowledged(memoryview(packet)[start:], now_ns)
+
+    def on_ahead(self, packet: bytes, now_ns: int) -> bool:
+        """A sealed packet held ahead of a gap (the listener verified it: committed). The leader
+        takes each client's seqs in order, so one of ours in it acknowledges all before it: read
+        now, a lost stream packet does not hold acknowledgements until its gap fills (its
+        rejects are read when it is delivered in order). True if it acknowledged something."""
+        return self._acknowledged(memoryview(packet)[moldudp64.HEADER_SIZE:], now_ns)
+
+    def _acknowledged(self, blocks: memoryview, now_ns: int) -> bool:
+        top = messages.client_seq_maxima(blocks, 2).get(self.origin, 0)
         if top <= self.acked:
             return False
         self.acked = top
         q = self.unacked
         while q and q[0].last_cseq <= top:
-            self.latencies_ns.append(now_ns - q.popleft().sent_ns)
+            u = q.popleft()
+            self.latencies_ns.append(now_ns - u.sent_ns)
+            if u.resends == 0:  # (a resent batch's time is ambiguous)
+                self.submitting.sample(now_ns - u.sent_ns)
         return True
 
     def _note_rejects(self, packet: bytes, skip: int) -> None:
@@ -194,13 +220,14 @@ class ClientCore:
         out = []
         if now_ns < self.paused_until_ns:
             return out
+        timeout = self.resend_timeout_ns
         for i, u in enumerate(self.unacked):
             if len(out) == RESENDS_PER_ROUND:
                 break
             if now_ns >= u.due_ns:
                 u.resends += 1
                 backoff = 1 if i == 0 else min(1 << u.resends, MAX_BACKOFF)
-                u.due_ns = now_ns + self.resend_ns * backoff
+                u.due_ns = now_ns + timeout * backoff
                 u.last_sent_ns = now_ns
                 out.append(u.datagram)
         self.resends += len(out)

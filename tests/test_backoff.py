@@ -17,6 +17,7 @@ from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import (
     BACKOFF_INTERVAL_NS,
     BACKOFF_RETRY_MS,
+    MAX_RESEND_TIMEOUT_NS,
     MAX_RETRY_MS,
     OVERLOAD_NS,
     RESEND_ASK_FLOOR_NS,
@@ -199,6 +200,35 @@ def test_a_lost_batch_is_sequenced_one_round_trip_after_the_next_one_arrives():
     assert c.on_timer(6 * MS) == [first]  # 6 ms, not the 100 ms timeout
     lead.on_inbound(first, 7 * MS, "addr-b")
     assert lead.client_last[B] == 2 * c.per_batch
+
+
+def sequenced_at(c, lead, datagram, now):
+    """The leader sequences `datagram`; the client sees it in the stream at `now`."""
+    lead.on_inbound(datagram, now, "addr-b")
+    for p in PacketBuilder(S, 1).add_sequenced(lead.flush(now).messages):
+        c.on_delivered(p, 0, now)
+
+
+def test_the_resend_timeout_follows_the_measured_submit_to_sequenced_time():
+    """srtt + 4 rttvar of batches sent once: a cluster that takes 200 ms to sequence is not sent
+    its batches again at the configured 50 ms; the configured timeout is the floor, 1 s the cap."""
+    c, lead = ClientCore(B, KEY, 1400, 50 * MS), leader()
+    assert c.resend_timeout_ns == 50 * MS  # nothing measured yet
+    [first] = c.submit([msg.purchase_request(1, 10, "X", "Y")], 0)
+    sequenced_at(c, lead, first, 200 * MS)
+    assert (c.submitting.srtt_ns, c.submitting.rttvar_ns, c.resend_timeout_ns) == (200 * MS, 100 * MS, 600 * MS)
+    [second] = c.submit([msg.purchase_request(2, 10, "X", "Y")], 300 * MS)
+    assert c.on_timer(400 * MS) == [] and c.on_timer(899 * MS) == []  # a fixed 50 ms: resent at 350
+    assert c.on_timer(900 * MS) == [second]
+    assert c.on_timer(1_499 * MS) == [] and c.on_timer(1_500 * MS) == [second]  # and again a timeout later
+    sequenced_at(c, lead, second, 5_000 * MS)  # resent: its time says nothing (Karn)
+    assert c.resend_timeout_ns == 600 * MS
+    for i in range(3, 40):  # quick now: down to the floor
+        sequenced_at(c, lead, c.submit([msg.purchase_request(i, 10, "X", "Y")], i * 10 * MS)[0], i * 10 * MS + MS)
+    assert c.resend_timeout_ns == 50 * MS
+    slow = ClientCore(B, KEY, 1400, 50 * MS)
+    sequenced_at(slow, leader(), slow.submit([msg.purchase_request(1, 10, "X", "Y")], 0)[0], 5_000 * MS)
+    assert slow.resend_timeout_ns == MAX_RESEND_TIMEOUT_NS
 
 
 # --- the processes ------------------------------------------------------------------------

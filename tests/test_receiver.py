@@ -49,6 +49,18 @@ def test_gap_is_reported_then_filled():
     assert rx.missing() is None
 
 
+def test_every_missing_run_is_listed_in_seq_order_up_to_the_limit():
+    msgs, packets = stream(40, 5)  # 8 packets of 5: seqs 1-5, 6-10, ...
+    rx = StreamReceiver()
+    for i in (0, 2, 3, 5, 7):  # 6-10, 21-25 and 31-35 lost
+        feed(rx, packets[i])
+    assert rx.missing_runs(8) == [(6, 5), (21, 5), (31, 5)] and rx.missing_runs(2) == [(6, 5), (21, 5)]
+    feed(rx, m.encode_heartbeat(S, 51))  # 41-50 exist too
+    assert rx.missing_runs(8) == [(6, 5), (21, 5), (31, 5), (41, 10)]
+    feed(rx, packets[1])
+    assert rx.missing_runs(8) == [(21, 5), (31, 5), (41, 10)] and rx.missing() == (21, 5)
+
+
 def test_heartbeat_reveals_a_tail_gap_and_end_of_session_is_seen():
     msgs, packets = stream(10, 5)
     rx = StreamReceiver()

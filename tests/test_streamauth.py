@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
-from tape.protocol.limits import HINT_TRIES
-from tape.protocol.listener import Deliver, ListenerCore
+from tape.protocol.limits import GAPS_ASKED_AT_ONCE, HINT_TRIES
+from tape.protocol.listener import Ahead, Deliver, ListenerCore
 from tape.protocol.packets import PacketBuilder, messages_per_packet
 from tape.protocol.streamauth import StreamKeys, seal_covers, sealed_ranges
 from tape.rewinder.gapfill import Answer, GapFillCore
@@ -107,13 +107,74 @@ def test_a_listener_with_the_key_delivers_sealed_ranges_only():
     assert lc.on_datagram(real) == [Deliver(1, real, 0)] and lc.bad == {"unsealed": 1, "unknown_key": 1}
 
 
+def test_a_sealed_packet_ahead_of_a_gap_is_handed_out_as_ahead_and_acknowledges_a_client_at_once():
+    """Only with keys (an unsealed packet could be anyone's), only ahead of the next seq; the
+    client reads its acknowledgements in it, and the packet is delivered once the gap fills."""
+    from tape.sequencer.client_core import ClientCore
+
+    keys = StreamKeys([K1])
+    lc, client = ListenerCore(S, 2, 10**9, keys=keys), ClientCore(CLIENT, None, 1400, 10**9)
+    client.submit([M.purchase_request(i, 10, "X", "Y") for i in range(1, 6)], 0)
+    (_, first), (_, second) = (keys.seal_packet(S, 1, trades(2), 1, LEADER),
+                               keys.seal_packet(S, 4, trades(3, first=3), 1, LEADER))
+    assert lc.on_datagram(second) == [Ahead(second)]  # seq 4 while 1 is next: held
+    assert client.on_ahead(second, 7) and client.acked == 5 and not client.unacked
+    assert lc.on_datagram(second) == [Ahead(second)]  # again (a gap fill's copy): nothing new
+    assert not client.on_ahead(second, 8)
+    assert lc.on_datagram(first) == [Deliver(1, first, 0), Deliver(4, second, 0)]
+    assert lc.on_datagram(first) == []  # a duplicate behind the stream: nothing
+    plain = ListenerCore(S, 2, 10**9)
+    assert plain.on_datagram(PacketBuilder(S, 4).add_sequenced(trades(3, first=3))[0]) == []
+
+
+def test_a_listener_asks_for_every_missing_run_at_once_and_again_only_after_the_timeout():
+    """Each of the first GAPS_ASKED_AT_ONCE runs, spread over the rewinders; a run not answered
+    within gap_request_ns goes again to the next rewinder; a filled run is not asked again."""
+    keys = StreamKeys([K1])
+    lc = ListenerCore(S, 2, 20 * 10**6, keys=keys)
+    lc.reply_at("10.0.0.1", 7000)
+    packets = [keys.seal_packet(S, 1 + 4 * i, trades(3, first=1 + 3 * i), 1, LEADER)[1] for i in range(12)]
+    for i in range(0, 12, 2):  # seqs 5-8, 13-16, ... lost: 5 gaps behind the last packet
+        lc.on_datagram(packets[i])
+
+    def asked(now):
+        return [(a.index, moldudp64.decode_request(a.request[:20])[1:]) for a in lc.on_timer(now)]
+
+    gaps = [(5 + 8 * i, 4) for i in range(GAPS_ASKED_AT_ONCE) if 5 + 8 * i < 41]
+    assert asked(0) == [(i % 2, gap) for i, gap in enumerate(gaps)]  # all at once, alternating
+    assert asked(19 * 10**6) == []  # not before the timeout
+    lc.on_datagram(packets[1])  # 5-8 answered
+    assert asked(20 * 10**6) == [((i + 1) % 2, gap) for i, gap in enumerate(gaps) if i]  # the other rewinder
+    assert lc.requests_sent == 2 * len(gaps) - 1
+
+
+def test_a_listeners_gap_timeout_follows_how_long_answers_take():
+    """Answered in 100 ms (a loaded rewinder), a run is not asked again at the configured 20 ms
+    but at srtt + 4 rttvar; a run asked twice says nothing of the answers' time."""
+    keys = StreamKeys([K1])
+    lc = ListenerCore(S, 2, 20 * 10**6, keys=keys)
+    lc.reply_at("10.0.0.1", 7000)
+    packets = [keys.seal_packet(S, 1 + 4 * i, trades(3, first=1 + 3 * i), 1, LEADER)[1] for i in range(6)]
+    ms = 10**6
+    for i in (0, 2):
+        lc.on_datagram(packets[i])
+    assert len(lc.on_timer(0)) == 1
+    lc.on_datagram(packets[1])  # answered after 100 ms
+    assert lc.on_timer(100 * ms) == [] and lc.answers.timeout_ns == 300 * ms
+    lc.on_datagram(packets[4])  # 13-16 lost
+    assert len(lc.on_timer(100 * ms)) == 1
+    assert lc.on_timer(399 * ms) == [] and len(lc.on_timer(400 * ms)) == 1  # not at 120 ms
+    lc.on_datagram(packets[3])
+    assert lc.on_timer(2_000 * ms) == [] and lc.answers.timeout_ns == 300 * ms  # asked twice: no sample
+
+
 def test_with_keys_heartbeats_are_hints_that_claim_nothing():
     lc = ListenerCore(S, 2, 10**9, keys=StreamKeys([K1]))
     lc.reply_at("10.0.0.1", 7000)
     assert lc.on_datagram(moldudp64.encode_heartbeat(S, 2**62)) == []
     assert lc.receiver.lag() == 0  # nothing believed to exist
-    asks = [lc.on_timer(t * 10**9) for t in range(20)]  # but what follows is asked for, a few times
-    assert [moldudp64.decode_request(a.request[:20])[1] for a in asks if a] == [1] * HINT_TRIES
+    asks = [a for t in range(20) for a in lc.on_timer(t * 10**9)]  # but what follows is asked for, a few times
+    assert [moldudp64.decode_request(a.request[:20])[1] for a in asks] == [1] * HINT_TRIES
 
 
 def test_without_keys_a_far_fetched_heartbeat_is_dropped():
