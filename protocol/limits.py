@@ -58,7 +58,7 @@ REPLAY_IDLE_TIMEOUT_S = 15.0  # a replay client silent this long is gone (SoupBi
 REPLAY_CLIENT_HEARTBEAT_S = 1.0
 
 # --- listeners ---------------------------------------------------------------------------
-REPLAY_BEHIND = 2_000  # messages a replica is behind the stream before it catches up over TCP
+REPLAY_BEHIND = 2_000  # messages a replica misses (known to exist, not held) before it catches up over TCP
 RECEIVER_MAX_HELD = 1_000_000  # out-of-order messages a receiver holds before dropping the furthest
 GAPS_ASKED_AT_ONCE = 8  # missing runs a listener has requests out for at once
 MAX_GAP_TIMEOUT_NS = 500_000_000  # the most a listener's measured gap-request timeout grows to

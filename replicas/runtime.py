@@ -281,7 +281,7 @@ class Replica(NodeProcess):
             seq = None
             batch: list[bytes] = []
             beat = time.monotonic()
-            while rx.lag() > 0 or rx.missing() is not None:
+            while not self.core.caught_up(rx):
                 data = await asyncio.wait_for(reader.read(STREAM_READ), 5.0)
                 if not data:
                     return

@@ -135,8 +135,7 @@ class Client:
             self._progress.set()
 
     def on_ahead(self, pkt: bytes) -> None:
-        if self.core.on_ahead(pkt, time.monotonic_ns()):
-            self._progress.set()
+        self.core.on_ahead(pkt, time.monotonic_ns())
 
     async def _resend_loop(self) -> None:
         while True:

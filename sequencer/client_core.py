@@ -5,7 +5,9 @@ numbers and returns the inbound batches (datagrams) to send to every
 sequencer. `on_delivered(packet, skip)` reads the public stream: a message
 sequenced with this client as origin acknowledges everything up to its
 client seq (the sequencer accepts each client's messages in order);
-`on_ahead(packet)` reads a sealed packet held ahead of a gap likewise.
+`on_ahead(packet)` reads a sealed packet held ahead of a gap, whose
+messages of this client are sequenced but not acknowledged yet (their
+rejects are read in order): they are no longer sent again.
 `on_timer(now)` returns what is due to be sent again.
 
 A client seq names one trade forever: the leader sequences each client seq
@@ -140,27 +142,29 @@ class ClientCore:
         start = moldudp64.HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
         if messages.REJECTED in packet[start + 2::messages.SEQUENCED_BLOCK_SIZE]:  # rare: a reject; one of ours?
             self._note_rejects(packet, skip)
-        return self._acknowledged(memoryview(packet)[start:], now_ns)
-
-    def on_ahead(self, packet: bytes, now_ns: int) -> bool:
-        """A sealed packet held ahead of a gap (the listener verified it: committed). The leader
-        takes each client's seqs in order, so one of ours in it acknowledges all before it: read
-        now, a lost stream packet does not hold acknowledgements until its gap fills (its
-        rejects are read when it is delivered in order). True if it acknowledged something."""
-        return self._acknowledged(memoryview(packet)[moldudp64.HEADER_SIZE:], now_ns)
-
-    def _acknowledged(self, blocks: memoryview, now_ns: int) -> bool:
-        top = messages.client_seq_maxima(blocks, 2).get(self.origin, 0)
+        top = messages.client_seq_maxima(memoryview(packet)[start:], 2).get(self.origin, 0)
         if top <= self.acked:
             return False
         self.acked = top
+        self._sequenced(top, now_ns)
+        return True
+
+    def on_ahead(self, packet: bytes, now_ns: int) -> None:
+        """A sealed packet held ahead of a gap (the listener verified it: committed). The leader
+        takes each client's seqs in order, so one of ours in it says that all before it are
+        sequenced: they are not sent again, though a lost stream packet holds them back. They
+        are acknowledged (`acked`, with their rejects read) when delivered in order."""
+        self._sequenced(messages.client_seq_maxima(memoryview(packet)[moldudp64.HEADER_SIZE:], 2).get(self.origin, 0),
+                        now_ns)
+
+    def _sequenced(self, top: int, now_ns: int) -> None:
+        """Client seqs up to `top` are in the log: their batches are no longer sent again."""
         q = self.unacked
         while q and q[0].last_cseq <= top:
             u = q.popleft()
             self.latencies_ns.append(now_ns - u.sent_ns)
             if u.resends == 0:  # (a resent batch's time is ambiguous)
                 self.submitting.sample(now_ns - u.sent_ns)
-        return True
 
     def _note_rejects(self, packet: bytes, skip: int) -> None:
         n = moldudp64.HEADER.unpack_from(packet)[2]

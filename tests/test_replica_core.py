@@ -72,3 +72,21 @@ def test_the_digest_at_each_fold_point_crossed_goes_to_the_emitter_and_again_on_
     assert sent == [SendDigest(4096, c.machine.chain)] and c.machine.last_seq == 4200
     c.on_link_lost()
     assert c.on_welcome(0)[-1] == SendDigest(4096, c.machine.chain)
+
+
+def test_a_replica_replays_over_tcp_for_what_it_misses_not_for_what_it_holds():
+    """One lost packet holds everything after it: gap fill's work, however much is held. A
+    replay starts past REPLAY_BEHIND missing and ends under a quarter of it."""
+    from tape.protocol import moldudp64
+    from tape.protocol.limits import REPLAY_BEHIND
+
+    rx = StreamReceiver(moldudp64.session_bytes("TAPE"))
+    packet = lambda seq, n: (rx.session, seq, n, b"")  # noqa: E731 (the receiver holds the bytes as given)
+    rx.on_packet(*packet(1, 10))
+    for seq in range(21, 21 + 3 * REPLAY_BEHIND, 10):  # seqs 11-20 lost: all after them held
+        rx.on_packet(*packet(seq, 10))
+    assert rx.lag() > 3 * REPLAY_BEHIND and not ReplicaCore.far_behind(rx)
+    rx.on_packet(*packet(21 + 4 * REPLAY_BEHIND, 10))  # REPLAY_BEHIND more known to exist, missing
+    assert ReplicaCore.far_behind(rx) and not ReplicaCore.caught_up(rx)
+    rx.on_packet(*packet(21 + 3 * REPLAY_BEHIND, REPLAY_BEHIND - 400))  # a replay brings most of them
+    assert not ReplicaCore.far_behind(rx) and ReplicaCore.caught_up(rx)

@@ -107,9 +107,9 @@ def test_a_listener_with_the_key_delivers_sealed_ranges_only():
     assert lc.on_datagram(real) == [Deliver(1, real, 0)] and lc.bad == {"unsealed": 1, "unknown_key": 1}
 
 
-def test_a_sealed_packet_ahead_of_a_gap_is_handed_out_as_ahead_and_acknowledges_a_client_at_once():
+def test_a_sealed_packet_ahead_of_a_gap_is_handed_out_as_ahead_and_a_client_resends_none_of_it():
     """Only with keys (an unsealed packet could be anyone's), only ahead of the next seq; the
-    client reads its acknowledgements in it, and the packet is delivered once the gap fills."""
+    client stops resending what it holds, and acknowledges it (rejects read) once delivered."""
     from tape.sequencer.client_core import ClientCore
 
     keys = StreamKeys([K1])
@@ -118,10 +118,14 @@ def test_a_sealed_packet_ahead_of_a_gap_is_handed_out_as_ahead_and_acknowledges_
     (_, first), (_, second) = (keys.seal_packet(S, 1, trades(2), 1, LEADER),
                                keys.seal_packet(S, 4, trades(3, first=3), 1, LEADER))
     assert lc.on_datagram(second) == [Ahead(second)]  # seq 4 while 1 is next: held
-    assert client.on_ahead(second, 7) and client.acked == 5 and not client.unacked
+    client.on_ahead(second, 7)
+    assert not client.unacked and client.on_timer(10**10) == []  # sequenced: never sent again
+    assert client.acked == 0 and client.latencies_ns == [7]  # acknowledged once delivered in order
     assert lc.on_datagram(second) == [Ahead(second)]  # again (a gap fill's copy): nothing new
-    assert not client.on_ahead(second, 8)
+    client.on_ahead(second, 8)
+    assert client.latencies_ns == [7]
     assert lc.on_datagram(first) == [Deliver(1, first, 0), Deliver(4, second, 0)]
+    assert client.on_delivered(first, 0, 9) and client.on_delivered(second, 0, 9) and client.acked == 5
     assert lc.on_datagram(first) == []  # a duplicate behind the stream: nothing
     plain = ListenerCore(S, 2, 10**9)
     assert plain.on_datagram(PacketBuilder(S, 4).add_sequenced(trades(3, first=3))[0]) == []
