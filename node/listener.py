@@ -33,7 +33,7 @@ class StreamListener:
                  seed: int = 0, next_seq: int = 1, on_undecodable: Callable[[int, ProtocolError], None] | None = None,
                  on_ahead: Callable[[bytes], None] | None = None):
         """`interface`: the local address multicast arrives on (netif.resolve'd). `on_ahead`: gets
-        each sealed packet held ahead of a gap (clients read their acknowledgements in it)."""
+        each sealed packet held ahead of a gap (clients stop resending what it shows)."""
         self.cfg = cfg
         self.interface = interface
         self.deliver = deliver

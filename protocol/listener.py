@@ -5,8 +5,8 @@ answer) and the time. Actions out:
 
     Deliver(first_seq, packet, skip)   messages skip.. of packet, in order
     Ahead(packet)                      with keys: a sealed packet held ahead of a gap;
-                                       committed, so a client may read its
-                                       acknowledgements in it before the gap fills
+                                       committed, so a client stops resending
+                                       what it shows before the gap fills
     Undecodable(seq, error)            a sealed (authenticated, committed) packet holds a
                                        message at the next seq that cannot be
                                        decoded: skipping it would diverge
@@ -29,7 +29,7 @@ whose tag verifies (protocol/streamauth.py); anything else is counted by
 reason and dropped before it can take a seq. Heartbeats and end-of-session
 packets cannot carry a seal (they would stop being MoldUDP64): they are
 hints, which make the listener ask the rewinders what follows (once per
-`gap_request_ns`, at most HINT_TRIES times without progress, so that a
+answer timeout, at most HINT_TRIES times without progress, so that a
 forged hint costs a few requests) but never claim that a seq exists.
 Without keys a hint further ahead than MAX_HINT_AHEAD is dropped as
 far-fetched.
@@ -83,7 +83,6 @@ class ListenerCore:
         self._hint_from = 0  # the next seq when the hint was last asked about
         self._hint_tries = 0  # requests for the hint since the stream last moved
         self.rewinders = rewinders
-        self.gap_request_ns = gap_request_ns
         self.bad: dict[str, int] = {}  # datagrams dropped, by reason
         self.requests_sent = 0
         self._asked: dict[int, tuple[int, int, int]] = {}  # first seq of a missing run -> (when, whom, times) asked
