@@ -110,7 +110,7 @@ class SnapshotStore:
         job = self.prepare(m, extra, outbox)
         try:
             self.finish(job, self.write(job))
-        except lmdb.Error:
+        except BaseException:  # the disk refused it (lmdb.Error), or a record would not pack
             self.abandon(m, job)
             raise
         return len(job.dirty)
@@ -177,8 +177,10 @@ class SnapshotStore:
             old = [(bytes(k), bytes(v)) for k, v in cursor.getmulti(keys)]
             cursor.putmulti(new)
             if len(new) < len(keys):  # closed books: few, at their expiry
-                for key in sorted(set(keys) - {k for k, _ in new}):
-                    txn.delete(key, db=self.books)
+                kept = {k for k, _ in new}
+                for key in keys:
+                    if key not in kept:
+                        txn.delete(key, db=self.books)
         return records_sum(b"books:", new) - records_sum(b"books:", old)
 
     @staticmethod
