@@ -74,20 +74,10 @@ class ReplicaCore:
         """Apply a delivered packet's messages from number `skip` on (an impossible order raises
         InvariantViolation): what the replica process and the simulator do."""
         alerts = self.machine.apply_packet(first_seq, packet, skip)
-        ended = SESSION_END in packet[HEADER_SIZE + 2::SEQUENCED_BLOCK_SIZE][skip:][-2:]
-        return self._applied(first_seq, alerts, ended)
-
-    def on_run(self, first_seq: int, msgs: list) -> list[ReplicaAction]:
-        """Apply consecutive decoded messages (an impossible order raises InvariantViolation)."""
-        alerts = self.machine.apply_run(first_seq, msgs)
-        return self._applied(first_seq, alerts, any(m[0] == SESSION_END for m in msgs[-2:]))
-
-    def _applied(self, first_seq: int, alerts: list[Alert], ended: bool) -> list[ReplicaAction]:
-        """`ended`: the session's end entry was among the last two applied (only its seal may follow it)."""
         last = self.machine.last_seq
         self._since_snapshot += last - first_seq + 1
         folded = last // DIGEST_BLOCK > (first_seq - 1) // DIGEST_BLOCK
-        if ended:
+        if SESSION_END in packet[HEADER_SIZE + 2::SEQUENCED_BLOCK_SIZE][skip:][-2:]:  # only its seal may follow
             self.session_ended = True
         out: list[ReplicaAction] = []
         if alerts:

@@ -33,9 +33,9 @@ again. The timeout follows what submitting takes: the measured
 submit-to-sequenced time and its variation (TCP's, RFC 6298: srtt +
 4 rttvar, from batches sent once only), never less than the configured
 `resend_ns` and at most MAX_RESEND_TIMEOUT_NS. A fixed timeout below a
-loaded cluster's commit time resent every batch at least once, which
-loaded the leader further (more resends than batches with 2% loss at
-100,000 msg/s); a lost batch is asked for by the leader anyway.
+loaded cluster's commit time resent more batches than were sent (2% loss
+at 100,000 msg/s), which loaded the leader further; a lost batch is asked
+for by the leader anyway.
 """
 
 from __future__ import annotations

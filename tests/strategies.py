@@ -26,5 +26,4 @@ sequenced = st.one_of(
 
 def packet_of(first_seq: int, msgs: list, session: bytes = b"TEST      ") -> bytes:
     """A downstream packet holding these decoded sequenced messages (as a listener delivers it)."""
-    blocks = b"".join(messages.BLOCK_PREFIX + messages.SEQUENCED.pack(*m) for m in msgs)
-    return moldudp64.HEADER.pack(session, first_seq, len(msgs)) + blocks
+    return moldudp64.encode_packet(session, first_seq, [messages.SEQUENCED.pack(*m) for m in msgs])

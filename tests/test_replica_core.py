@@ -1,5 +1,7 @@
 """ReplicaCore (replicas/replica_core.py): the outbox and the emitter's marks, snapshot timing, the exit."""
 
+from strategies import packet_of
+
 from tape.protocol import messages as M
 from tape.protocol.receiver import StreamReceiver
 from tape.replicas.audit import AuditMachine
@@ -21,6 +23,11 @@ def overfill(first_order: int, n: int) -> list:
     return out
 
 
+def applied(c: ReplicaCore, first: int, msgs: list) -> list:
+    """The messages as a delivered packet, as the replica and the simulator apply them."""
+    return c.on_packet(first, packet_of(first, msgs), 0)
+
+
 def core(**kw) -> ReplicaCore:
     args = dict(snapshot_every=1000, snapshot_ns=100 * MS, exit_on_end=True, now_ns=0)
     return ReplicaCore(AuditMachine(), [], **{**args, **kw})
@@ -28,11 +35,11 @@ def core(**kw) -> ReplicaCore:
 
 def test_alerts_wait_in_the_outbox_until_the_channel_is_up_and_acknowledged():
     c = core()
-    assert c.on_run(1, overfill(1, 2)) == []  # no channel yet: kept, not sent
+    assert applied(c, 1, overfill(1, 2)) == []  # no channel yet: kept, not sent
     assert len(c.outbox) == 2
     sent, = c.on_welcome(0)  # no fold point crossed yet: no digest
     assert [a.emit_seq for a in sent.alerts] == [2, 4]
-    actions = c.on_run(5, overfill(3, 1))
+    actions = applied(c, 5, overfill(3, 1))
     assert actions == [SendAlerts([c.outbox[-1]])]
     c.on_ack(4)
     assert [a.emit_seq for a in c.outbox] == [6]
@@ -42,9 +49,9 @@ def test_alerts_wait_in_the_outbox_until_the_channel_is_up_and_acknowledged():
 
 def test_snapshots_every_n_messages_or_t_nanoseconds():
     c = core(snapshot_every=4)
-    assert Snapshot() in c.on_run(1, overfill(1, 2))
+    assert Snapshot() in applied(c, 1, overfill(1, 2))
     c.snapshot_taken(10 * MS)
-    c.on_run(5, overfill(3, 1))
+    applied(c, 5, overfill(3, 1))
     rx = StreamReceiver(b"TAPE      ")
     assert c.on_timer(50 * MS, rx) == []
     assert c.on_timer(110 * MS, rx) == [Snapshot()]
@@ -54,10 +61,10 @@ def test_exit_only_once_the_end_entry_is_applied_and_every_alert_acknowledged():
     c = core()
     rx = StreamReceiver(b"TAPE      ")
     rx.on_packet(b"TAPE      ", 5, 0xFFFF, b"")  # an end-of-session packet: a hint, not the end
-    c.on_run(1, overfill(1, 2))
+    applied(c, 1, overfill(1, 2))
     assert Exit() not in c.on_timer(0, rx)
     end = M.decode(M.session_end(9, b"seq-a     "))
-    c.on_run(5, [end, M.decode(M.time_tick(9, b"seq-a     "))])  # the end entry, then (say) its seal
+    applied(c, 5, [end, M.decode(M.time_tick(9, b"seq-a     "))])  # the end entry, then (say) its seal
     assert Exit() not in c.on_timer(0, rx)  # alerts not acknowledged
     c.on_welcome(4)
     assert Exit() in c.on_timer(0, rx)
@@ -67,8 +74,8 @@ def test_the_digest_at_each_fold_point_crossed_goes_to_the_emitter_and_again_on_
     c = core(snapshot_every=10**6)
     c.on_welcome(0)
     msgs = overfill(1, 2100)  # 4,200 messages: past the fold at 4,096
-    assert not any(isinstance(a, SendDigest) for a in c.on_run(1, msgs[:4000]))
-    sent = [a for a in c.on_run(4001, msgs[4000:]) if isinstance(a, SendDigest)]
+    assert not any(isinstance(a, SendDigest) for a in applied(c, 1, msgs[:4000]))
+    sent = [a for a in applied(c, 4001, msgs[4000:]) if isinstance(a, SendDigest)]
     assert sent == [SendDigest(4096, c.machine.chain)] and c.machine.last_seq == 4200
     c.on_link_lost()
     assert c.on_welcome(0)[-1] == SendDigest(4096, c.machine.chain)
