@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import bisect
 
+# A replica samples the latency of one delivered packet in this many: a sample a packet cost a tenth
+# of its CPU, and one in 8 still gives ~1,800 samples a second at 250,000 msg/s.
+LATENCY_SAMPLE_PACKETS = 8
 # Upper bounds of the latency histogram's buckets, in seconds (the requirement is 5 ms).
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
