@@ -302,6 +302,9 @@ static void b2_compress(uint64_t h[8], const unsigned char *block, uint64_t t, i
     for (int i = 0; i < 8; i++) v[i] = h[i], v[i + 8] = B2_IV[i];
     v[12] ^= t;  /* records are far shorter than 2^64 bytes: the counter's high word stays 0 */
     if (last) v[14] = ~v[14];
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC unroll 12  /* the message schedule's indices become constants: a fifth faster */
+#endif
     for (int r = 0; r < 12; r++) {
         const uint8_t *s = B2_SIGMA[r];
         B2_G(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
