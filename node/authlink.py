@@ -72,7 +72,8 @@ async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: d
     nonce = os.urandom(NONCE_SIZE)
     writer.write(keys.hello(nonce))
     try:
-        peer = await asyncio.wait_for(reader.readexactly(HELLO.size), HANDSHAKE_TIMEOUT_S)
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):  # not wait_for (node/process.py `within`)
+            peer = await reader.readexactly(HELLO.size)
         sealer, opener = keys.accept(nonce, peer, initiator)
     except asyncio.IncompleteReadError as e:
         _refuse(refused, ProtocolError("bad_hello", f"closed after {len(e.partial)} bytes of a hello", 0))
@@ -99,7 +100,8 @@ async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str
             writer.close()
             raise
 
-    return await asyncio.wait_for(open_link(), timeout)
+    async with asyncio.timeout(timeout):  # not wait_for (node/process.py `within` says why)
+        return await open_link()
 
 
 def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refused: dict[str, int]):

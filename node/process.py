@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Coroutine
+from typing import Awaitable, Coroutine, TypeVar
 
 from tape.node import authlink
 from tape.node.journal_store import JournalCorruption
 from tape.node.settings import Config, Node
 from tape.protocol.errors import InvariantViolation
 
+T = TypeVar("T")
 EXIT_OK = 0
 EXIT_INTERNAL_ERROR = 1
 EXIT_INVARIANT = 4
@@ -119,3 +120,14 @@ class NodeProcess:
             await self.main()
         except InvariantViolation as e:
             self.fail(f"impossible state: {e}")
+
+
+async def within(aw: Awaitable[T], seconds: float | None) -> T:
+    """`await aw`, or TimeoutError after `seconds` (None: no limit). asyncio.timeout, not
+    wait_for: Python 3.11's wait_for can swallow a cancellation that arrives as `aw` completes,
+    and a task told to stop then goes on (seen: a leader failing as it began to lead hung in its
+    shutdown, its link task having connected instead of stopping; uvloop, whose connections
+    complete sooner, made it likely, docs/decisions.md)."""
+    async with asyncio.timeout(seconds):
+        return await aw
+

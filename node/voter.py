@@ -29,6 +29,7 @@ from typing import Callable, NamedTuple
 from tape.node import authlink
 from tape.node.diskspace import CHECK_EVERY_S, RESUME_FREE_BYTES, DiskFull, free_bytes, no_space
 from tape.node.journal_store import SLOW_FSYNC_S
+from tape.node.process import within
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import replication as rep
@@ -336,7 +337,7 @@ class Voter:
             writer.write(rep.encode_fetch(*self.core.fetch_from_seq()))
             frames = rep.FrameReader()
             while True:
-                data = await asyncio.wait_for(reader.read(STREAM_READ), 2.0)
+                data = await within(reader.read(STREAM_READ), 2.0)
                 if not data:
                     return taken
                 for fr in frames.feed(data):
@@ -388,7 +389,7 @@ class Voter:
         try:
             frames = rep.FrameReader()
             while self.core.recovering:
-                data = await asyncio.wait_for(reader.read(CONTROL_READ), self.cfg.election_ms / 1000)
+                data = await within(reader.read(CONTROL_READ), self.cfg.election_ms / 1000)
                 if not data:
                     return
                 hello = next((fr for fr in frames.feed(data) if isinstance(fr, rep.Hello)), None)
@@ -420,7 +421,7 @@ class Voter:
             hello = None
             deadline = time.monotonic() + self.cfg.election_ms / 1000
             while time.monotonic() < deadline:
-                data = await asyncio.wait_for(reader.read(CONTROL_READ), deadline - time.monotonic())
+                data = await within(reader.read(CONTROL_READ), deadline - time.monotonic())
                 if not data:
                     return
                 for fr in frames.feed(data):

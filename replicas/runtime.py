@@ -26,7 +26,7 @@ import lmdb
 
 from tape.node.latency import LATENCY_SAMPLE_PACKETS, LatencyHistogram, LatencySamples
 from tape.node.listener import StreamListener
-from tape.node.process import NodeProcess
+from tape.node.process import NodeProcess, within
 from tape.node.settings import Config, Node
 from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
@@ -287,7 +287,7 @@ class Replica(NodeProcess):
             batch: list[bytes] = []
             beat = time.monotonic()
             while not self.core.caught_up(rx):
-                data = await asyncio.wait_for(reader.read(STREAM_READ), 5.0)
+                data = await within(reader.read(STREAM_READ), 5.0)
                 if not data:
                     return
                 if time.monotonic() - beat >= REPLAY_CLIENT_HEARTBEAT_S:  # the server drops a silent client

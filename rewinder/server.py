@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from tape.node.journal_repair import open_checked
-from tape.node.process import NodeProcess
+from tape.node.process import NodeProcess, within
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.node.transport import LossInjector, udp_socket
@@ -153,7 +153,7 @@ class Rewinder(NodeProcess):
         try:
             login = None
             while login is None:
-                data = await asyncio.wait_for(reader.read(CONTROL_READ), REPLAY_LOGIN_TIMEOUT_S)
+                data = await within(reader.read(CONTROL_READ), REPLAY_LOGIN_TIMEOUT_S)
                 if not data:
                     return
                 for kind, payload in frames.feed(data):
@@ -177,7 +177,7 @@ class Rewinder(NodeProcess):
                     await writer.drain()
                     continue
                 try:
-                    await asyncio.wait_for(self._wait_commit(), 1.0)
+                    await within(self._wait_commit(), 1.0)
                 except asyncio.TimeoutError:
                     writer.write(soup.heartbeat())
                     await writer.drain()
@@ -197,7 +197,7 @@ class Rewinder(NodeProcess):
         """Read the client's side until it logs out, goes away, falls silent or breaks the framing."""
         try:
             while True:
-                data = await asyncio.wait_for(reader.read(CONTROL_READ), REPLAY_IDLE_TIMEOUT_S)
+                data = await within(reader.read(CONTROL_READ), REPLAY_IDLE_TIMEOUT_S)
                 if not data:
                     return
                 for kind, _ in frames.feed(data):

@@ -18,6 +18,7 @@ import time
 
 from tape.node import netif
 from tape.node.listener import StreamListener
+from tape.node.process import within
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config
 from tape.node.transport import udp_socket
@@ -125,7 +126,7 @@ class Client:
                 return False
             self._progress.clear()
             try:
-                await asyncio.wait_for(self._progress.wait(), left)
+                await within(self._progress.wait(), left)
             except asyncio.TimeoutError:
                 return False
         return True

@@ -28,7 +28,7 @@ from pathlib import Path
 from tape.node.diskspace import DiskFull
 from tape.node.journal_repair import open_checked
 from tape.node.latency import LatencyHistogram, LatencySamples
-from tape.node.process import NodeProcess
+from tape.node.process import NodeProcess, within
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.node.transport import LossInjector, multicast_sender, udp_socket
@@ -255,7 +255,7 @@ class Sequencer(NodeProcess):
                 self._send_commit(force=True)
                 for link in list(self.links.values()):
                     try:
-                        await asyncio.wait_for(link.writer.drain(), 0.5)
+                        await within(link.writer.drain(), 0.5)
                     except (OSError, asyncio.TimeoutError):
                         pass
                 # Repeated, as MoldUDP64 servers do: a listener that loses the one packet
