@@ -504,12 +504,15 @@ class Listener:
         if c.next_cseq <= self.sim.per_client and self.sim.rng.random() < 0.2 and not c.pause_left_ns(now):
             count = min(self.sim.rng.randint(1, 8), self.sim.per_client - c.next_cseq + 1)
             for data in c.submit(self.gen.take(count), now):
-                self.submit(data)
+                self.submit(data, c.leader)
         for data in c.on_timer(now):
             self.submit(data)
 
-    def submit(self, data: bytes) -> None:
-        for s in SEQUENCERS:
+    def submit(self, data: bytes, to: bytes | None = None) -> None:
+        """To the sequencer `to` names (the leader the stream names, as the client shell sends),
+        else to every one (resends)."""
+        named = [s for s in SEQUENCERS if wire(s) == to]
+        for s in named or SEQUENCERS:
             self.sim.send(self.name, s, ("inbound", data))
 
     def send_alerts(self, action: SendAlerts) -> None:

@@ -35,7 +35,7 @@ import hmac
 import ipaddress
 import struct
 
-from .messages import AUTH, BLOCK_PREFIX, SEQUENCED, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE
+from .messages import AUTH, BLOCK_PREFIX, CLIENT_SEQ_AT, ORIGIN_AT, SEQUENCED, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE
 from .moldudp64 import HEADER, HEADER_SIZE
 
 try:
@@ -129,6 +129,15 @@ class StreamKeys:
         if (str(ipaddress.IPv4Address(host)), port) != tuple(source):
             return "wrong_source"
         return None
+
+
+def seal_origin(packet: bytes) -> bytes | None:
+    """The leader named by the seal that ends a packet (its origin field), or None if the packet
+    does not end with a seal. Read only from packets a listener verified."""
+    if len(packet) < HEADER_SIZE + SEQUENCED_BLOCK_SIZE or packet[-SEQUENCED_SIZE] != AUTH:
+        return None
+    seal = len(packet) - SEQUENCED_SIZE
+    return packet[seal + ORIGIN_AT:seal + CLIENT_SEQ_AT]
 
 
 def seal_covers(entry: bytes) -> tuple[int, int] | None:

@@ -1,7 +1,8 @@
 """The client library's shell: submit trades exactly once.
 
 `submit(messages)` hands them to ClientCore, which numbers and batches
-them, and sends each batch to every sequencer; the StreamListener feeds
+them, and sends each batch to the leader the stream names (every sequencer
+while none is known, and for resends); the StreamListener feeds
 the public stream back to the core, whose acknowledgements release
 `submit`'s back-pressure and `wait_acked`; a timer sends again what the
 core says is due (sequencer/client_core.py has the policy). The send
@@ -39,6 +40,7 @@ class Client:
         self.core = ClientCore(moldudp64.session_bytes(name), cfg.client(name).key, cfg.max_packet,
                                cfg.client_resend_ms * 1_000_000)
         self.sequencers = [(n.host, n.inbound_port) for n in cfg.by_role("sequencer")]
+        self._by_name = {n.wire_name: (n.host, n.inbound_port) for n in cfg.by_role("sequencer")}
         self._leaders = {(socket.gethostbyname(h), p) for h, p in self.sequencers}  # where back-offs come from
         self.badlog = RateLimitedLog(log)
         self.max_in_flight = max_in_flight
@@ -81,7 +83,7 @@ class Client:
         while pause := self.core.pause_left_ns(time.monotonic_ns()):
             await asyncio.sleep(pause / 1e9)
         for data in self.core.submit(msgs, time.monotonic_ns()):
-            self._send(data)
+            self._send(data, self.core.leader)
         return self.core.next_cseq - 1
 
     def _on_advice(self) -> None:
@@ -98,8 +100,10 @@ class Client:
             elif reason != "sent_recently":
                 self.badlog.warn(reason, "dropped a datagram of %d bytes from %s:%d: %s", len(data), *source, reason)
 
-    def _send(self, data: bytes) -> None:
-        for addr in self.sequencers:
+    def _send(self, data: bytes, to: bytes | None = None) -> None:
+        """To the sequencer named `to` (the leader the stream names), else to every one."""
+        leader = self._by_name.get(to)
+        for addr in self.sequencers if leader is None else (leader,):
             try:
                 self.sock.sendto(data, addr)
             except OSError:

@@ -1,14 +1,20 @@
 """The client library's decisions: submit trades exactly once. Pure.
 
 `submit(messages, now)` numbers them with the client's own sequence
-numbers and returns the inbound batches (datagrams) to send to every
-sequencer. `on_delivered(packet, skip)` reads the public stream: a message
+numbers and returns the inbound batches (datagrams) to send to `leader`:
+the sequencer whose seal ends the newest packet read (with stream keys a
+seal names the leader that cut it), or every sequencer while none is known.
+A follower drops what it gets; sending it every batch only woke it.
+`on_timer(now)` returns what is due to be sent again, to every sequencer: a
+batch not seen sequenced in time may have gone to a leader that is gone,
+and new batches go to every one too until a packet names a leader again.
+
+`on_delivered(packet, skip)` reads the public stream: a message
 sequenced with this client as origin acknowledges everything up to its
 client seq (the sequencer accepts each client's messages in order);
 `on_ahead(packet)` reads a sealed packet held ahead of a gap, whose
 messages of this client are sequenced but not acknowledged yet (their
 rejects are read in order): they are no longer sent again.
-`on_timer(now)` returns what is due to be sent again.
 
 A client seq names one trade forever: the leader sequences each client seq
 once and drops it when it comes again. A client that restarts therefore
@@ -48,6 +54,7 @@ from tape.protocol import backoff, messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import MAX_RESEND_TIMEOUT_NS, MAX_RETRY_MS, RESEND_ASK_FLOOR_NS, RESENDS_PER_ROUND
 from tape.protocol.rtt import RoundTrip
+from tape.protocol.streamauth import seal_origin
 
 MAX_BACKOFF = 8  # times the resend timeout, for batches behind the oldest
 
@@ -92,6 +99,7 @@ class ClientCore:
         assert self.per_batch >= 1, f"max_packet {max_packet} holds no inbound message"
         self.submitting = RoundTrip(resend_ns, MAX_RESEND_TIMEOUT_NS)  # submit to seen sequenced
         self.next_cseq = 1
+        self.leader: bytes | None = None  # where new batches go (None: every sequencer)
         self.acked = 0  # highest client seq seen sequenced
         self.unacked: deque[Unacked] = deque()
         self.resends = 0
@@ -139,6 +147,7 @@ class ClientCore:
 
     def on_delivered(self, packet: bytes, skip: int, now_ns: int) -> bool:
         """Messages skip.. of an in-order packet of the stream; True if they acknowledged something."""
+        self.leader = seal_origin(packet) or self.leader
         start = moldudp64.HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
         if messages.REJECTED in packet[start + 2::messages.SEQUENCED_BLOCK_SIZE]:  # rare: a reject; one of ours?
             self._note_rejects(packet, skip)
@@ -154,6 +163,7 @@ class ClientCore:
         takes each client's seqs in order, so one of ours in it says that all before it are
         sequenced: they are not sent again, though a lost stream packet holds them back. They
         are acknowledged (`acked`, with their rejects read) when delivered in order."""
+        self.leader = seal_origin(packet) or self.leader
         self._sequenced(messages.client_seq_maxima(memoryview(packet)[moldudp64.HEADER_SIZE:], 2).get(self.origin, 0),
                         now_ns)
 
@@ -235,4 +245,6 @@ class ClientCore:
                 u.last_sent_ns = now_ns
                 out.append(u.datagram)
         self.resends += len(out)
+        if out:  # not seen sequenced in time: the leader may be gone, until the stream names one again
+            self.leader = None
         return out

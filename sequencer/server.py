@@ -276,7 +276,7 @@ class Sequencer(NodeProcess):
 
     def _on_inbound(self) -> None:
         core, sock, loss = self.core, self.inbound, self.loss
-        if core is None:  # following: clients send to every sequencer; the leader sequences
+        if core is None:  # following: clients that know no leader (and resends) come here too
             for _ in range(DRAIN_DATAGRAMS):
                 try:
                     sock.recv(DATAGRAM_BUFFER)

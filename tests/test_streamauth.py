@@ -131,6 +131,32 @@ def test_a_sealed_packet_ahead_of_a_gap_is_handed_out_as_ahead_and_a_client_rese
     assert plain.on_datagram(PacketBuilder(S, 4).add_sequenced(trades(3, first=3))[0]) == []
 
 
+def test_a_client_sends_new_batches_to_the_leader_the_seals_name_and_resends_to_every_sequencer():
+    """None (every sequencer) until a sealed packet names a leader, in order or ahead of a gap; an
+    unsealed packet names none; a resend (nothing seen sequenced in time) forgets the leader
+    until a packet names one again (it may be gone); a new leader's seals move it."""
+    from tape.protocol.streamauth import seal_origin
+    from tape.sequencer.client_core import ClientCore
+
+    keys, other = StreamKeys([K1]), moldudp64.session_bytes("seq-b")
+    client = ClientCore(moldudp64.session_bytes("clientB"), None, 1400, 10**6)  # the trades are clientA's
+    assert client.leader is None
+    unsealed = PacketBuilder(S, 1).add_sequenced(trades(2))[0]
+    client.on_delivered(unsealed, 0, 0)
+    assert client.leader is None and seal_origin(unsealed) is None
+    _, first = keys.seal_packet(S, 3, trades(2, first=3), 1, LEADER)
+    client.on_delivered(first, 0, 0)
+    assert client.leader == LEADER == seal_origin(first)
+    client.submit([M.purchase_request(1, 10, "X", "Y")], 0)
+    assert client.on_timer(10**6 - 1) == [] and client.leader == LEADER  # not due: still the leader's
+    assert len(client.on_timer(10**9)) == 1 and client.leader is None  # resent: to every sequencer
+    client.on_delivered(unsealed, 0, 0)
+    assert client.leader is None
+    _, ahead = keys.seal_packet(S, 9, trades(2, first=9), 1, other)
+    client.on_ahead(ahead, 0)
+    assert client.leader == other
+
+
 def test_a_listener_asks_for_every_missing_run_at_once_and_again_only_after_the_timeout():
     """Each of the first GAPS_ASKED_AT_ONCE runs, spread over the rewinders; a run not answered
     within gap_request_ns goes again to the next rewinder; a filled run is not asked again."""
