@@ -130,4 +130,3 @@ async def within(aw: Awaitable[T], seconds: float | None) -> T:
     complete sooner, made it likely, docs/decisions.md)."""
     async with asyncio.timeout(seconds):
         return await aw
-
