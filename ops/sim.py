@@ -824,8 +824,9 @@ class Sim:
             return False  # every fault healed
         if any(self.listeners[r].replica.outbox for r in REPLICAS):
             return False  # alerts the emitter has not acknowledged
-        if any(c.next_cseq <= self.per_client or c.unacked for c in (self.listeners[n].client for n in CLIENTS)):
-            return False
+        if any(c.next_cseq <= self.per_client or c.acked < c.next_cseq - 1 for c in
+               (self.listeners[n].client for n in CLIENTS)):
+            return False  # (not only none to resend: seen ahead of a gap is not acknowledged yet)
         leader = self.leader()
         if leader is None or leader.commit_seq < len(leader.log):
             return False
