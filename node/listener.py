@@ -4,10 +4,10 @@
 decides: hands each in-order run of messages to a callback as (first seq,
 packet bytes, index of the first message), and sends its gap requests.
 
-The multicast stream is the hot path: a non-blocking socket drained up to
-DRAIN_DATAGRAMS per wake-up. Gap requests and the rewinders' answers are a
-low-rate request/answer exchange (one answer per request): they use an
-asyncio-dgram stream, one await per datagram."""
+Both sockets, the multicast stream's and the one gap requests go out on and
+the rewinders' answers come back to, are non-blocking and drained up to
+DRAIN_DATAGRAMS per wake-up: nothing queues in the process but what the
+kernel's receive buffer holds, whatever a flood of answers sends."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import asyncio
 import logging
 import time
 from typing import Callable
-
-import asyncio_dgram
 
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config
@@ -49,7 +47,6 @@ class StreamListener:
         self.badlog = RateLimitedLog(log)
         self.datagrams = 0
         self._task = None
-        self._gap_seen = asyncio.Event()  # the multicast side found a gap: ask now, not at the next tick
 
     @property
     def bad(self) -> dict[str, int]:
@@ -67,12 +64,15 @@ class StreamListener:
         self.req, _ = udp_socket(self.interface)
         self.core.reply_at(*self.req.getsockname())
         loop.add_reader(self.mcast, self._drain)
-        self._task = asyncio.create_task(self._gap_exchange())
+        loop.add_reader(self.req, self._drain_answers)
+        self._task = asyncio.create_task(self._tick())
 
     def stop(self) -> None:
-        """Stop receiving (the gap exchange's socket closes as its task ends)."""
-        asyncio.get_running_loop().remove_reader(self.mcast)
-        self.mcast.close()
+        """Stop receiving and asking."""
+        loop = asyncio.get_running_loop()
+        for sock in (self.mcast, self.req):
+            loop.remove_reader(sock)
+            sock.close()
         if self._task:
             self._task.cancel()
 
@@ -94,7 +94,23 @@ class StreamListener:
             if not loss.drop():
                 on_datagram(data)
         if self.receiver.missing() is not None:
-            self._gap_seen.set()
+            self._ask()  # a gap seen: ask now, not at the next tick
+
+    def _drain_answers(self) -> None:
+        """The rewinders' answers: the committed log again, checked as any stream packet."""
+        for _ in range(DRAIN_DATAGRAMS):
+            try:
+                data = self.req.recv(DATAGRAM_BUFFER)
+            except BlockingIOError:
+                break
+            except OSError as e:  # an ICMP error reported for a request: asked again after the timeout
+                self.badlog.warn("send_error", "gap request failed: %s", e)
+                continue
+            self.datagrams += 1
+            if not self.loss.drop():
+                self.on_datagram(data)
+        if self.receiver.missing() is not None:
+            self._ask()  # the next missing run, or the same again from another rewinder
 
     def on_datagram(self, data: bytes) -> None:
         actions = self.core.on_datagram(data)
@@ -110,38 +126,15 @@ class StreamListener:
             elif self.on_undecodable is not None:
                 self.on_undecodable(a.seq, a.error)
 
-    async def _gap_exchange(self) -> None:
-        """Gap requests out, the rewinders' answers (the committed log) in."""
-        stream = await asyncio_dgram.from_socket(self.req)
-        answer = asyncio.ensure_future(stream.recv())
-        seen = asyncio.ensure_future(self._gap_seen.wait())
-        try:
-            while True:
-                await asyncio.wait((answer, seen), timeout=self.cfg.gap_request_ms / 2000,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if answer.done():
-                    answer = self._on_answer(answer, stream)
-                if seen.done():
-                    self._gap_seen.clear()
-                    seen = asyncio.ensure_future(self._gap_seen.wait())
-                for ask in self.core.on_timer(time.monotonic_ns()):
-                    try:
-                        await stream.send(ask.request, self.rewinders[ask.index])
-                    except OSError as e:  # asked again after the timeout
-                        self.badlog.warn("send_error", "gap request failed: %s", e)
-        finally:
-            answer.cancel()
-            seen.cancel()
-            stream.close()
+    async def _tick(self) -> None:
+        """Ask again what stays unanswered, and for what a hint says is missing, at a steady tick."""
+        while True:
+            await asyncio.sleep(self.cfg.gap_request_ms / 2000)
+            self._ask()
 
-    def _on_answer(self, done: asyncio.Future, stream) -> asyncio.Future:
-        """Take one answer; return the wait for the next."""
-        try:
-            data, _ = done.result()
-        except OSError as e:  # an ICMP error reported for a request: asked again after the timeout
-            self.badlog.warn("send_error", "gap request failed: %s", e)
-        else:
-            self.datagrams += 1
-            if not self.loss.drop():
-                self.on_datagram(data)
-        return asyncio.ensure_future(stream.recv())
+    def _ask(self) -> None:
+        for ask in self.core.on_timer(time.monotonic_ns()):
+            try:
+                self.req.sendto(ask.request, self.rewinders[ask.index])
+            except OSError as e:  # asked again after the timeout
+                self.badlog.warn("send_error", "gap request failed: %s", e)

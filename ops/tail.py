@@ -11,6 +11,7 @@ import time
 
 from tape.node import netif
 from tape.node.listener import StreamListener
+from tape.node.process import run_async, within
 from tape.ops.config import Config
 from tape.ops.journal_tool import record_dict
 from tape.protocol import messages
@@ -56,7 +57,7 @@ async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, see
     last_n = 0
     while not done.is_set():
         try:
-            await asyncio.wait_for(done.wait(), 1.0)
+            await within(done.wait(), 1.0)
         except asyncio.TimeoutError:
             pass
         rx = listener.receiver
@@ -87,7 +88,7 @@ async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, see
 def main(
     cfg: Config, stats: bool, until: int | None, drop: float, seed: int, summary: bool, idle_exit: float | None
 ) -> int:
-    result = asyncio.run(run_tail(cfg, stats, until, drop, seed, summary, idle_exit))
+    result = run_async(run_tail(cfg, stats, until, drop, seed, summary, idle_exit))
     if summary or stats:
         print(json.dumps(result))
     return 0
