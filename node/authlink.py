@@ -47,19 +47,17 @@ class SealedReader:
                 return plain
 
 
-class LinkWriter:
-    """An asyncio.StreamWriter whose writes go out as sealed records when the link has keys, and
-    are dropped once the link is closing: a link can close under a write (its peer gone, or a
-    task closing it), and asyncio drops such a write where uvloop raises."""
+class SealedWriter:
+    """An asyncio.StreamWriter whose writes go out as sealed records."""
 
-    def __init__(self, writer: asyncio.StreamWriter, sealer: Sealer | None = None):
+    def __init__(self, writer: asyncio.StreamWriter, sealer: Sealer):
         self._writer = writer
         self._sealer = sealer
         self.transport = writer.transport
 
     def write(self, data: bytes) -> None:
-        if data and not self.transport.is_closing():
-            self._writer.write(self._sealer.seal(data) if self._sealer else data)
+        if data:
+            self._writer.write(self._sealer.seal(data))
 
     def __getattr__(self, name):  # drain, close, is_closing, wait_closed, get_extra_info
         return getattr(self._writer, name)
@@ -86,7 +84,7 @@ async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: d
     except ProtocolError as e:
         _refuse(refused, e)
         raise ConnectionError(f"link handshake refused: {e}") from None
-    return SealedReader(reader, opener, refused), LinkWriter(writer, sealer)
+    return SealedReader(reader, opener, refused), SealedWriter(writer, sealer)
 
 
 async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str, int], timeout: float | None = None):
@@ -95,7 +93,7 @@ async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str
     async def open_link():
         reader, writer = await asyncio.open_connection(host, port)
         if keys is None:
-            return reader, LinkWriter(writer)
+            return reader, writer
         try:
             return await _handshake(reader, writer, keys, True, refused)
         except BaseException:
@@ -126,7 +124,7 @@ def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refu
         per_host[host] = per_host.get(host, 0) + 1
         try:
             if keys is None:
-                return await handler(reader, LinkWriter(writer))
+                return await handler(reader, writer)
             try:
                 pair = await _handshake(reader, writer, keys, False, refused)
             except (ConnectionError, OSError):

@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Any, Awaitable, Coroutine, TypeVar
-
-import uvloop
+from typing import Awaitable, Coroutine, TypeVar
 
 from tape.node import authlink
 from tape.node.journal_store import JournalCorruption
@@ -110,7 +108,7 @@ class NodeProcess:
 
     def run(self) -> int:
         """Run until stopped (SIGTERM, SIGINT, or a failure); returns the exit code."""
-        run_async(self._run())
+        asyncio.run(self._run())
         return self.exit_code
 
     async def _run(self) -> None:
@@ -122,13 +120,6 @@ class NodeProcess:
             await self.main()
         except InvariantViolation as e:
             self.fail(f"impossible state: {e}")
-
-
-def run_async(main: Coroutine[Any, Any, T]) -> T:
-    """Run `main` to its end on uvloop's event loop (libuv's, in C: the whole cluster spends ~4%
-    less CPU than on asyncio's own loop, docs/decisions.md). Every process of Tape runs on it."""
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
 
 
 async def within(aw: Awaitable[T], seconds: float | None) -> T:

@@ -10,7 +10,6 @@ import signal
 import time
 
 from tape.node.gctune import tune_gc
-from tape.node.process import run_async
 from tape.ops.config import Config
 from tape.ops.tradegen import TradeGenerator
 from tape.sequencer.client import sharing_listeners
@@ -117,7 +116,7 @@ def main(cfg: Config, names: list[str] | None, rate: float, duration: float | No
     names = names or [c.name for c in cfg.clients]
     total = messages if messages is not None else int(rate * (duration or 10.0))
     try:
-        result = run_async(run_load(cfg, names, rate, total, seed, drop, overfill, resume=resume))
+        result = asyncio.run(run_load(cfg, names, rate, total, seed, drop, overfill, resume=resume))
     except TimeoutError as e:
         print(json.dumps({"error": str(e)}))
         return 1

@@ -10,11 +10,11 @@ whole, valid records are ever submitted.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from typing import Iterable, TextIO
 
-from tape.node.process import run_async
 from tape.ops.config import Config
 from tape.protocol import messages
 from tape.sequencer.client import Client
@@ -82,7 +82,7 @@ def main(cfg: Config, client_name: str, path: str, timeout: float) -> int:
     stream = sys.stdin if path == "-" else open(path)
     with stream:
         msgs, bad = read_records(stream, sys.stderr)
-    result = run_async(submit_all(cfg, client_name, msgs, timeout))
+    result = asyncio.run(submit_all(cfg, client_name, msgs, timeout))
     result["rejected_lines"] = bad
     print(json.dumps(result))
     if not result["all_acked"]:

@@ -11,7 +11,7 @@ import time
 
 from tape.node import netif
 from tape.node.listener import StreamListener
-from tape.node.process import run_async, within
+from tape.node.process import within
 from tape.ops.config import Config
 from tape.ops.journal_tool import record_dict
 from tape.protocol import messages
@@ -88,7 +88,7 @@ async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, see
 def main(
     cfg: Config, stats: bool, until: int | None, drop: float, seed: int, summary: bool, idle_exit: float | None
 ) -> int:
-    result = run_async(run_tail(cfg, stats, until, drop, seed, summary, idle_exit))
+    result = asyncio.run(run_tail(cfg, stats, until, drop, seed, summary, idle_exit))
     if summary or stats:
         print(json.dumps(result))
     return 0

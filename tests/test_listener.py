@@ -1,14 +1,18 @@
 """The listener drops malformed and unauthenticated datagrams, but reports an
 undecodable message in authenticated committed data instead of waiting;
-without keys nothing it receives can stop it."""
+without keys nothing it receives can stop it. Its gap-answer socket is
+drained a bounded batch per wake-up."""
 
+import asyncio
 import dataclasses
+import socket
 import tomllib
 
 from tape.node.listener import StreamListener
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
+from tape.protocol.limits import DRAIN_DATAGRAMS
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
 
@@ -56,3 +60,33 @@ def test_without_keys_nothing_received_is_fatal():
     lst.on_datagram(forged)
     lst.on_datagram(forged)  # again ("from a rewinder": anyone can send that)
     assert failures == [] and lst.bad == {"unknown_type": 2} and delivered == [1]
+
+
+async def test_answers_are_read_a_bounded_batch_a_wake_up():
+    lst, delivered, _ = listener(keys=False)
+    rewinder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rewinder.bind(("127.0.0.1", 0))
+    rewinder.settimeout(2)
+    lst.rewinders = [rewinder.getsockname()]
+    lst.start()
+    try:
+        lst.on_datagram(PacketBuilder(SESSION, 1).add_sequenced(good(2))[0])
+        lst.on_datagram(PacketBuilder(SESSION, 5).add_sequenced(good(2, 5))[0])  # 3-4 missing
+        lst._ask()  # what a drain that sees the gap does
+        request, reply_to = rewinder.recvfrom(100)
+        assert moldudp64.decode_header(request)[1:] == (3, 2)
+        for _ in range(DRAIN_DATAGRAMS + 10):  # a flood at the answer socket
+            rewinder.sendto(b"x", reply_to)
+        before = lst.datagrams
+        lst._drain_answers()
+        assert lst.datagrams - before == DRAIN_DATAGRAMS  # the rest waits in the kernel, not in a queue
+        rewinder.sendto(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0], reply_to)  # the answer
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if delivered == [1, 3, 5]:
+                break
+        assert delivered == [1, 3, 5] and lst.datagrams - before == DRAIN_DATAGRAMS + 11
+        assert lst.bad == {"truncated": DRAIN_DATAGRAMS + 10}
+    finally:
+        rewinder.close()
+        await lst.close()
