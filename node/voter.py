@@ -91,7 +91,8 @@ class VoteStore:
 class Voter:
     def __init__(self, cfg: Config, node: Node, journal, can_lead: bool,
                  on_action: Callable[[ElectionAction], None] | None = None, on_fatal: Callable[[str], None] = None,
-                 on_partition: Callable[[bool], None] | None = None, link_refused: dict[str, int] | None = None):
+                 on_partition: Callable[[bool], None] | None = None, link_refused: dict[str, int] | None = None,
+                 on_commit: Callable[[], None] | None = None):
         self.cfg = cfg
         self.link_keys = cfg.cluster_link
         self.link_refused = {} if link_refused is None else link_refused  # shared with the node's metrics
@@ -100,6 +101,7 @@ class Voter:
         self.on_action = on_action or (lambda action: None)  # what the election decided, but Persist
         self.on_partition = on_partition or (lambda cut: None)  # drills' fault injection
         self.on_fatal = on_fatal or (lambda why: None)  # the node's state is impossible: it must stop
+        self.on_commit = on_commit or (lambda: None)  # the commit point moved (a rewinder answers what waited)
         self.store = VoteStore(Path(node.data) / "election.json")
         state = self.store.load()
         if not state.found and len(cfg.voters) > 1:
@@ -290,6 +292,7 @@ class Voter:
             if self.core.commit_seq != before:
                 self.committed.set()
                 self.committed.clear()
+                self.on_commit()
             return rep.encode_ack(*reply)
         if isinstance(fr, rep.VoteRequest):
             reply, actions = self.core.on_vote_request(fr, now)

@@ -66,6 +66,7 @@ VOTERS = SEQUENCERS + REWINDERS
 CLIENTS = ("c0", "c1")
 REPLICAS = ("replica-A", "replica-B")
 EMITTER = "emitter"
+LAN = (*VOTERS, *CLIENTS, *REPLICAS, EMITTER)  # every node, in the order of its address
 FAULTS_UNTIL = 1500 * MS
 FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full",
                "overload")
@@ -83,8 +84,10 @@ def wire(name: str) -> bytes:
 
 def address(name: str) -> tuple[str, int]:
     """A node's (IPv4, port) on the simulated LAN: where gap-fill answers go, signed into requests."""
-    names = (*VOTERS, *CLIENTS, *REPLICAS, EMITTER)
-    return f"10.0.0.{names.index(name) + 1}", 7000
+    return f"10.0.0.{LAN.index(name) + 1}", 7000
+
+
+ADDRESSES = {address(name): name for name in LAN}  # and back
 
 
 def name_of(wire_name: bytes) -> str:
@@ -139,7 +142,7 @@ class Voter:
         self.links: FollowerLinks | None = None  # while leading
         self.invited = 0  # when the leader last tried to (re)connect its missing followers
         self.gapfill = GapFillCore(SESSION, default_of(Config, "max_packet"), STREAM_KEYS, rate_per_s=5000.0,
-                                   total_rate_per_s=50_000.0)
+                                   total_rate_per_s=50_000.0, park_s=GAP_REQUEST_NS / 1e9)
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.hellos: dict[str, Hello] = {}  # voter -> its hello, while campaigning
         self.greet()
@@ -327,6 +330,8 @@ class Voter:
             ack, actions = self.core.on_append(msg, src, now)
             self.act(actions)
             self.sim.send(self.name, src, ack)
+            for answer, to in self.gapfill.due(self.commit_seq, now / 1e9):  # what waited for this commit
+                self.answer_gap(answer, ADDRESSES[to])
         elif isinstance(msg, Ack):
             self.act(self.election.on_ack(msg.follower, msg.term, now))
             if self.leader is None:
@@ -381,10 +386,13 @@ class Voter:
         elif msg[0] == "gap" and not self.can_lead:
             answer = self.gapfill.on_request(msg[1], address(src), now / 1e9, self.commit_seq)
             if isinstance(answer, Answer):
-                read = lambda first, n: [m for _, m in self.log[first - 1:first - 1 + n]]  # noqa: E731
-                first, entries = self.gapfill.entries(answer, read, True, self.commit_seq)
-                for pkt in PacketBuilder(SESSION, first).add_sequenced(entries):
-                    self.sim.send(self.name, src, ("packet", pkt))
+                self.answer_gap(answer, src)
+
+    def answer_gap(self, answer: Answer, to: str) -> None:
+        read = lambda first, n: [m for _, m in self.log[first - 1:first - 1 + n]]  # noqa: E731
+        first, entries = self.gapfill.entries(answer, read, True, self.commit_seq)
+        for pkt in PacketBuilder(SESSION, first).add_sequenced(entries):
+            self.sim.send(self.name, to, ("packet", pkt))
 
 
     def receive_absent(self, src: str, msg) -> bool:

@@ -18,6 +18,7 @@ GAP_REQUEST_BUFFER = 65_536  # bytes read per gap-fill request (padded to the an
 # total bounds gap fill to about a third of one core whatever the number of hosts asking.
 GAPFILL_HOST_RATE, GAPFILL_HOST_BURST = 2_000.0, 400.0
 GAPFILL_TOTAL_RATE, GAPFILL_TOTAL_BURST = 3_000.0, 600.0
+GAP_PARKED_MAX = 1024  # gap-fill requests one rewinder holds at once for the commit point to reach them
 GAPFILL_MAX_HOSTS = 10_000  # hosts whose buckets are remembered (the least recent forgotten first)
 # The emitter's quorum delivery: alerts held awaiting a quorum (a replica that would exceed it is
 # refused until it reconnects), about 100 bytes each.

@@ -37,9 +37,10 @@ from tape.protocol.limits import (
 )
 from tape.protocol.packets import PacketBuilder
 from tape.rewinder import replay
-from tape.rewinder.gapfill import GapFillCore, Refuse
+from tape.rewinder.gapfill import Answer, GapFillCore, Refuse
 
 log = logging.getLogger("tape.rewinder")
+FLOOD_REASONS = ("rate_limited", "server_busy", "parked_full")  # gap requests refused so: counted, not logged
 
 
 class Rewinder(NodeProcess):
@@ -52,8 +53,11 @@ class Rewinder(NodeProcess):
         self.journal, self.voter, self.journal_repaired = open_checked(
             lambda: cfg.open_journal(node), Path(node.data),
             lambda journal: Voter(cfg, node, journal, can_lead=False, on_fatal=self.fail,
-                                  link_refused=self.link_refused))  # votes, never leads
-        self.gapfill = GapFillCore(cfg.session_bytes, cfg.max_packet, cfg.stream_auth)
+                                  link_refused=self.link_refused, on_commit=self._answer_parked))  # votes, never leads
+        # A request for what this rewinder does not yet know committed waits as long as its listener
+        # waits for an answer before asking again.
+        self.gapfill = GapFillCore(cfg.session_bytes, cfg.max_packet, cfg.stream_auth,
+                                   park_s=cfg.gap_request_ms / 1000)
         self.sealed = bool(cfg.stream_keys)  # the log's packets are sealed ranges
         self.replay_sessions = 0
         self.replay_idle_closed = 0
@@ -125,23 +129,25 @@ class Rewinder(NodeProcess):
                 return
             if self.loss.drop():
                 continue
-            for pkt in self._answer(data, addr):
-                try:
-                    self.gap_sock.sendto(pkt, addr)
-                except OSError:
-                    pass  # the listener asks again
-
-    def _answer(self, data: bytes, addr) -> list[bytes]:
-        action = self.gapfill.on_request(data, addr, time.monotonic(), self.commit_seq)
-        if isinstance(action, Refuse):
-            if action.reason not in ("rate_limited", "server_busy"):  # floods: counted, not logged
+            action = self.gapfill.on_request(data, addr, time.monotonic(), self.commit_seq)
+            if isinstance(action, Answer):
+                self._send(action, addr)
+            elif isinstance(action, Refuse) and action.reason not in FLOOD_REASONS:
                 self.badlog.warn(action.reason, "dropped gap request from %s: %s", addr, action.reason)
-            return []
-        first, msgs = self.gapfill.entries(action, self._read, self.sealed, self.commit_seq)
-        if not msgs:
-            return []
+
+    def _answer_parked(self) -> None:
+        if self.gapfill.parked:
+            for answer, addr in self.gapfill.due(self.commit_seq, time.monotonic()):
+                self._send(answer, addr)
+
+    def _send(self, answer: Answer, addr) -> None:
+        first, msgs = self.gapfill.entries(answer, self._read, self.sealed, self.commit_seq)
         self.gap_messages_sent += len(msgs)
-        return PacketBuilder(self.cfg.session_bytes, first, self.cfg.max_packet).add_sequenced(msgs)
+        for pkt in PacketBuilder(self.cfg.session_bytes, first, self.cfg.max_packet).add_sequenced(msgs):
+            try:
+                self.gap_sock.sendto(pkt, addr)
+            except OSError:
+                pass  # the listener asks again
 
     def _read(self, first: int, count: int) -> list[bytes]:
         return [m for _, _, m in self.journal.read_batch(first, count)]

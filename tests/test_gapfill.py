@@ -1,6 +1,7 @@
 from tape.protocol import moldudp64 as m
+from tape.protocol.limits import GAP_PARKED_MAX, MAX_BATCH_MESSAGES
 from tape.protocol.streamauth import StreamKeys
-from tape.rewinder.gapfill import Answer, GapFillCore, Refuse
+from tape.rewinder.gapfill import PARKED, Answer, GapFillCore, Refuse
 
 S = b"TAPE      "
 P = 1400  # the stream's packet size: 17 blocks of 77 bytes after the header
@@ -84,3 +85,43 @@ def test_the_hosts_remembered_are_bounded_the_least_recent_forgotten():
     core.on_request(req, B, 0.0, 50)
     core.on_request(req, ("10.0.0.3", 1), 0.0, 50)  # A, the least recent, is forgotten
     assert core.on_request(req, A, 0.0, 50) == Answer(1, 1)  # a fresh bucket
+
+
+def test_a_request_ahead_of_the_commit_point_waits_for_it_then_is_answered():
+    """A listener sees a packet once the leader committed it; a rewinder learns of that commit with
+    the next append. Refused, the listener waited a whole gap-request timeout to ask again."""
+    core = GapFillCore(S, P, park_s=0.02)
+    assert core.on_request(padded(51, 3), A, 0.0, committed_seq=50) == PARKED
+    assert core.on_request(padded(60, 2), B, 0.0, committed_seq=50) == PARKED
+    assert core.due(52, 0.001) == [] and core.parked == 2  # 53 not yet committed
+    assert core.due(55, 0.002) == [(Answer(51, 3), A)] and core.parked == 1
+    assert core.due(61, 0.003) == [(Answer(60, 2), B)] and core.parked == 0
+    assert core.served == 2 and core.dropped == {}
+
+
+def test_a_parked_request_expires_answered_with_what_is_committed_or_dropped():
+    core = GapFillCore(S, P, park_s=0.02)
+    core.on_request(padded(51, 10), A, 0.0, 50)
+    core.on_request(padded(70, 1), B, 0.0, 50)
+    assert core.due(55, 0.019) == []  # neither covered whole, neither expired
+    assert core.due(55, 0.02) == [(Answer(51, 5), A)]  # expired: the committed part (the listener asks for the rest)
+    assert core.parked == 0 and core.dropped == {"not_committed": 1}  # 70: nothing committed to send
+
+
+def test_parking_is_bounded_in_count_distance_and_tokens():
+    core = GapFillCore(S, P, park_s=0.02, rate_per_s=10, burst=GAP_PARKED_MAX + 5,
+                       total_rate_per_s=10, total_burst=GAP_PARKED_MAX + 5)
+    assert core.on_request(padded(50 + MAX_BATCH_MESSAGES + 1, 1), A, 0.0, 50) == Refuse("not_committed")
+    assert core.on_request(padded(50 + MAX_BATCH_MESSAGES, 1), A, 0.0, 50) == PARKED  # within a batch of it
+    for _ in range(GAP_PARKED_MAX - 1):
+        assert core.on_request(padded(51, 1), A, 0.0, 50) == PARKED
+    assert core.on_request(padded(51, 1), A, 0.0, 50) == Refuse("parked_full")
+    assert core.on_request(padded(50, 1), A, 0.0, 50) == Answer(50, 1)  # committed: answered as ever
+    limited = GapFillCore(S, P, park_s=0.02, rate_per_s=10, burst=2)
+    assert [limited.on_request(padded(51, 1), A, 0.0, 50) for _ in range(3)] == [PARKED, PARKED,
+                                                                                 Refuse("rate_limited")]
+
+
+def test_without_parking_a_request_ahead_of_the_commit_point_is_refused():
+    core = GapFillCore(S, P)
+    assert core.on_request(padded(51, 1), A, 0.0, 50) == Refuse("not_committed") and core.parked == 0

@@ -1,6 +1,7 @@
 """Gap fill against real rewinders (issue 13): loss repaired with and without
-keys, and no answer larger than its request unless the request is signed by
-the stream key and names the address it came from."""
+keys, no answer larger than its request unless the request is signed by
+the stream key and names the address it came from, and a request ahead of
+what a rewinder knows committed answered once it commits."""
 
 import json
 import socket
@@ -100,5 +101,24 @@ def test_with_keys_only_signed_requests_naming_their_source_are_answered(tmp_pat
         answer = answered(cluster, requester, keys.sign_request(request, (host, port)))
         assert keys.verify(answer) is None  # one whole sealed range, as the leader cut it
         assert moldudp64.decode_header(answer)[1] == 1 and len(answer) <= cluster.cfg.max_packet
+    finally:
+        cluster.close()
+
+
+def test_a_request_ahead_of_the_commit_point_is_answered_once_it_commits(tmp_path, requester):
+    """With no load, the log grows by the leader's time tick, one entry a second: a request for the
+    third entry to come waits two or three seconds, parked, and is answered without being asked again."""
+    cluster = LocalCluster(tmp_path, keys=False, extra="[timeouts]\ngap_request_ms = 8000\n")  # parked up to 8 s
+    try:
+        cluster.start_all()
+        commit = lambda: cluster.metrics("rw-1")['tape_rewinder_commit_seq{node="rw-1"}']  # noqa: E731
+        wait_for(lambda: commit() >= 1, "rw-1 to know the first tick committed")
+        ahead = int(commit()) + 3
+        request = moldudp64.encode_request(cluster.cfg.session_bytes, ahead, 1).ljust(200, b"\0")
+        assert ask(cluster, requester, request) is None  # not committed yet: no answer, no refusal
+        requester.settimeout(10)
+        answer = requester.recv(65536)
+        assert moldudp64.decode_header(answer)[1:] == (ahead, 1) and commit() >= ahead
+        assert dropped(cluster, "not_committed") == 0
     finally:
         cluster.close()
