@@ -14,6 +14,10 @@
  *   invalid_inbound    what the ingress checks reject (messages.py)
  *   verify_sealed      a stream packet's seal checked, its keyed BLAKE2b tag
  *                      recomputed (protocol/streamauth.py)
+ *   good_stream_packet every check a listener makes of a data packet, in one
+ *                      call, for the packets that pass them all (the Python
+ *                      checks beside it name what is wrong with the others:
+ *                      protocol/listener.py)
  *   records_sum        a replica snapshot's checksum share of many records
  *                      (replicas/snapshot.py): the sum mod 2^128 of each
  *                      record's BLAKE2b-128 (RFC 7693, unkeyed), read as a
@@ -368,29 +372,24 @@ static void blake2b_parts(unsigned char *out, size_t outlen, int nparts, const u
 #define AUTH_TYPE 'A'
 
 /* verify_sealed(packet, keys_by_id) -> None, or why not: "unsealed", "unknown_key", "bad_tag". */
-static PyObject *verify_sealed(PyObject *self, PyObject *args) {
-    Py_buffer data;
-    PyObject *keys;
-    if (!PyArg_ParseTuple(args, "y*O!:verify_sealed", &data, &PyDict_Type, &keys)) return NULL;
-    const unsigned char *p = data.buf;
-    Py_ssize_t n = data.len;
-    const char *why = "unsealed";
-    PyObject *key = NULL;
-    if (n < 20 + SEALED_BLOCK) goto done;
+/* Why the seal of the packet p[0..n) does not hold ("unsealed", "unknown_key", "bad_tag"), NULL if it
+ * does; NULL with *failed set and an exception raised if `keys` (key id -> key) is unusable. */
+static const char *seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *keys, int *failed) {
+    *failed = 0;
+    if (n < 20 + SEALED_BLOCK) return "unsealed";
     uint64_t seq = get_u64(p + 10), count = (uint64_t)(p[18] << 8 | p[19]);
     const unsigned char *seal = p + n - SEAL_SIZE;
     if ((uint64_t)n != 20 + count * SEALED_BLOCK || seal[0] != AUTH_TYPE || get_u64(seal + 1) != seq ||
-        get_u64(seal + 9) != count - 1) goto done;
+        get_u64(seal + 9) != count - 1) return "unsealed";
     PyObject *id = PyBytes_FromStringAndSize((const char *)seal + SEAL_AT_KEY_ID, 8);
-    if (id == NULL) { PyBuffer_Release(&data); return NULL; }
-    key = PyDict_GetItemWithError(keys, id);  /* borrowed */
+    if (id == NULL) { *failed = 1; return NULL; }
+    PyObject *key = PyDict_GetItemWithError(keys, id);  /* borrowed */
     Py_DECREF(id);
-    if (key == NULL && PyErr_Occurred()) { PyBuffer_Release(&data); return NULL; }
-    why = "unknown_key";
-    if (key == NULL) goto done;
+    if (key == NULL && PyErr_Occurred()) { *failed = 1; return NULL; }
+    if (key == NULL) return "unknown_key";
     if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) > 64) {  /* as hashlib.blake2b refuses it */
         PyErr_SetString(PyExc_ValueError, "a stream key is bytes of at most 64");
-        PyBuffer_Release(&data);
+        *failed = 1;
         return NULL;
     }
     static const unsigned char zero[TAG_SIZE];
@@ -401,11 +400,59 @@ static PyObject *verify_sealed(PyObject *self, PyObject *args) {
     blake2b_keyed_parts(tag, TAG_SIZE, (const unsigned char *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
                         3, part, len);
     for (int i = 0; i < TAG_SIZE; i++) diff |= tag[i] ^ p[at + i];  /* in constant time */
-    why = diff ? "bad_tag" : NULL;
-done:
+    return diff ? "bad_tag" : NULL;
+}
+
+static PyObject *verify_sealed(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "y*O!:verify_sealed", &data, &PyDict_Type, &keys)) return NULL;
+    int failed;
+    const char *why = seal_problem(data.buf, data.len, keys, &failed);
     PyBuffer_Release(&data);
+    if (failed) return NULL;
     if (why == NULL) Py_RETURN_NONE;
     return PyUnicode_InternFromString(why);
+}
+
+/* (session, seq, count) of a data packet that passes every check a listener makes, else None (the
+ * listener's checks in Python then find and name what is wrong): size, a left-justified printable
+ * session, a count that is no heartbeat, blocks of `types`' sequenced messages filling the packet
+ * exactly, and with `keys` (None: no stream key) a seal that verifies. */
+static PyObject *good_stream_packet(PyObject *self, PyObject *args) {
+    Py_buffer data, types;
+    Py_ssize_t max_size;
+    PyObject *keys, *out = Py_None;
+    if (!PyArg_ParseTuple(args, "y*ny*O:good_stream_packet", &data, &max_size, &types, &keys)) return NULL;
+    const unsigned char *p = data.buf;
+    Py_ssize_t n = data.len, count = 0;
+    if (n < 20 || n > max_size || p[0] == ' ') goto done;
+    for (int i = 0; i < 10; i++)
+        if (p[i] < 0x20 || p[i] > 0x7E) goto done;
+    count = p[18] << 8 | p[19];
+    if (count == 0 || count == 0xFFFF || n != 20 + count * SEALED_BLOCK) goto done;
+    for (const unsigned char *b = p + 20; b < p + n; b += SEALED_BLOCK)
+        if (b[0] != 0 || b[1] != SEAL_SIZE || memchr(types.buf, b[2], (size_t)types.len) == NULL) goto done;
+    if (keys != Py_None) {
+        if (!PyDict_Check(keys)) {
+            PyErr_SetString(PyExc_TypeError, "keys: a dict of key id -> key, or None");
+            out = NULL;
+            goto done;
+        }
+        int failed;
+        const char *why = seal_problem(p, n, keys, &failed);
+        if (failed) out = NULL;
+        if (failed || why != NULL) goto done;
+    }
+    out = Py_BuildValue("(y#KK)", (const char *)p, (Py_ssize_t)10, (unsigned long long)get_u64(p + 10),
+                        (unsigned long long)count);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&types);
+    return out;
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&types);
+    return out == NULL ? NULL : Py_NewRef(out);
 }
 
 static PyObject *records_sum(PyObject *self, PyObject *args) {
@@ -444,6 +491,8 @@ static PyObject *records_sum(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"verify_sealed", verify_sealed, METH_VARARGS,
      "None if a packet is one whole sealed range whose tag verifies, else why (protocol/streamauth.py)."},
+    {"good_stream_packet", good_stream_packet, METH_VARARGS,
+     "(session, seq, count) of a data packet every listener check passes, else None (protocol/listener.py)."},
     {"records_sum", records_sum, METH_VARARGS,
      "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
     {"invalid_inbound", invalid_inbound, METH_VARARGS, "What ingress rejects (protocol/messages.py)."},

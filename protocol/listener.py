@@ -46,6 +46,11 @@ from tape.protocol.receiver import StreamReceiver
 from tape.protocol.rtt import RoundTrip
 from tape.protocol.streamauth import StreamKeys
 
+try:
+    from tape.protocol._speedups import good_stream_packet
+except ImportError:  # built without a C compiler: every packet is checked in Python
+    good_stream_packet = None
+
 
 @dataclass(frozen=True)
 class Deliver:
@@ -76,6 +81,7 @@ class ListenerCore:
                  keys: StreamKeys | None = None, max_packet: int = moldudp64.DEFAULT_MAX_PACKET):
         self.session = session
         self.keys = keys
+        self._key_ids = keys.by_id if keys is not None else None  # key id -> key, for the C check
         self.max_packet = max_packet  # unsigned requests are padded to this: no answer is larger than its request
         self.reply: tuple[str, int] | None = None  # where answers come back to (signed into requests)
         self.receiver = StreamReceiver(session, next_seq)
@@ -92,20 +98,13 @@ class ListenerCore:
     def on_datagram(self, data: bytes) -> list[Deliver | Ahead | Undecodable] | ProtocolError:
         """What to deliver, or the error for which the datagram was dropped (counted in `bad`)."""
         try:
-            session, seq, count = moldudp64.decode_header(data)
-            if count == 0 or count == 0xFFFF:
-                return self._hint(session, seq, count, data)
-            if self.keys is not None:
-                reason = self.keys.verify(data)
-                if reason is not None:
-                    raise ProtocolError(reason, "not one whole sealed range with a good tag", 0)
-            try:
-                messages.check_packet_messages(data, count)
-            except ProtocolError as e:
-                undecodable = self._undecodable(session, seq, count, e)
-                if undecodable is not None:
-                    return [undecodable]
-                raise
+            header = good_stream_packet(data, moldudp64.MAX_UDP_PAYLOAD, messages.ALL_TYPES, self._key_ids) \
+                if good_stream_packet else None
+            if header is None:  # not a good data packet, or no C: the checks in Python say what it is
+                header = self._check(data)
+                if isinstance(header, list):
+                    return header
+            session, seq, count = header
             runs = self.receiver.on_packet(session, seq, count, data)
         except ProtocolError as e:
             self.bad[e.reason] = self.bad.get(e.reason, 0) + 1
@@ -113,6 +112,26 @@ class ListenerCore:
         if not runs and self.keys is not None and seq > self.receiver.next_seq:
             return [Ahead(data)]
         return [Deliver(first, pkt, skip) for first, pkt, skip in runs]
+
+    def _check(self, data: bytes) -> tuple[bytes, int, int] | list:
+        """A data packet's (session, seq, count) once every check passes (`good_stream_packet` is
+        the same checks in C, for the packets that pass them), or what a hint or an undecodable
+        message comes to; raises ProtocolError for the rest."""
+        session, seq, count = moldudp64.decode_header(data)
+        if count == 0 or count == 0xFFFF:
+            return self._hint(session, seq, count, data)
+        if self.keys is not None:
+            reason = self.keys.verify(data)
+            if reason is not None:
+                raise ProtocolError(reason, "not one whole sealed range with a good tag", 0)
+        try:
+            messages.check_packet_messages(data, count)
+        except ProtocolError as e:
+            undecodable = self._undecodable(session, seq, count, e)
+            if undecodable is not None:
+                return [undecodable]
+            raise
+        return session, seq, count
 
     def _hint(self, session: bytes, seq: int, count: int, data: bytes) -> list:
         """A heartbeat or end of session: believed as far as keys allow."""

@@ -175,3 +175,49 @@ def test_c_and_pure_refuse_random_datagrams_alike(data):
 
     keys = StreamKeys([b"k" * 32])
     assert keys.verify(data) == keys.verify_pure(data) is not None
+
+
+BLOCK_FIELDS = st.builds(lambda k, field: moldudp64.HEADER_SIZE + k * M.SEQUENCED_BLOCK_SIZE + field,
+                         st.integers(0, 40), st.integers(0, 2))  # a block's length bytes or its type byte
+
+
+@compiled
+@given(st.integers(0, 40), st.booleans(), st.sampled_from(STREAM_KEYS[:2]),
+       st.lists(st.tuples(st.one_of(st.integers(0, 4000), BLOCK_FIELDS), st.integers(0, 255)), max_size=3),
+       st.integers(0, 3))
+def test_the_c_check_of_a_stream_packet_passes_exactly_what_the_python_checks_pass(entries, sealed, key, flips,
+                                                                                   cut):
+    """Real packets, sealed or plain, with bytes flipped (header, block lengths, type bytes, seal,
+    tag) and tails cut: the C check gives the header exactly when the listener's checks in Python
+    find nothing wrong, and gives it for every good data packet."""
+    from tape.protocol.errors import ProtocolError
+    from tape.protocol.listener import ListenerCore, good_stream_packet
+    from tape.protocol.streamauth import StreamKeys
+
+    session = b"S         "
+    msgs = [M.stamp(M.purchase(i, i, 5, "A", "X"), 7, b"load0     ", i + 1) for i in range(entries)]
+    pkt = StreamKeys([key]).seal_packet(session, 9, msgs, 7, b"seq-a     ")[1] if sealed \
+        else moldudp64.encode_packet(session, 9, msgs)
+    data = bytearray(pkt[:len(pkt) - cut])
+    for at, value in flips:
+        if data:
+            data[at % len(data)] = value
+    data = bytes(data)
+    core = ListenerCore(session, 2, 20_000_000, keys=StreamKeys([key]) if sealed else None)
+    try:
+        checked = core._check(data)
+    except ProtocolError:
+        checked = None
+    header = checked if isinstance(checked, tuple) else None  # (a list: a hint, or an undecodable message)
+    assert good_stream_packet(data, moldudp64.MAX_UDP_PAYLOAD, M.ALL_TYPES, core._key_ids) == header
+    if not flips and not cut and (entries or sealed):
+        assert header == (session, 9, entries + sealed)
+
+
+@compiled
+@given(st.binary(max_size=300), st.booleans())
+def test_the_c_check_of_a_stream_packet_refuses_random_datagrams(data, keyed):
+    from tape.protocol.listener import good_stream_packet
+
+    keys = {b"id" * 4: b"k" * 32} if keyed else None
+    assert good_stream_packet(data, moldudp64.MAX_UDP_PAYLOAD, M.ALL_TYPES, keys) is None
