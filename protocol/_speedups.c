@@ -364,14 +364,14 @@ static void blake2b_parts(unsigned char *out, size_t outlen, int nparts, const u
 
 /* --- the stream's seals (protocol/streamauth.py StreamKeys.verify_pure) ------------------- */
 
-#define SEALED_BLOCK 77     /* u16 length + a 75-byte sequenced message */
-#define SEAL_SIZE 75
+#define SEQUENCED_SIZE 75   /* every sequenced message, the seal among them */
+#define SEALED_BLOCK 77     /* u16 length + a sequenced message */
+#define SEAL_SIZE SEQUENCED_SIZE
 #define SEAL_AT_TAG 17      /* inside the seal: 'A' | first seq u64 | entries i64 | tag 16 | key id 8 | ... */
 #define SEAL_AT_KEY_ID 33
 #define TAG_SIZE 16
 #define AUTH_TYPE 'A'
 
-/* verify_sealed(packet, keys_by_id) -> None, or why not: "unsealed", "unknown_key", "bad_tag". */
 /* Why the seal of the packet p[0..n) does not hold ("unsealed", "unknown_key", "bad_tag"), NULL if it
  * does; NULL with *failed set and an exception raised if `keys` (key id -> key) is unusable. */
 static const char *seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *keys, int *failed) {
@@ -403,6 +403,7 @@ static const char *seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *
     return diff ? "bad_tag" : NULL;
 }
 
+/* verify_sealed(packet, keys_by_id) -> None, or why not: "unsealed", "unknown_key", "bad_tag". */
 static PyObject *verify_sealed(PyObject *self, PyObject *args) {
     Py_buffer data;
     PyObject *keys;
@@ -432,7 +433,7 @@ static PyObject *good_stream_packet(PyObject *self, PyObject *args) {
     count = p[18] << 8 | p[19];
     if (count == 0 || count == 0xFFFF || n != 20 + count * SEALED_BLOCK) goto done;
     for (const unsigned char *b = p + 20; b < p + n; b += SEALED_BLOCK)
-        if (b[0] != 0 || b[1] != SEAL_SIZE || memchr(types.buf, b[2], (size_t)types.len) == NULL) goto done;
+        if (b[0] != 0 || b[1] != SEQUENCED_SIZE || memchr(types.buf, b[2], (size_t)types.len) == NULL) goto done;
     if (keys != Py_None) {
         if (!PyDict_Check(keys)) {
             PyErr_SetString(PyExc_TypeError, "keys: a dict of key id -> key, or None");

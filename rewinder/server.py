@@ -136,9 +136,14 @@ class Rewinder(NodeProcess):
                 self.badlog.warn(action.reason, "dropped gap request from %s: %s", addr, action.reason)
 
     def _answer_parked(self) -> None:
+        """The commit point moved: answer what waited for it once the append's acknowledgement is
+        out (the leader's commit waits for that, a listener's gap a little longer)."""
         if self.gapfill.parked:
-            for answer, addr in self.gapfill.due(self.commit_seq, time.monotonic()):
-                self._send(answer, addr)
+            asyncio.get_running_loop().call_soon(self._send_due)
+
+    def _send_due(self) -> None:
+        for answer, addr in self.gapfill.due(self.commit_seq, time.monotonic()):
+            self._send(answer, addr)
 
     def _send(self, answer: Answer, addr) -> None:
         first, msgs = self.gapfill.entries(answer, self._read, self.sealed, self.commit_seq)
