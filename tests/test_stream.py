@@ -283,7 +283,9 @@ def test_clients_send_new_batches_to_the_leader_alone(tmp_path):
         after = inbound()
         got = {n: after[n] - before[n] for n in after}
         leader, standby = sorted(got, key=got.get, reverse=True)
-        # (the standby got as many as the leader when clients sent to both; here 4-7%, from resends)
-        assert got[leader] >= 20_000 // 26 and got[standby] < got[leader] / 5, (got, c.output("load")[-300:])
+        # The standby got as many as the leader when clients sent to both. Resends go to both: a slow
+        # catch-up of the log's start (this client reads it from seq 1) may time some out.
+        resends = json.loads(c.output("load"))["resends"]
+        assert got[leader] >= 20_000 // 26 and got[standby] - resends < got[leader] / 5, (got, resends)
     finally:
         c.close()
