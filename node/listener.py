@@ -63,8 +63,8 @@ class StreamListener:
         # signed request names as where its answer goes.
         self.req, _ = udp_socket(self.interface)
         self.core.reply_at(*self.req.getsockname())
-        loop.add_reader(self.mcast, self._drain)
-        loop.add_reader(self.req, self._drain_answers)
+        loop.add_reader(self.mcast, self._drain, self.mcast)
+        loop.add_reader(self.req, self._drain, self.req)
         self._task = asyncio.create_task(self._tick())
 
     def stop(self) -> None:
@@ -83,34 +83,23 @@ class StreamListener:
         if self._task:
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def _drain(self) -> None:
-        loss, on_datagram, sock = self.loss, self.on_datagram, self.mcast
+    def _drain(self, sock) -> None:
+        """The multicast stream, or the rewinders' answers (the committed log again, checked as any
+        stream packet): then ask at once for what is still missing, not at the next tick."""
+        loss, on_datagram = self.loss, self.on_datagram
         for _ in range(DRAIN_DATAGRAMS):
             try:
                 data = sock.recv(DATAGRAM_BUFFER)
             except BlockingIOError:
                 break
+            except OSError as e:  # an ICMP error reported for a request: asked again after the timeout
+                self.badlog.warn("recv_error", "receive failed: %s", e)
+                continue
             self.datagrams += 1
             if not loss.drop():
                 on_datagram(data)
         if self.receiver.missing() is not None:
-            self._ask()  # a gap seen: ask now, not at the next tick
-
-    def _drain_answers(self) -> None:
-        """The rewinders' answers: the committed log again, checked as any stream packet."""
-        for _ in range(DRAIN_DATAGRAMS):
-            try:
-                data = self.req.recv(DATAGRAM_BUFFER)
-            except BlockingIOError:
-                break
-            except OSError as e:  # an ICMP error reported for a request: asked again after the timeout
-                self.badlog.warn("send_error", "gap request failed: %s", e)
-                continue
-            self.datagrams += 1
-            if not self.loss.drop():
-                self.on_datagram(data)
-        if self.receiver.missing() is not None:
-            self._ask()  # the next missing run, or the same again from another rewinder
+            self._ask()
 
     def on_datagram(self, data: bytes) -> None:
         actions = self.core.on_datagram(data)

@@ -78,7 +78,7 @@ async def test_answers_are_read_a_bounded_batch_a_wake_up():
         for _ in range(DRAIN_DATAGRAMS + 10):  # a flood at the answer socket
             rewinder.sendto(b"x", reply_to)
         before = lst.datagrams
-        lst._drain_answers()
+        lst._drain(lst.req)
         assert lst.datagrams - before == DRAIN_DATAGRAMS  # the rest waits in the kernel, not in a queue
         rewinder.sendto(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0], reply_to)  # the answer
         for _ in range(200):
