@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 from tape.node.ratelog import RateLimitedLog
 from tape.protocol.errors import ProtocolError
+from tape.protocol.limits import SOCKET_RECV
 from tape.protocol.linkauth import HELLO, NONCE_SIZE, LinkKeys, Opener, Sealer
 
 HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
@@ -92,6 +93,7 @@ async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str
     (raises OSError or asyncio.TimeoutError; ConnectionError when the handshake fails)."""
     async def open_link():
         reader, writer = await asyncio.open_connection(host, port)
+        small_reads(writer)
         if keys is None:
             return reader, writer
         try:
@@ -104,6 +106,13 @@ async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str
         return await open_link()
 
 
+def small_reads(writer: asyncio.StreamWriter) -> None:
+    """Make the connection's transport read at most SOCKET_RECV bytes a recv() (asyncio's
+    socket transports; another loop's keep their own size)."""
+    if hasattr(type(writer.transport), "max_size"):
+        writer.transport.max_size = SOCKET_RECV
+
+
 def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refused: dict[str, int]):
     """A start_server callback: `handler` gets the (authenticated, with keys) pair, or nothing is
     called. Bounded, so that no peer can exhaust the process's file descriptors or its peers' slots:
@@ -112,6 +121,7 @@ def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refu
     per_host: dict[str, int] = {}
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        small_reads(writer)
         host = (writer.get_extra_info("peername") or ("?",))[0]
         if sum(per_host.values()) >= MAX_LINK_CONNECTIONS:
             _refuse(refused, ProtocolError("too_many_connections", f"{MAX_LINK_CONNECTIONS} open; {host} closed", 0))

@@ -51,6 +51,11 @@ MAX_RETRY_MS = 1_000  # the longest pause a client honours, whatever a back-off 
 # --- TCP reads and frames ----------------------------------------------------------------
 STREAM_READ = 1 << 20  # bytes per read() on a replication or replay connection
 CONTROL_READ = 65536  # bytes per read() on a low-rate connection (hellos, acks, alerts)
+# Bytes one recv() of a TCP link's socket asks for. asyncio reads into a new bytes object of its
+# own 256 KiB each time, above glibc's mmap threshold (128 KiB), so every read, however small the
+# frame, cost an mmap, an mremap, a munmap and a page fault (~15 µs against ~3 µs here,
+# docs/performance.md); a larger frame takes more reads.
+SOCKET_RECV = 64 << 10
 REPLICATION_FRAME = replication.MAX_FRAME
 REPLAY_CHUNK = 1_000  # committed messages per replay write
 REPLAY_LOGIN_FRAME = 1024  # largest frame a replay server accepts before the login
