@@ -242,7 +242,7 @@ class Voter:
         writes overlap): a crash between the two leaves entries that only
         followers hold."""
         c = self.leader
-        send, _ = self.links.live_for(batch.first_seq, batch.last_seq)
+        send, _ = self.links.live_for(batch.first_seq, batch.last_seq, c.commit_seq, self.sim.now)
         for f in send:
             self.sim.send(self.name, name_of(f), Append(c.term, self.wire, batch.prev_seq, batch.prev_term,
                                                         c.commit_seq, batch.term, len(batch.messages),
@@ -309,6 +309,8 @@ class Voter:
             self.invite()
         for f in list(self.links.links):  # one catch-up chunk per follower behind, as the feeder's drain
             chunk = self.links.next_chunk(f, c.last_seq)
+            if chunk is not None and chunk[0] > len(self.log):  # the shell's check before it reads its journal
+                raise Violation(f"{self.name} the journal has no seq {chunk[0]}, which this leader stamped")
             if chunk is not None:
                 self.links.sent(f, self.send_appends(name_of(f), chunk[0] - 1, chunk[1]))
         for f in self.links.beat(self.sim.now, c.commit_seq):

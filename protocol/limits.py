@@ -36,6 +36,9 @@ CATCHUP_CHUNK = 2_000  # journal entries per catch-up append to a follower behin
 FETCH_MAX = 100_000  # entries one fetch answer carries at most
 MAX_LIVE_BUFFER = 32 << 20  # bytes queued to a follower before it is caught up from the journal instead
 MAX_HELD_BATCHES = 4096  # per client: batches held that arrived ahead of a lost one
+# A commit point that moved goes to the followers in an empty append only once no append (which
+# carries it) went for this long: the leader's timer period (sequencer/server.py).
+COMMIT_BEAT_AFTER_NS = 5_000_000
 
 # --- overload: the leader asks clients to back off (protocol/backoff.py) -------------------
 OVERLOAD_NS = 50_000_000  # the inbound socket not emptied by any drain this long: overloaded

@@ -12,15 +12,19 @@ live and is caught up from the journal instead, so the leader's memory
 stays bounded.
 
 Commit beats: empty appends tell live followers the commit point (they
-serve gap fills and replays only up to it) and that the leader lives;
-one goes out whenever the commit point moved, and at least every `beat_ns`.
+serve gap fills and replays only up to it) and that the leader lives.
+Every append carries the commit point too, so a beat goes out only when
+the commit point moved past what the last append carried and no append
+went for COMMIT_BEAT_AFTER_NS (under load the next append tells it: a beat
+per timer tick was a quarter of what followers read and acknowledged),
+and at least every `beat_ns`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tape.protocol.limits import CATCHUP_CHUNK, MAX_LIVE_BUFFER
+from tape.protocol.limits import CATCHUP_CHUNK, COMMIT_BEAT_AFTER_NS, MAX_LIVE_BUFFER
 
 
 @dataclass
@@ -36,8 +40,8 @@ class FollowerLinks:
         self.catchup_chunk = catchup_chunk
         self.max_live_buffer = max_live_buffer
         self.links: dict[bytes, Progress] = {}
-        self._commit_sent = -1
-        self._beat_at = 0
+        self._commit_sent = -1  # the commit point the last frame to the live followers carried
+        self._beat_at: int | None = None  # when that frame went
 
     def connected(self, follower: bytes, follower_last_seq: int, leader_last_seq: int) -> None:
         """A follower's hello: it holds its log through follower_last_seq (not yet checked against ours)."""
@@ -46,9 +50,9 @@ class FollowerLinks:
     def disconnected(self, follower: bytes) -> None:
         self.links.pop(follower, None)
 
-    def live_for(self, first_seq: int, last_seq: int) -> tuple[list[bytes], list[bytes]]:
-        """A new batch: (followers to send it to as an append, followers that just
-        dropped out of live and must be woken to catch up)."""
+    def live_for(self, first_seq: int, last_seq: int, commit_seq: int, now_ns: int) -> tuple[list[bytes], list[bytes]]:
+        """A new batch, whose append carries `commit_seq`: (followers to send it to as an append,
+        followers that just dropped out of live and must be woken to catch up)."""
         send, wake = [], []
         for f, p in self.links.items():
             if p.live and p.next_seq == first_seq:
@@ -57,6 +61,8 @@ class FollowerLinks:
             elif p.live:
                 p.live = False
                 wake.append(f)
+        if send:
+            self._commit_sent, self._beat_at = commit_seq, now_ns
         return send, wake
 
     def backlog(self, follower: bytes, queued_bytes: int) -> bool:
@@ -100,7 +106,9 @@ class FollowerLinks:
 
     def beat(self, now_ns: int, commit_seq: int, force: bool = False) -> list[bytes]:
         """The live followers to send an empty append (the commit point) to now."""
-        if not force and commit_seq == self._commit_sent and now_ns - self._beat_at <= self.beat_ns:
+        quiet = now_ns - self._beat_at if self._beat_at is not None else self.beat_ns + 1
+        moved = commit_seq != self._commit_sent and quiet >= COMMIT_BEAT_AFTER_NS
+        if not (force or moved or quiet > self.beat_ns):
             return []
         self._commit_sent, self._beat_at = commit_seq, now_ns
         return [f for f, p in self.links.items() if p.live]

@@ -38,6 +38,7 @@ from tape.protocol import replication as rep
 from tape.protocol.election import ElectionAction, Lead, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import (
+    COMMIT_BEAT_AFTER_NS,
     CONTROL_READ,
     DATAGRAM_BUFFER,
     DRAIN_DATAGRAMS,
@@ -319,10 +320,11 @@ class Sequencer(NodeProcess):
         Followers get the batch before the leader's own fsync (as Raft
         allows), so the two disk writes overlap instead of adding up."""
         self._stamped.append((batch.last_seq, time.time_ns(), len(batch.messages)))
-        send, wake = self.followers_core.live_for(batch.first_seq, batch.last_seq)
+        commit = self.core.commit_seq
+        send, wake = self.followers_core.live_for(batch.first_seq, batch.last_seq, commit, time.monotonic_ns())
         if send:
             frame = rep.encode_append(self.core.term, self.node.wire_name, batch.prev_seq, batch.prev_term,
-                                      self.core.commit_seq, batch.term, batch.messages)
+                                      commit, batch.term, batch.messages)
             for f in send:
                 writer = self.links[f].writer
                 writer.write(frame)
@@ -364,7 +366,7 @@ class Sequencer(NodeProcess):
             span[1] = self.core.published_seq
 
     async def _timer(self) -> None:
-        period = 0.005
+        period = COMMIT_BEAT_AFTER_NS / 1e9
         while self.core is not None:
             await asyncio.sleep(period)
             if self.core is None:

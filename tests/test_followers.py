@@ -1,5 +1,6 @@
 """FollowerLinks (sequencer/followers.py): what the leader sends each follower next."""
 
+from tape.protocol.limits import COMMIT_BEAT_AFTER_NS
 from tape.sequencer.followers import FollowerLinks
 
 F, G = b"rw-1      ", b"rw-2      "
@@ -8,7 +9,7 @@ F, G = b"rw-1      ", b"rw-2      "
 def test_a_follower_behind_is_caught_up_in_chunks_then_goes_live():
     links = FollowerLinks(beat_ns=50, catchup_chunk=100)
     links.connected(F, follower_last_seq=10, leader_last_seq=250)
-    assert links.live_for(251, 260) == ([], [])  # not live yet: the batch waits in the journal
+    assert links.live_for(251, 260, 0, 0) == ([], [])  # not live yet: the batch waits in the journal
     assert links.next_chunk(F, 260) == (11, 100)
     links.sent(F, 110)
     assert links.next_chunk(F, 260) == (111, 100)
@@ -16,7 +17,7 @@ def test_a_follower_behind_is_caught_up_in_chunks_then_goes_live():
     assert links.next_chunk(F, 260) == (211, 50)
     links.sent(F, 260)
     assert links.next_chunk(F, 260) is None  # caught up: live
-    assert links.live_for(261, 270) == ([F], [])
+    assert links.live_for(261, 270, 0, 0) == ([F], [])
 
 
 def test_a_refusal_during_a_catch_up_is_honoured_not_overwritten():
@@ -33,9 +34,9 @@ def test_a_live_follower_that_misses_a_batch_drops_out_of_live():
     for f in (F, G):
         links.connected(f, 10, 10)
         assert links.next_chunk(f, 10) is None
-    assert links.live_for(11, 20) == ([F, G], [])
+    assert links.live_for(11, 20, 0, 0) == ([F, G], [])
     links.refused(G, 15)
-    assert links.live_for(21, 30) == ([F], [])
+    assert links.live_for(21, 30, 0, 0) == ([F], [])
     assert links.next_chunk(G, 30) == (16, 15)
 
 
@@ -44,15 +45,21 @@ def test_a_slow_follower_is_caught_up_from_the_journal_instead_of_queued():
     links.connected(F, 10, 10)
     links.next_chunk(F, 10)
     assert not links.backlog(F, 999) and links.backlog(F, 1001)
-    assert links.live_for(11, 20) == ([], [])
+    assert links.live_for(11, 20, 0, 0) == ([], [])
 
 
-def test_commit_beats_go_when_the_commit_moved_or_the_beat_is_due():
-    links = FollowerLinks(beat_ns=50)
+def test_commit_beats_go_when_the_commit_moved_and_no_append_told_it_or_the_beat_is_due():
+    after = COMMIT_BEAT_AFTER_NS
+    links = FollowerLinks(beat_ns=10 * after)
     links.connected(F, 0, 0)
     links.next_chunk(F, 0)
     assert links.beat(0, 5) == [F]
-    assert links.beat(10, 5) == []
-    assert links.beat(20, 6) == [F]
-    assert links.beat(71, 6) == [F]
-    assert links.beat(72, 6, force=True) == [F]
+    assert links.beat(after, 5) == []  # told, and not yet due
+    assert links.live_for(1, 10, 5, 2 * after) == ([F], [])  # an append carries commit 5
+    assert links.beat(2 * after + 1, 10) == []  # moved, but an append went just now: the next one tells it
+    assert links.beat(3 * after, 10) == [F]  # moved, and no append for COMMIT_BEAT_AFTER_NS
+    assert links.beat(3 * after + 1, 10) == []
+    assert links.live_for(11, 20, 10, 4 * after) == ([F], [])
+    assert links.beat(6 * after, 10) == []  # the append told it: nothing moved
+    assert links.beat(14 * after + 1, 10) == [F]  # the beat is due (the leader lives)
+    assert links.beat(14 * after + 2, 10, force=True) == [F]
