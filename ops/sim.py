@@ -562,9 +562,11 @@ class Emitter:
                     raise Violation(f"divergence: {src}'s alert at emit seq {a.emit_seq} differs")
             if new and not self.carry_out(self.core.deliver(new)):
                 return  # crashed on the way
-            for r in REPLICAS:  # as the shell does: the new mark to every replica linked (quorum: not only src)
-                link = frozenset((EMITTER, r))
-                if r == src or (link in self.sim.epochs and link not in self.sim.broken):  # a cut one breaks
+            linked = [r for r in REPLICAS if r == src or (frozenset((EMITTER, r)) in self.sim.epochs
+                                                          and frozenset((EMITTER, r)) not in self.sim.broken)]
+            due = self.core.acks_due([wire(r) for r in linked], wire(src))  # as the shell: the sender, and
+            for r in linked:  # the moved mark to each linked (quorum: not only to src)
+                if wire(r) in due:
                     self.sim.send_ordered(EMITTER, r, ("ack", self.core.mark))
 
     def carry_out(self, actions: list) -> bool:

@@ -191,8 +191,7 @@ class Emitter(NodeProcess):
                         return self._reject("too_far_ahead", f"{name!r}: {e}")
                     except IntentNotRecorded as e:
                         return self._intent_failed(str(e))
-                    for link in self.links:  # under quorum another replica's copy may have been the one
-                        link.write(alertlink.ack(self.mark))
+                self._acknowledge(name if fresh else None)
         except ProtocolError as e:
             self._reject("bad_frame", str(e))
         except sinklib.SinkStopped:
@@ -204,6 +203,12 @@ class Emitter(NodeProcess):
             if name is not None and self.by_replica.get(name) is writer:
                 del self.by_replica[name]
             writer.close()
+
+    def _acknowledge(self, sender: bytes | None) -> None:
+        """The mark to the replica whose alerts were handled and to each one told less (under
+        quorum another replica's copy, or a digest, may have been the one that moved it)."""
+        for replica in self.core.acks_due(list(self.by_replica), sender):
+            self.by_replica[replica].write(alertlink.ack(self.mark))
 
     def _intent_failed(self, error: str) -> None:
         """Nothing was delivered and the mark is back: every replica sends again from it."""

@@ -30,6 +30,11 @@ each channel is ordered. Two delivery modes:
   replica that would exceed its share is refused (its link closed; it
   resends from the mark when it is back).
 
+Acknowledgements: each replica is told the mark when it says hello, after
+each batch it sent, and whenever the mark moved past what it was last told
+(`acks_due`); not every replica after every replica's batch, as before: a
+copy that moves the mark for no one needs one answer, not three.
+
 An alert at or below the mark was recorded before: the same bytes are a
 duplicate, other bytes (or none recorded at all) a divergence alarm.
 
@@ -116,10 +121,23 @@ class EmitterCore:
         self.divergences = 0
         self.in_doubt = 0
         self._mark_before = mark
+        self.told: dict[bytes, int] = {}  # replica -> the mark it was last told (welcome or ack)
 
     def on_hello(self, replica: bytes) -> int | None:
         """The mark to welcome a replica with (it resends what follows), or None: not a replica of ours."""
-        return self.mark if replica in self.replicas else None
+        if replica not in self.replicas:
+            return None
+        self.told[replica] = self.mark
+        return self.mark
+
+    def acks_due(self, linked, sender: bytes | None = None) -> list[bytes]:
+        """Of the `linked` replicas (those the shell can write to), the ones to acknowledge the mark
+        to now: `sender`, whose batch was just handled (it may have raised its copies after it was
+        told a mark that covers them), and every other one told less than the mark."""
+        due = [r for r in linked if r == sender or self.told.get(r, -1) < self.mark]
+        for r in due:
+            self.told[r] = self.mark
+        return due
 
     def on_alerts(self, replica: bytes, alerts: list[Alert]) -> tuple[list[Alert], list[Alert], list[Alert]]:
         """(new alerts to deliver, copies of recorded ones to judge, alarms: alerts dropped as no quorum's)

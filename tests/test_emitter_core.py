@@ -25,6 +25,21 @@ def test_only_known_replicas_are_welcomed_with_the_mark():
     assert core.on_hello(A) == 7 and core.on_hello(b"mallory   ") is None
 
 
+def test_a_replica_is_acknowledged_after_its_batch_and_when_the_mark_moved_past_what_it_was_told():
+    core = EmitterCore({A, B, C}, mark=2)
+    core.on_hello(A), core.on_hello(B)
+    assert core.acks_due([A, B]) == []  # welcomed with the mark
+    core.deliver(core.on_alerts(A, [alert(3)])[0])
+    assert core.acks_due([A, B], A) == [A, B] and core.acks_due([A, B]) == []  # once each
+    core.on_alerts(B, [alert(3)])  # B raised its copy after it was told mark 3: told again, A not
+    assert core.acks_due([A, B], B) == [B]
+    core.deliver(core.on_alerts(A, [alert(4)])[0])
+    assert core.acks_due([A], A) == [A] and core.acks_due([A, B]) == [B]  # only linked ones are told
+    core.on_hello(C)  # a replica linked later is welcomed with the mark, then told what moves
+    core.deliver(core.on_alerts(B, [alert(5)])[0])
+    assert core.acks_due([A, B, C], B) == [A, B, C]
+
+
 def test_new_alerts_go_through_intent_deliver_done_and_move_the_mark():
     core = EmitterCore({A})
     new, copies, _ = core.on_alerts(A, [alert(3), alert(5)])
