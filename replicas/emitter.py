@@ -88,7 +88,7 @@ class Emitter(NodeProcess):
         self.in_doubt_listed = 0
         self.rejected: dict[str, int] = {}
         self._lock = asyncio.Lock()  # one delivery at a time, whichever replica it came from
-        self.links: set = set()  # every welcomed replica connection: acks go to all
+        self.links: dict = {}  # every welcomed replica connection -> the replica it named
         self.record_failures = 0
         self.refusal_log = RateLimitedLog(log)
         self.by_replica: dict[bytes, asyncio.StreamWriter] = {}  # its latest connection: where a rebuild order goes
@@ -167,7 +167,7 @@ class Emitter(NodeProcess):
                         if mark is None:
                             return self._reject("unknown_replica", f"hello {payload[:16]!r}")
                         name = payload
-                        self.links.add(writer)
+                        self.links[writer] = name
                         self.by_replica[name] = writer
                         writer.write(alertlink.welcome(mark))
                         if name in self.core.diverged:  # (one that already rebuilds for it ignores this)
@@ -199,7 +199,7 @@ class Emitter(NodeProcess):
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            self.links.discard(writer)
+            self.links.pop(writer, None)
             if name is not None and self.by_replica.get(name) is writer:
                 del self.by_replica[name]
             writer.close()
@@ -207,8 +207,10 @@ class Emitter(NodeProcess):
     def _acknowledge(self, sender: bytes | None) -> None:
         """The mark to the replica whose alerts were handled and to each one told less (under
         quorum another replica's copy, or a digest, may have been the one that moved it)."""
-        for replica in self.core.acks_due(list(self.by_replica), sender):
-            self.by_replica[replica].write(alertlink.ack(self.mark))
+        due = self.core.acks_due(sorted(set(self.links.values())), sender)
+        for writer, replica in self.links.items():  # every connection naming it (without keys, a
+            if replica in due:                       # stranger's hello may name a real replica)
+                writer.write(alertlink.ack(self.mark))
 
     def _intent_failed(self, error: str) -> None:
         """Nothing was delivered and the mark is back: every replica sends again from it."""

@@ -127,7 +127,9 @@ class EmitterCore:
         """The mark to welcome a replica with (it resends what follows), or None: not a replica of ours."""
         if replica not in self.replicas:
             return None
-        self.told[replica] = self.mark
+        # The least any of its connections was told: another may be open (a reconnection before the
+        # old one is seen closed, or without keys a stranger's hello naming it).
+        self.told[replica] = min(self.told.get(replica, self.mark), self.mark)
         return self.mark
 
     def acks_due(self, linked, sender: bytes | None = None) -> list[bytes]:

@@ -38,6 +38,10 @@ def test_a_replica_is_acknowledged_after_its_batch_and_when_the_mark_moved_past_
     core.on_hello(C)  # a replica linked later is welcomed with the mark, then told what moves
     core.deliver(core.on_alerts(B, [alert(5)])[0])
     assert core.acks_due([A, B, C], B) == [A, B, C]
+    core.deliver(core.on_alerts(A, [alert(6)])[0])
+    assert core.acks_due([A], A) == [A]
+    core.on_hello(B)  # a second connection naming B: its first one was told less, and still is
+    assert core.acks_due([A, B, C]) == [B, C]
 
 
 def test_new_alerts_go_through_intent_deliver_done_and_move_the_mark():
