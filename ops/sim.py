@@ -562,8 +562,8 @@ class Emitter:
                     raise Violation(f"divergence: {src}'s alert at emit seq {a.emit_seq} differs")
             if new and not self.carry_out(self.core.deliver(new)):
                 return  # crashed on the way
-            linked = [r for r in REPLICAS if r == src or (frozenset((EMITTER, r)) in self.sim.epochs
-                                                          and frozenset((EMITTER, r)) not in self.sim.broken)]
+            links = {r: frozenset((EMITTER, r)) for r in REPLICAS}
+            linked = [r for r, ln in links.items() if r == src or (ln in self.sim.epochs and ln not in self.sim.broken)]
             due = self.core.acks_due([wire(r) for r in linked], wire(src))  # as the shell: the sender, and
             for r in linked:  # the moved mark to each linked (quorum: not only to src)
                 if wire(r) in due:
