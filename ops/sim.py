@@ -575,19 +575,24 @@ class Emitter:
             if isinstance(a, RecordIntent):
                 self.outbox.update((x.emit_seq, x.encode()) for x in a.alerts)
                 self.mark = a.alerts[-1].emit_seq
+                self.record_done(a.done)
             elif isinstance(a, (DeliverAlerts, Redeliver)):
                 held = {r["alert_id"] for r in self.sink}  # the sink is idempotent by alert id
                 self.sink += [r for r in (x.to_dict("SIM") for x in a.alerts) if r["alert_id"] not in held]
             elif isinstance(a, RecordDone):
-                for x in a.alerts:
-                    self.recorded[x.emit_seq] = self.outbox.pop(x.emit_seq, x.encode())
+                self.record_done(a.alerts)
             elif isinstance(a, Crash):
                 self.sim.crash_emitter(self.crash_at[1])
                 return False
         return True
 
+    def record_done(self, alerts: list) -> None:
+        for x in alerts:
+            self.recorded[x.emit_seq] = self.outbox.pop(x.emit_seq, x.encode())
+
     def tick(self) -> None:
-        pass
+        """As the shell's timer: a done no next intent carried is recorded on its own."""
+        self.carry_out(self.core.done_due())
 
 
 class Sim:

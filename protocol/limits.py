@@ -27,6 +27,9 @@ MAX_PENDING_ALERTS = 100_000
 # this many are kept in memory too (~100 bytes each), so that copies arriving close behind the
 # first need no LMDB read.
 RECENT_ALERTS = 65_536
+# A delivered batch's done is recorded in the next batch's intent transaction, or on its own once
+# no next batch came for this long: after a crash, at most this much more is in doubt.
+DONE_ALONE_AFTER_NS = 10_000_000
 
 # --- the leader's batches ----------------------------------------------------------------
 # A batch is one journal append and one replication frame: the leader cuts a drain

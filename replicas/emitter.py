@@ -5,8 +5,9 @@ emitter keeps in LMDB the highest emit seq recorded (the mark), an outbox of
 alerts in flight and every delivered alert (for divergence checks). What to
 do with each alert is EmitterCore's decision (replicas/emitter_core.py);
 this shell carries it out: a new batch is recorded as intent (outbox +
-mark, one transaction), written to every sink, and recorded as done; a
-copy is judged against the recorded bytes; at start, alerts with intent
+mark, and the previous batch's done, one transaction), written to every
+sink, and recorded as done with the next intent (or alone after
+DONE_ALONE_AFTER_NS without one); a copy is judged against the recorded bytes; at start, alerts with intent
 and no done are in doubt: they go again to the idempotent sinks (the
 JSON-lines file checks its own tail, the webhook carries an
 Idempotency-Key) and are listed in `in_doubt.jsonl` for the operator for
@@ -38,7 +39,7 @@ from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import alertlink
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import CONTROL_READ, RECENT_ALERTS
+from tape.protocol.limits import CONTROL_READ, DONE_ALONE_AFTER_NS, RECENT_ALERTS
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit import Alert
 from tape.replicas.emitter_core import (
@@ -93,6 +94,8 @@ class Emitter(NodeProcess):
         self.refusal_log = RateLimitedLog(log)
         self.by_replica: dict[bytes, asyncio.StreamWriter] = {}  # its latest connection: where a rebuild order goes
         self.recent: dict[int, bytes] = {}  # emit seq -> the bytes recorded, the newest RECENT_ALERTS
+        self._done_timer: asyncio.TimerHandle | None = None
+        self._delivering = False  # a batch is on its way to the sinks (stopped there: it stays in doubt)
 
     @property
     def mark(self) -> int:
@@ -138,7 +141,11 @@ class Emitter(NodeProcess):
             self.stopping.set()
             if server is not None:
                 server.close()
+            if self._done_timer is not None:
+                self._done_timer.cancel()
             async with self._lock:  # let a delivery in its thread finish or give up
+                if not self._delivering:  # the last batch reached every sink: its done is due, not a doubt
+                    await self._carry_out(self.core.done_due())
                 for sink in self.sinks:
                     sink.close()
                 self.env.close()
@@ -256,14 +263,18 @@ class Emitter(NodeProcess):
                         for seq, raw in records:
                             txn.put(seq.to_bytes(8, "big"), raw, db=self.outbox)
                         txn.put(b"mark", action.alerts[-1].emit_seq.to_bytes(8, "big"), db=self.meta)
+                        self._move_done(txn, action.done)
                 except lmdb.Error as e:
-                    self.core.on_intent_failed(action.alerts)
+                    self.core.on_intent_failed(action)
                     self.record_failures += 1
                     raise IntentNotRecorded(str(e)) from None
                 keep_newest(self.recent, records, RECENT_ALERTS)  # done moves the same bytes: copies are judged by them
+                self._arm_done_timer()
             elif isinstance(action, DeliverAlerts):
                 records = [a.to_dict(self.cfg.session) for a in action.alerts]
+                self._delivering = True
                 await asyncio.to_thread(self._deliver_all, records)
+                self._delivering = False
                 now = time.time_ns()
                 self.latency.extend([now - a.stamp_ns for a in action.alerts])
             elif isinstance(action, Redeliver):
@@ -297,18 +308,37 @@ class Emitter(NodeProcess):
             sink.deliver(records)
 
     def _done(self, alerts: list[Alert]) -> None:
-        """Outbox to delivered. Refused by the disk, the alerts stay in the outbox: delivered, and in
-        doubt at the next start (sent again to the idempotent sinks), never lost."""
+        """Outbox to delivered, on its own (no next batch carried it). Refused by the disk, the
+        alerts stay in the outbox: delivered, and in doubt at the next start (sent again to the
+        idempotent sinks), never lost."""
         try:
             with self.env.begin(write=True) as txn:
-                for a in alerts:
-                    key = a.emit_seq.to_bytes(8, "big")
-                    txn.delete(key, db=self.outbox)
-                    txn.put(key, a.encode(), db=self.delivered_db)
+                self._move_done(txn, alerts)
         except lmdb.Error as e:
             self.record_failures += 1
             log.error("delivered alerts %d-%d not recorded as done (%s; a full or failing disk?): they stay in "
                       "the outbox, in doubt at the next start", alerts[0].emit_seq, alerts[-1].emit_seq, e)
+
+    def _move_done(self, txn, alerts: list[Alert]) -> None:
+        for a in alerts:
+            key = a.emit_seq.to_bytes(8, "big")
+            txn.delete(key, db=self.outbox)
+            txn.put(key, a.encode(), db=self.delivered_db)
+
+    def _arm_done_timer(self) -> None:
+        """Record the last batch's done on its own if no next batch's intent carries it soon."""
+        if self._done_timer is not None:
+            self._done_timer.cancel()
+        self._done_timer = asyncio.get_running_loop().call_later(DONE_ALONE_AFTER_NS / 1e9, self._done_alone)
+
+    def _done_alone(self) -> None:
+        self._done_timer = None
+        self.spawn(self._record_done())
+
+    async def _record_done(self) -> None:
+        async with self._lock:
+            if not self.stopping.is_set():
+                await self._carry_out(self.core.done_due())
 
     def _judge(self, a: Alert) -> None:
         recorded = self.recent.get(a.emit_seq)

@@ -5,12 +5,18 @@ channel, what the store recorded for an alert seen again, and the alerts
 found in doubt at start. Actions out, carried out in order by the shell
 (replicas/emitter.py):
 
-    RecordIntent(alerts)   the outbox and the new mark, in one durable transaction
-    DeliverAlerts(alerts)        to every sink
+    RecordIntent(alerts, done)  the outbox and the new mark, and the previous
+                           batch's done, in one durable transaction
+    DeliverAlerts(alerts)  to every sink
     Redeliver(alerts)      alerts in doubt after a crash: again to the idempotent
                            sinks, listed for the operator for the others
     RecordDone(alerts)     outbox -> delivered, in one durable transaction
     Crash(point)           fault injection for tests and drills: die here
+
+A batch's done rides in the next batch's intent, or goes alone when the
+shell finds no next batch soon (`done_due`): one durable transaction a
+batch, not two. A crash between leaves one more batch in doubt, which the
+idempotent sinks take again harmlessly.
 
 The mark is the highest emit seq recorded. Replicas are deterministic and
 each channel is ordered. Two delivery modes:
@@ -50,7 +56,7 @@ minority's alert.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tape.protocol.limits import MAX_PENDING_ALERTS
 from tape.replicas.audit import Alert
@@ -63,6 +69,7 @@ FOLDS_KEPT = 64  # fold points whose replica digests are remembered (64 x 4096 s
 @dataclass(frozen=True)
 class RecordIntent:
     alerts: list
+    done: list = field(default_factory=list)  # the batch delivered before: done in the same transaction
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,8 @@ class EmitterCore:
         self.divergences = 0
         self.in_doubt = 0
         self._mark_before = mark
+        self.undone: list[Alert] = []  # the last batch delivered, its done not yet recorded
+        self._undone_batch = 0
         self.told: dict[bytes, int] = {}  # replica -> the mark it was last told (welcome or ack)
 
     def on_hello(self, replica: bytes) -> int | None:
@@ -241,27 +250,39 @@ class EmitterCore:
         self._pending_order = sorted(self.pending)  # (a sorted list is a heap)
 
     def deliver(self, new: list[Alert]) -> list[EmitterAction]:
-        """Intent, deliver, done: the steps for new alerts, which move the mark."""
+        """Intent (with the previous batch's done), deliver: the steps for new alerts, which move
+        the mark. Their own done comes with the next batch's intent, or from `done_due`."""
         assert new and new[0].emit_seq > self.mark, "only alerts above the mark are delivered"
         self.batches += 1
         self._mark_before = self.mark
         self.mark = new[-1].emit_seq
         self.delivered += len(new)
-        steps = [RecordIntent(new), DeliverAlerts(new), RecordDone(new)]
-        out = []
-        for point, step in zip(CRASH_POINTS, [*steps, None]):
-            if point == self.crash_at and self.batches >= self.crash_after:
-                out.append(Crash(point, self.batches))
-            if step is not None:
-                out.append(step)
-        return out
+        done, done_batch = self.undone, self._undone_batch
+        self.undone, self._undone_batch = new, self.batches
+        out = [*self._crash("before_intent", self.batches), RecordIntent(new, done)]
+        if done:
+            out += self._crash("after_done", done_batch)
+        return [*out, *self._crash("after_intent", self.batches), DeliverAlerts(new),
+                *self._crash("after_deliver", self.batches)]
 
-    def on_intent_failed(self, new: list[Alert]) -> None:
+    def done_due(self) -> list[EmitterAction]:
+        """The last batch's done on its own: the shell found no next batch to carry it."""
+        if not self.undone:
+            return []
+        done, self.undone = self.undone, []
+        return [RecordDone(done), *self._crash("after_done", self._undone_batch)]
+
+    def _crash(self, point: str, batch: int) -> list[Crash]:
+        return [Crash(point, batch)] if point == self.crash_at and batch >= self.crash_after else []
+
+    def on_intent_failed(self, intent: RecordIntent) -> None:
         """The intent of the last delivery was not recorded (a full or failing disk): nothing of it
         happened. The mark goes back, and everything heard above it is forgotten: the shell closes
-        every replica's link, and each sends again from the mark when it is welcomed back."""
+        every replica's link, and each sends again from the mark when it is welcomed back. The
+        done it carried is still to record."""
         self.mark = self._mark_before
-        self.delivered -= len(new)
+        self.delivered -= len(intent.alerts)
+        self.undone = intent.done
         self.pending, self._pending_order, self.held, self.frontier = {}, [], {}, {}
 
     def judge_copy(self, alert: Alert, recorded: bytes | None) -> bool:

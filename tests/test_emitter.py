@@ -8,8 +8,9 @@ import threading
 import time
 from pathlib import Path
 
+import lmdb
 import pytest
-from conftest import connect
+from conftest import connect, wait_for
 from linkclient import LinkSocket
 
 from tape.ops.config import load
@@ -268,3 +269,37 @@ def test_the_emitter_keeps_the_newest_recorded_alerts_within_its_limit():
         keep_newest(recent, [(seq, b"%d" % seq) for seq in range(first, first + 7)], 20)
         assert len(recent) <= 20 and max(recent) == first + 6
     assert list(recent) == list(range(86, 106)) and recent[105] == b"105"
+
+
+def outbox(cluster: LocalCluster) -> list[int]:
+    """The emit seqs in the emitter's outbox (intent recorded, done not), read beside the process."""
+    env = lmdb.open(str(Path(cluster.cfg.node("emitter").data) / "lmdb"), max_dbs=4, readonly=True)
+    try:
+        with env.begin() as txn:
+            return [int.from_bytes(k, "big") for k, _ in txn.cursor(db=env.open_db(b"outbox", txn=txn))]
+    finally:
+        env.close()
+
+
+@pytest.mark.process
+def test_a_batch_is_recorded_done_alone_when_no_next_batch_comes_and_at_a_clean_stop(tmp_path):
+    """A batch's done rides in the next batch's intent; without one it is recorded alone soon after,
+    and before a clean stop: nothing is left in doubt for the next start."""
+    cluster = LocalCluster(tmp_path, replicas=3)
+    try:
+        cluster.start_node("emitter")
+        a = link(cluster, b"replica-A ")
+        frames(a, 1)
+        a.sendall(alertlink.alert(alert(41).encode()))
+        assert (alertlink.ACK, alertlink.MARK.pack(41)) in frames(a, 1)
+        wait_for(lambda: outbox(cluster) == [], "the idle batch's done", timeout=5)
+        a.sendall(alertlink.alert(alert(42).encode()) + alertlink.alert(alert(43).encode()))
+        assert (alertlink.ACK, alertlink.MARK.pack(43)) in frames(a, 1)
+        a.close()
+        assert cluster.stop("emitter") == 0
+        assert outbox(cluster) == []
+        cluster.start_node("emitter")
+        frames(link(cluster, b"replica-A "), 1)  # up: what was in doubt is resolved before the port opens
+        assert "in doubt" not in cluster.logs["emitter"].read_text()
+    finally:
+        cluster.close()

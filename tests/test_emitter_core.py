@@ -47,10 +47,12 @@ def test_a_replica_is_acknowledged_after_its_batch_and_when_the_mark_moved_past_
 def test_new_alerts_go_through_intent_deliver_done_and_move_the_mark():
     core = EmitterCore({A})
     new, copies, _ = core.on_alerts(A, [alert(3), alert(5)])
-    assert copies == [] and core.deliver(new) == [RecordIntent(new), DeliverAlerts(new), RecordDone(new)]
+    assert copies == [] and core.deliver(new) == [RecordIntent(new, []), DeliverAlerts(new)]
     assert core.mark == 5 and core.delivered == 2
-    new, copies, _ = core.on_alerts(B, [alert(5), alert(9)])  # another replica's channel: 5 is a copy
-    assert [a.emit_seq for a in new] == [9] and [a.emit_seq for a in copies] == [5]
+    later, copies, _ = core.on_alerts(B, [alert(5), alert(9)])  # another replica's channel: 5 is a copy
+    assert [a.emit_seq for a in later] == [9] and [a.emit_seq for a in copies] == [5]
+    assert core.deliver(later) == [RecordIntent(later, new), DeliverAlerts(later)]  # done rides the next intent
+    assert core.done_due() == [RecordDone(later)] and core.done_due() == []  # or goes alone, once
 
 
 def seqs(alerts):
@@ -115,13 +117,23 @@ def test_a_copy_with_other_bytes_or_none_recorded_is_a_divergence():
     assert not core.judge_copy(alert(6), None) and core.divergences == 2
 
 
-@pytest.mark.parametrize("point, index", [("before_intent", 0), ("after_intent", 1), ("after_deliver", 2),
-                                          ("after_done", 3)])
+@pytest.mark.parametrize("point, index", [("before_intent", 0), ("after_intent", 1), ("after_deliver", 2)])
 def test_a_crash_point_sits_where_it_says_in_the_chosen_batch(point, index):
     core = EmitterCore({A}, crash_at=point, crash_after=2)
     assert not any(isinstance(s, Crash) for s in core.deliver([alert(1)]))
     steps = core.deliver([alert(2)])
-    assert steps[index] == Crash(point, 2) and len(steps) == 4
+    assert steps[index] == Crash(point, 2) and len(steps) == 3
+
+
+def test_the_after_done_crash_point_follows_the_chosen_batchs_done_alone_or_in_the_next_intent():
+    core = EmitterCore({A}, crash_at="after_done", crash_after=2)
+    core.deliver([alert(1)])
+    assert not any(isinstance(s, Crash) for s in core.deliver([alert(2)]))  # batch 1's done: not the one
+    assert core.done_due() == [RecordDone([alert(2)]), Crash("after_done", 2)]
+    core = EmitterCore({A}, crash_at="after_done", crash_after=2)
+    core.deliver([alert(1)]), core.deliver([alert(2)])
+    steps = core.deliver([alert(3)])
+    assert steps[:2] == [RecordIntent([alert(3)], [alert(2)]), Crash("after_done", 2)]
 
 
 def test_alerts_in_doubt_are_delivered_again_then_done():
@@ -167,10 +179,19 @@ def test_an_intent_the_disk_refused_moves_nothing_and_the_alerts_come_again(deli
     for replica in (A, B):
         new, _, _ = core.on_alerts(replica, [alert(3), alert(5)])
     assert seqs(new) == [3, 5]
-    core.deliver(new)
-    core.on_intent_failed(new)  # the shell closes every link: each sends again from the mark
+    intent = core.deliver(new)[0]
+    core.on_intent_failed(intent)  # the shell closes every link: each sends again from the mark
     assert core.mark == 2 and core.delivered == 0 and core.pending == {}
     for replica in (B, A):
         new, copies, alarms = core.on_alerts(replica, [alert(3), alert(5)])
     assert seqs(new) == [3, 5] and alarms == []  # the same alerts, delivered this time
     assert core.deliver(new)[0] == RecordIntent(new) and core.mark == 5
+
+
+def test_a_failed_intent_leaves_the_done_it_carried_still_to_record():
+    core = EmitterCore({A})
+    core.deliver([alert(1)])
+    intent = core.deliver([alert(2)])[0]
+    assert intent.done == [alert(1)]
+    core.on_intent_failed(intent)
+    assert core.mark == 1 and core.done_due() == [RecordDone([alert(1)])]
