@@ -7,11 +7,11 @@ do with each alert is EmitterCore's decision (replicas/emitter_core.py);
 this shell carries it out: a new batch is recorded as intent (outbox +
 mark, and the previous batch's done, one transaction), written to every
 sink, and recorded as done with the next intent (or alone after
-DONE_ALONE_AFTER_NS without one); a copy is judged against the recorded bytes; at start, alerts with intent
-and no done are in doubt: they go again to the idempotent sinks (the
-JSON-lines file checks its own tail, the webhook carries an
-Idempotency-Key) and are listed in `in_doubt.jsonl` for the operator for
-the others.
+DONE_ALONE_AFTER_NS without one); a copy is judged against the recorded
+bytes; at start, alerts with intent and no done are in doubt: they go
+again to the idempotent sinks (the JSON-lines file checks its own tail,
+the webhook carries an Idempotency-Key) and are listed in
+`in_doubt.jsonl` for the operator for the others.
 
 Sinks (`sinks` in the emitter's [[node]]; see replicas/sinks.py): the
 JSON-lines file `alerts.jsonl` (default), an HTTP webhook and stdout. Each
