@@ -282,7 +282,7 @@ class EmitterCore:
         done it carried is still to record."""
         self.mark = self._mark_before
         self.delivered -= len(intent.alerts)
-        self.undone = intent.done
+        self.undone, self._undone_batch = intent.done, self.batches - 1  # the batch delivered before it
         self.pending, self._pending_order, self.held, self.frontier = {}, [], {}, {}
 
     def judge_copy(self, alert: Alert, recorded: bytes | None) -> bool:
