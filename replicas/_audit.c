@@ -21,6 +21,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -35,6 +36,8 @@
 #define STOCK_LEN 8
 #define RECORD_SIZE 57      /* a snapshot's book record: ">qq16s8sQ?Q" */
 #define MIN_CAPACITY 1024   /* slots; grown x2 whenever half full */
+#define MOVE_PER_INSERT 16  /* old slots moved on each insert while the table grows (at least 2: done
+                             * before the next doubling) */
 #define PURCHASE 'P'
 #define REQUEST 'R'
 
@@ -46,11 +49,18 @@ typedef struct {
     uint8_t alerted, used;
 } Book;
 
+/* A doubling moves the books a few slots at a time, on the inserts that follow it: moved in one
+ * pass, 524,288 books stalled a replica for 87 ms alone on a core (over a second in the cluster),
+ * and a replica's books only grow in its first hour (book_ttl_s). Meanwhile a book is in either
+ * array; the old one gives up whole clusters only (runs of used slots), so that its probe runs stay
+ * whole for the books not moved yet. */
 typedef struct {
     PyObject_HEAD
     Book *slots;
-    size_t mask;  /* capacity - 1, capacity a power of two */
-    size_t count;
+    size_t mask;   /* capacity - 1, capacity a power of two */
+    size_t count;  /* books in both arrays */
+    Book *old;     /* while growing: the array before, its books not moved yet; else NULL */
+    size_t old_mask, cursor, left;  /* the next old slot to visit, and how many are left to visit */
 } BookTable;
 
 static PyTypeObject BookTableType;
@@ -63,36 +73,68 @@ static size_t home(uint64_t order_id, size_t mask) {
     return (size_t)(((run ^ (run >> 29)) << 6) | (order_id & 63)) & mask;
 }
 
-static Book *find(BookTable *t, uint64_t order_id) {
-    for (size_t i = home(order_id, t->mask);; i = (i + 1) & t->mask) {
-        Book *b = &t->slots[i];
+static Book *probe(Book *slots, size_t mask, uint64_t order_id) {
+    for (size_t i = home(order_id, mask);; i = (i + 1) & mask) {
+        Book *b = &slots[i];
         if (!b->used) return NULL;
         if (b->order_id == order_id) return b;
     }
 }
 
+static Book *find(BookTable *t, uint64_t order_id) {
+    Book *b = probe(t->slots, t->mask, order_id);
+    return b != NULL || t->old == NULL ? b : probe(t->old, t->old_mask, order_id);
+}
+
+/* The free slot of the new array a book goes to. */
+static Book *place(BookTable *t, uint64_t order_id) {
+    size_t i = home(order_id, t->mask);
+    while (t->slots[i].used) i = (i + 1) & t->mask;
+    return &t->slots[i];
+}
+
+/* Move at least `budget` old slots' books, then the rest of the cluster under way: the cursor
+ * stops on a free slot only. */
+static void move_some(BookTable *t, size_t budget) {
+    Book *old = t->old;
+    while (t->left && (budget || old[t->cursor].used)) {
+        Book *b = &old[t->cursor];
+        if (b->used) {
+            *place(t, b->order_id) = *b;
+            b->used = 0;
+        }
+        t->cursor = (t->cursor + 1) & t->old_mask;
+        t->left--;
+        if (budget) budget--;
+    }
+    if (!t->left) {
+        PyMem_Free(old);
+        t->old = NULL;
+    }
+}
+
 static int grow(BookTable *t) {
-    size_t old_cap = t->mask + 1, cap = old_cap * 2;
-    Book *old = t->slots, *slots = PyMem_Calloc(cap, sizeof(Book));
-    if (slots == NULL) { PyErr_NoMemory(); return -1; }
+    if (t->old != NULL) move_some(t, SIZE_MAX);  /* (never: MOVE_PER_INSERT ends a doubling first) */
+    size_t cap = (t->mask + 1) * 2;
+    Book *slots = PyMem_Calloc(cap, sizeof(Book));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->old = t->slots;
+    t->old_mask = t->mask;
     t->slots = slots;
     t->mask = cap - 1;
-    for (size_t i = 0; i < old_cap; i++) {
-        if (!old[i].used) continue;
-        size_t j = home(old[i].order_id, t->mask);
-        while (slots[j].used) j = (j + 1) & t->mask;
-        slots[j] = old[i];
-    }
-    PyMem_Free(old);
+    t->left = t->old_mask + 1;
+    for (t->cursor = 0; t->old[t->cursor].used; t->cursor++) {}  /* from a free slot (half are): clusters whole */
     return 0;
 }
 
-/* A slot for a book not in the table (pointers into the table die here: it may grow). */
+/* A slot for a book not in the table (pointers into the table die here: books move). */
 static Book *insert(BookTable *t, uint64_t order_id) {
     if ((t->count + 1) * 2 > t->mask + 1 && grow(t) < 0) return NULL;
-    size_t i = home(order_id, t->mask);
-    while (t->slots[i].used) i = (i + 1) & t->mask;
-    Book *b = &t->slots[i];
+    if (t->old != NULL) move_some(t, MOVE_PER_INSERT);
+    Book *b = place(t, order_id);
     memset(b, 0, sizeof(Book));
     b->used = 1;
     b->order_id = order_id;
@@ -100,20 +142,24 @@ static Book *insert(BookTable *t, uint64_t order_id) {
     return b;
 }
 
-/* Linear probing's deletion without tombstones: later books of the same run move back. */
+/* Linear probing's deletion without tombstones: later books of the same run move back (in the old
+ * array too: its clusters not moved yet are whole, and stay inside the part not visited). */
 static void erase(BookTable *t, Book *b) {
-    size_t i = (size_t)(b - t->slots), j = i;
+    int in_old = t->old != NULL && (uintptr_t)b >= (uintptr_t)t->old &&
+                 (uintptr_t)b <= (uintptr_t)(t->old + t->old_mask);
+    Book *slots = in_old ? t->old : t->slots;
+    size_t mask = in_old ? t->old_mask : t->mask, i = (size_t)(b - slots), j = i;
     for (;;) {
-        j = (j + 1) & t->mask;
-        if (!t->slots[j].used) break;
-        size_t k = home(t->slots[j].order_id, t->mask);
+        j = (j + 1) & mask;
+        if (!slots[j].used) break;
+        size_t k = home(slots[j].order_id, mask);
         int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
         if (!stays) {
-            t->slots[i] = t->slots[j];
+            slots[i] = slots[j];
             i = j;
         }
     }
-    t->slots[i].used = 0;
+    slots[i].used = 0;
     t->count--;
 }
 
@@ -239,8 +285,9 @@ static PyObject *table_get(BookTable *t, PyObject *args) {
 static PyObject *listing(BookTable *t, int with_books) {
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
-    for (size_t i = 0; i <= t->mask; i++) {
-        Book *b = &t->slots[i];
+    size_t n_old = t->old == NULL ? 0 : t->old_mask + 1;
+    for (size_t i = 0; i < n_old + t->mask + 1; i++) {  /* the old array's books not moved, then the new's */
+        Book *b = i < n_old ? &t->old[i] : &t->slots[i - n_old];
         if (!b->used) continue;
         PyObject *item = with_books ? Py_BuildValue("(KN)", (unsigned long long)b->order_id, book_list(b))
                                     : PyLong_FromUnsignedLongLong(b->order_id);
@@ -352,6 +399,7 @@ static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 
 static void table_dealloc(BookTable *t) {
     PyMem_Free(t->slots);
+    PyMem_Free(t->old);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -367,6 +415,12 @@ static PyMethodDef table_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef table_members[] = {
+    {"moving", T_PYSSIZET, offsetof(BookTable, left), READONLY,
+     "old slots still to visit after a doubling (moved a few on each insert), 0 when none"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject BookTableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "tape.replicas._audit.BookTable",
@@ -380,6 +434,7 @@ static PyTypeObject BookTableType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "order id -> book, in C (see the module's comment)",
     .tp_methods = table_methods,
+    .tp_members = table_members,
     .tp_new = table_new,
 };
 

@@ -125,6 +125,27 @@ def test_the_compiled_books_stay_a_dict_through_many_deletes(seed):
     assert table == model and all(table[k] == v for k, v in model.items())
 
 
+@compiled
+@pytest.mark.parametrize("stride", [1, 1024, 0x9E3779B97F4A7C15])
+def test_a_doubling_moves_the_books_a_few_at_a_time_and_they_stay_found(stride):
+    """The 513th book doubles a fresh table; its books move over the next inserts (none stalls for
+    all of them), while reads, overwrites and deletes find each book in whichever array holds it."""
+    rng, table, model = random.Random(stride), audit.BookTable(), Books()
+    ids = [i * stride % 2**64 for i in range(1, 3000)]
+    for n, order_id in enumerate(ids, 1):
+        table[order_id] = model[order_id] = [n, 0, b"C" * 16, b"S" * 8, 0, False, 0]
+        if n == 513:
+            assert 0 < table.moving < 1024
+        if table.moving:
+            old = rng.choice(sorted(model))
+            if rng.random() < 0.5:
+                del table[old], model[old]
+            else:
+                table[old] = model[old] = [n, 1, b"C" * 16, b"S" * 8, 0, True, 1]
+            assert table == model
+    assert table.moving == 0 and table == model and len(table) == len(model)
+
+
 def home(order_id: int, slots: int = 1024) -> int:
     """The first slot _audit.c probes for an order id (a fresh table has 1,024)."""
     run = (order_id >> 6) * 0x9E3779B97F4A7C15 % 2**64
