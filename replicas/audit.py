@@ -55,6 +55,7 @@ _ALERT_RECORD = struct.Struct(">QQQQq16s8sqqQ")
 _REJECT_RECORD = struct.Struct(">QQB")
 BOOK = struct.Struct(">qq16s8sQ?Q")  # a snapshot's book record: requested, cumulative, client, stock, opened_ns,
 # alerted, request_seq (the fields of a book, in its order)
+PACKED_BOOK = 8 + BOOK.size  # a book's key and record, as Books.packed gives them
 _NEVER = 2**64 - 1  # no expiry due (the compiled loop's clock is u64)
 
 
@@ -99,11 +100,12 @@ class Books(dict):
     books. The compiled ones (`_audit.BookTable`) read the same but hand out copies, so the rules
     write a changed book back."""
 
-    def packed(self, order_ids) -> list[tuple[bytes, bytes]]:
-        """(key, record) of each of these order ids with a book, in their order (snapshots)."""
+    def packed(self, order_ids) -> bytes:
+        """The key (u64 big-endian) and record of each of these order ids with a book, in their order,
+        one after the other (PACKED_BOOK bytes each: snapshots)."""
         pack, get = BOOK.pack, self.get
-        return [(order_id.to_bytes(8, "big"), pack(*book)) for order_id in order_ids
-                if (book := get(order_id)) is not None]
+        return b"".join(order_id.to_bytes(8, "big") + pack(*book) for order_id in order_ids
+                        if (book := get(order_id)) is not None)
 
 
 class AuditMachine:

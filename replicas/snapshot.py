@@ -30,7 +30,7 @@ import lmdb
 
 from tape.node.aside import aside_path
 from tape.protocol import messages as M
-from tape.replicas.audit import BOOK, AuditMachine
+from tape.replicas.audit import BOOK, PACKED_BOOK, AuditMachine
 
 ORPHAN = struct.Struct(">Q")  # seq, followed by the 75-byte message
 STATE = struct.Struct(">QQQ16sI")  # last_seq, now_ns, applied, chain, len(pending)
@@ -43,7 +43,7 @@ SUM_CHUNK = 4096  # records hashed per call while loading (bounds the list of th
 class SaveJob:
     """What one save writes, taken from the machine at one seq."""
     dirty: list[int]  # the order ids changed since the last save, sorted
-    books: list[tuple[bytes, bytes]]  # (key, record) of those with a book
+    books: bytes  # key and record of those with a book, PACKED_BOOK bytes each (Books.packed)
     orphans: list[tuple[int, bytes | None]]  # (order id, held purchases; None: delete the record)
     state: bytes  # STATE and the pending effects
     meta: dict  # the state's JSON part but for the sums
@@ -119,11 +119,12 @@ class SnapshotStore:
         """The first of a save's three steps, on the thread that applies: what changed since the
         last save, taken at this seq (the machine's dirty set starts afresh). `write` may then run
         on another thread while the machine moves on; `finish` (or, if the disk refused it,
-        `abandon`) comes back here. One save at a time."""
+        `abandon`) comes back here. One save at a time. Kept short: the stream waits meanwhile
+        (the books come packed in one bytes; the orphans' ids are few, the dirty ones many)."""
         assert self._sums_known, "save() onto a snapshot that was not loaded: its checksum is unknown"
         dirty = sorted(m.dirty)
         orphans = []
-        for order_id in dirty:  # few: orphans live for orphan_ttl_s, and most orders never have any
+        for order_id in sorted(m.dirty & (m.orphans.keys() | self.orphan_keys)):
             held = m.orphans.get(order_id)
             if held or order_id in self.orphan_keys:
                 orphans.append((order_id, b"".join(ORPHAN.pack(seq) + M.SEQUENCED.pack(*msg)
@@ -168,11 +169,12 @@ class SnapshotStore:
         """The disk refused the save: its ids are dirty again, for the next one."""
         m.dirty.update(job.dirty)
 
-    def _put_books(self, txn, dirty: list[int], new: list[tuple[bytes, bytes]]) -> int:
+    def _put_books(self, txn, dirty: list[int], packed: bytes) -> int:
         """Write (or delete) the dirty books; returns what the checksum moves by. The hot part of a
         save (one key per order touched): the old records read and the new ones written by one
         LMDB call each, and hashed by one call each."""
         keys = [order_id.to_bytes(8, "big") for order_id in dirty]
+        new = [(packed[i:i + 8], packed[i + 8:i + PACKED_BOOK]) for i in range(0, len(packed), PACKED_BOOK)]
         with txn.cursor(db=self.books) as cursor:
             old = [(bytes(k), bytes(v)) for k, v in cursor.getmulti(keys)]
             cursor.putmulti(new)
