@@ -3,6 +3,7 @@ machine fed packets through the compiled common cases ends every packet in the v
 pure rules reach on the same messages (books, orphans, expiry queues, dirty ids, effects, alerts,
 digest); and where a C compiler exists it was built."""
 
+import gc
 import random
 import shutil
 
@@ -88,6 +89,19 @@ def test_generated_trades_never_reach_the_python_rules(seed):
         assert fast.apply_packet(first + 1, packet(first + 1, chunk)) == pure.apply_run(first + 1, chunk)
     assert state(fast) == state(pure) and fast.digest() == pure.digest()
     assert fast.alerts_raised > 100 and ruled == []
+
+
+@compiled
+def test_a_books_expiry_entry_is_never_walked_by_the_collector():
+    """It lives as long as its book (an hour by default); a collection would untrack it only later."""
+    msgs = [seqd(raw, 10**18 + i, i + 1) for i, raw in enumerate(TradeGenerator(1).take(2000))]
+    machine = AuditMachine(compiled=True)
+    gc.disable()
+    try:
+        machine.apply_packet(1, packet(1, msgs))
+        assert len(machine._book_expiry) > 100 and not any(map(gc.is_tracked, machine._book_expiry))
+    finally:
+        gc.enable()
 
 
 @compiled
