@@ -456,23 +456,36 @@ done:
     return out == NULL ? NULL : Py_NewRef(out);
 }
 
+/* The records' bytes are found with the GIL held, then hashed without it: a snapshot thread's sums
+ * (~4 ms for 22,000 books, profiling) run beside the thread that applies instead of holding it up.
+ * Each key and value is held meanwhile (whoever changes the sequence), and bytes do not change. */
 static PyObject *records_sum(PyObject *self, PyObject *args) {
     Py_buffer prefix;
     PyObject *records;
     if (!PyArg_ParseTuple(args, "y*O", &prefix, &records)) return NULL;
     PyObject *seq = PySequence_Fast(records, "records must be a sequence of (key, value) pairs");
     if (seq == NULL) { PyBuffer_Release(&prefix); return NULL; }
-    unsigned __int128 sum = 0;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **pair = PyMem_Malloc(2 * (size_t)(n ? n : 1) * sizeof(PyObject *));
+    if (pair == NULL) { Py_DECREF(seq); PyBuffer_Release(&prefix); return PyErr_NoMemory(); }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *r = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(r, 0))
                 || !PyBytes_Check(PyTuple_GET_ITEM(r, 1))) {
             PyErr_SetString(PyExc_TypeError, "records must be (key, value) pairs of bytes");
-            Py_DECREF(seq); PyBuffer_Release(&prefix);
+            PyMem_Free(pair); Py_DECREF(seq); PyBuffer_Release(&prefix);
             return NULL;
         }
-        PyObject *key = PyTuple_GET_ITEM(r, 0), *value = PyTuple_GET_ITEM(r, 1);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PySequence_Fast_GET_ITEM(seq, i);
+        pair[2 * i] = Py_NewRef(PyTuple_GET_ITEM(r, 0));
+        pair[2 * i + 1] = Py_NewRef(PyTuple_GET_ITEM(r, 1));
+    }
+    unsigned __int128 sum = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = pair[2 * i], *value = pair[2 * i + 1];
         const unsigned char *part[3] = {prefix.buf, (const unsigned char *)PyBytes_AS_STRING(key),
                                         (const unsigned char *)PyBytes_AS_STRING(value)};
         size_t len[3] = {(size_t)prefix.len, (size_t)PyBytes_GET_SIZE(key), (size_t)PyBytes_GET_SIZE(value)};
@@ -482,6 +495,9 @@ static PyObject *records_sum(PyObject *self, PyObject *args) {
         for (int k = 0; k < 16; k++) v = v << 8 | d[k];
         sum += v;  /* wraps: mod 2^128 */
     }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < 2 * n; i++) Py_DECREF(pair[i]);
+    PyMem_Free(pair);
     Py_DECREF(seq);
     PyBuffer_Release(&prefix);
     unsigned char be[16];

@@ -11,6 +11,9 @@ from tape.protocol import messages, moldudp64, replication, soupbintcp
 # --- datagrams -------------------------------------------------------------------------
 DATAGRAM_BUFFER = 65536  # bytes read per recv(): any UDP payload fits
 DRAIN_DATAGRAMS = 512  # datagrams one wake-up of a data-plane socket reads before yielding
+# How long a replica's snapshot thread may run Python before the thread that applies gets the GIL
+# back (Python's default is 5 ms: the stream waited that long while a save was written).
+GIL_SWITCH_S = 0.001
 GAP_REQUEST_DRAIN = 256  # gap-fill requests one wake-up of a rewinder answers
 GAP_REQUEST_BUFFER = 65_536  # bytes read per gap-fill request (padded to the answer's size without keys)
 # Gap-fill budgets (requests answered per second): per requesting host (all its ports together)

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import struct
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +32,7 @@ from tape.node.settings import Config, Node
 from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import CONTROL_READ, REPLAY_CLIENT_HEARTBEAT_S, STREAM_READ
+from tape.protocol.limits import CONTROL_READ, GIL_SWITCH_S, REPLAY_CLIENT_HEARTBEAT_S, STREAM_READ
 from tape.protocol.moldudp64 import HEADER_SIZE, MAX_BLOCKS
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import sealed_ranges
@@ -141,6 +142,7 @@ class Replica(NodeProcess):
             self.resumed_from,
             len(self.core.outbox),
         )
+        sys.setswitchinterval(GIL_SWITCH_S)  # the snapshot thread holds up applying 1 ms at most
         self.listener.start()
         self._catching_up = self.spawn(self._catch_up())
         tasks = [self.spawn(self._emitter_link()), self.spawn(self._housekeeping())]
