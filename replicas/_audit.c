@@ -93,8 +93,8 @@ static Book *place(BookTable *t, uint64_t order_id) {
     return &t->slots[i];
 }
 
-/* Move at least `budget` old slots' books, then the rest of the cluster under way: the cursor
- * stops on a free slot only. */
+/* Visit at least `budget` old slots, moving their books, then the rest of the cluster under way:
+ * the cursor stops on a free slot only. */
 static void move_some(BookTable *t, size_t budget) {
     Book *old = t->old;
     while (t->left && (budget || old[t->cursor].used)) {
@@ -126,7 +126,8 @@ static int grow(BookTable *t) {
     t->slots = slots;
     t->mask = cap - 1;
     t->left = t->old_mask + 1;
-    for (t->cursor = 0; t->old[t->cursor].used; t->cursor++) {}  /* from a free slot (half are): clusters whole */
+    /* from a free slot (half are): no cluster is cut at the start */
+    for (t->cursor = 0; t->old[t->cursor].used; t->cursor++) {}
     return 0;
 }
 
@@ -402,7 +403,8 @@ static PyMethodDef table_methods[] = {
     {"get", (PyCFunction)table_get, METH_VARARGS, "get(order_id, default=None): the book as a list, or default"},
     {"keys", (PyCFunction)table_keys, METH_NOARGS, "the order ids with a book, in no particular order"},
     {"items", (PyCFunction)table_items, METH_NOARGS, "(order id, book) pairs, in no particular order"},
-    {"packed", (PyCFunction)table_packed, METH_O, "packed(order_ids): key and record of those with a book, in one bytes"},
+    {"packed", (PyCFunction)table_packed, METH_O,
+     "packed(order_ids): key and record of those with a book, in one bytes"},
     {NULL, NULL, 0, NULL},
 };
 
