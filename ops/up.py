@@ -34,6 +34,10 @@ SLACK_S = 90.0  # a run that has not finished its load this long after its durat
 LAN_HOSTS = 5  # --lan: seq-a, seq-b, rw-1, rw-2 a host each; the replicas, emitter and load on the fifth
 REPLICAS_FINISH_S = 60.0  # after the end of session, for the replicas to apply everything
 APPLIED_WAIT_S = 30.0  # after the load, for the replicas to apply what was committed (CPU accounting)
+# The live view reads every node's metrics once a second (a read costs a node ~1.5 ms of CPU: part of
+# what a run measures), and checks the processes and steps a drill four times a second.
+SCRAPE_EVERY_S = 1.0
+WATCH_TICK_S = 0.25
 
 
 def _m(metrics: dict, name: str, node: str) -> float:
@@ -176,8 +180,9 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: flo
     progress = Progress(TextColumn("load"), BarColumn(), TimeRemainingColumn())
     task = progress.add_task("load", total=duration)
     t0 = time.monotonic()
-    last = (t0, 0.0)
+    scraped = (t0 - SCRAPE_EVERY_S, 0.0)  # when the metrics were last read, and the commit point then
     rate = 0.0
+    table = Table()
     events: list[str] = []
     with Live(console=console, refresh_per_second=4) as live:
         while cluster.alive("load") or (drill and drill.injected and not drill.healed):  # a drill may restart it
@@ -190,38 +195,44 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: flo
                 note = drill.step(cluster, now - t0)
                 if note:
                     events.append(f"{now - t0:5.1f} s  {note}")
-            m = _scrape(cluster)
-            seq = max(_m(m[s], "tape_sequencer_commit_seq", s) for s in SEQUENCERS)
-            if now - last[0] >= 0.5:
-                rate, last = (seq - last[1]) / (now - last[0]), (now, seq)
-            table = Table(show_header=True, header_style="bold")
-            for col in ("process", "seq", "msg/s / detail", "lag"):
-                table.add_column(col, justify="left" if col == "process" else "right")
-            for s in SEQUENCERS:
-                if not m[s]:
-                    table.add_row(f"{s} (down)", "", "", "")
-                    continue
-                leads = _m(m[s], "tape_sequencer_leader", s) == 1
-                table.add_row(
-                    f"{s} ({'leader' if leads else 'standby'}, term {_m(m[s], 'tape_sequencer_term', s):.0f})",
-                    f"{_m(m[s], 'tape_sequencer_sequenced_seq', s):,.0f}",
-                    f"{rate:,.0f} msg/s" if leads else "",
-                    f"{_m(m[s], 'tape_sequencer_commit_lag', s):,.0f} uncommitted" if leads else "",
-                )
-            for r in ("rw-1", "rw-2"):
-                table.add_row(r if m[r] else f"{r} (down)", f"{_m(m[r], 'tape_rewinder_last_seq', r):,.0f}",
-                              f"{_m(m[r], 'tape_rewinder_gapfill_messages_sent_total', r):,.0f} gap-filled", "")
-            for r in REPLICAS:
-                table.add_row(r if m[r] else f"{r} (down)", f"{_m(m[r], 'tape_replica_applied_seq', r):,.0f}",
-                              f"{_m(m[r], 'tape_replica_alerts_raised_total', r):,.0f} alerts",
-                              f"{_m(m[r], 'tape_replica_lag', r):,.0f}")
-            e = m["emitter"]
-            table.add_row("emitter" if e else "emitter (down)", f"{_m(e, 'tape_emitter_mark', 'emitter'):,.0f}",
-                          f"{_m(e, 'tape_emitter_alerts_delivered_total', 'emitter'):,.0f} delivered",
-                          f"{_m(e, 'tape_emitter_duplicates_total', 'emitter'):,.0f} dup. copies")
+            if now - scraped[0] >= SCRAPE_EVERY_S:
+                m = _scrape(cluster)
+                seq = max(_m(m[s], "tape_sequencer_commit_seq", s) for s in SEQUENCERS)
+                rate, scraped = (seq - scraped[1]) / (now - scraped[0]), (now, seq)
+                table = _live_table(m, rate)
             progress.update(task, completed=min(duration, now - t0))
             live.update(Group(table, *events[-6:], progress))
-            time.sleep(0.25)
+            time.sleep(WATCH_TICK_S)
+
+
+def _live_table(m: dict, rate: float) -> Table:
+    """Each node's progress from its metrics (`m`: node -> metrics, {} if down)."""
+    table = Table(show_header=True, header_style="bold")
+    for col in ("process", "seq", "msg/s / detail", "lag"):
+        table.add_column(col, justify="left" if col == "process" else "right")
+    for s in SEQUENCERS:
+        if not m[s]:
+            table.add_row(f"{s} (down)", "", "", "")
+            continue
+        leads = _m(m[s], "tape_sequencer_leader", s) == 1
+        table.add_row(
+            f"{s} ({'leader' if leads else 'standby'}, term {_m(m[s], 'tape_sequencer_term', s):.0f})",
+            f"{_m(m[s], 'tape_sequencer_sequenced_seq', s):,.0f}",
+            f"{rate:,.0f} msg/s" if leads else "",
+            f"{_m(m[s], 'tape_sequencer_commit_lag', s):,.0f} uncommitted" if leads else "",
+        )
+    for r in ("rw-1", "rw-2"):
+        table.add_row(r if m[r] else f"{r} (down)", f"{_m(m[r], 'tape_rewinder_last_seq', r):,.0f}",
+                      f"{_m(m[r], 'tape_rewinder_gapfill_messages_sent_total', r):,.0f} gap-filled", "")
+    for r in REPLICAS:
+        table.add_row(r if m[r] else f"{r} (down)", f"{_m(m[r], 'tape_replica_applied_seq', r):,.0f}",
+                      f"{_m(m[r], 'tape_replica_alerts_raised_total', r):,.0f} alerts",
+                      f"{_m(m[r], 'tape_replica_lag', r):,.0f}")
+    e = m["emitter"]
+    table.add_row("emitter" if e else "emitter (down)", f"{_m(e, 'tape_emitter_mark', 'emitter'):,.0f}",
+                  f"{_m(e, 'tape_emitter_alerts_delivered_total', 'emitter'):,.0f} delivered",
+                  f"{_m(e, 'tape_emitter_duplicates_total', 'emitter'):,.0f} dup. copies")
+    return table
 
 
 def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> dict:

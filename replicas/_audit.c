@@ -9,6 +9,8 @@
  *               array, no Python object per book: nothing for the
  *               collector to walk, and a snapshot packs its dirty books
  *               without chasing seven objects each.
+ *   ExpiryQueue the books' expiry entries in stamp order, 24 bytes each in
+ *               blocks, read as a deque of (expires, order id, seq) tuples.
  *   apply_fast  applies messages index..end-1 of a packet while each is one
  *               of the cases AuditMachine._apply inlines (a purchase that
  *               fills an open book, raising its alert if it crosses it, a
@@ -38,6 +40,7 @@
 #define MIN_CAPACITY 1024   /* slots; grown x2 whenever half full */
 #define MOVE_PER_INSERT 16  /* old slots moved on each insert while the table grows (at least 2: done
                              * before the next doubling) */
+#define DUE_PER_BLOCK 4096  /* expiry entries a block of the queue (96 KiB) */
 #define PURCHASE 'P'
 #define REQUEST 'R'
 
@@ -431,6 +434,144 @@ static PyTypeObject BookTableType = {
     .tp_new = table_new,
 };
 
+/* --- books' expiry entries ---------------------------------------------------------------- */
+
+/* (expires, order id, request seq) of each book opened, in stamp order: a book's entry lives as
+ * long as it does (an hour by default), so an entry is 24 bytes in a block, not a tuple of three
+ * ints (~170 bytes, built on every request); the queue grows and shrinks a block at a time and is
+ * never copied whole. Reads as a deque of tuples: append, popleft, len, [i], iteration. */
+typedef struct {
+    uint64_t expires, order_id, seq;
+} Due;
+
+typedef struct {
+    PyObject_HEAD
+    Due **blocks;             /* blocks[first .. first + nblocks - 1] hold the entries */
+    size_t cap, first, nblocks;
+    size_t head, count;       /* the oldest entry's place in blocks[first]; entries held */
+} ExpiryQueue;
+
+static PyTypeObject ExpiryQueueType;
+
+static Due *due_at(ExpiryQueue *q, size_t i) {
+    size_t at = q->head + i;
+    return &q->blocks[q->first + at / DUE_PER_BLOCK][at % DUE_PER_BLOCK];
+}
+
+static int due_push(ExpiryQueue *q, uint64_t expires, uint64_t order_id, uint64_t seq) {
+    if (q->head + q->count == q->nblocks * DUE_PER_BLOCK) {  /* the last block is full: one more */
+        if (q->first + q->nblocks == q->cap && q->first) {  /* room at the front: slide the pointers */
+            memmove(q->blocks, q->blocks + q->first, q->nblocks * sizeof(Due *));
+            q->first = 0;
+        } else if (q->first + q->nblocks == q->cap) {
+            size_t cap = q->cap ? q->cap * 2 : 8;
+            Due **grown = PyMem_Realloc(q->blocks, cap * sizeof(Due *));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            q->blocks = grown;
+            q->cap = cap;
+        }
+        Due *block = PyMem_Malloc(DUE_PER_BLOCK * sizeof(Due));
+        if (block == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        q->blocks[q->first + q->nblocks++] = block;
+    }
+    *due_at(q, q->count) = (Due){expires, order_id, seq};
+    q->count++;
+    return 0;
+}
+
+static PyObject *due_tuple(const Due *d) {
+    return Py_BuildValue("(KKK)", (unsigned long long)d->expires, (unsigned long long)d->order_id,
+                         (unsigned long long)d->seq);
+}
+
+static PyObject *queue_append(ExpiryQueue *q, PyObject *entry) {
+    unsigned long long expires, order_id, seq;
+    if (!PyArg_ParseTuple(entry, "KKK:append", &expires, &order_id, &seq)) return NULL;
+    if (due_push(q, expires, order_id, seq) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *queue_popleft(ExpiryQueue *q, PyObject *unused) {
+    if (q->count == 0) {
+        PyErr_SetString(PyExc_IndexError, "pop from an empty expiry queue");
+        return NULL;
+    }
+    PyObject *entry = due_tuple(due_at(q, 0));
+    if (entry == NULL) return NULL;
+    q->count--;
+    if (++q->head == DUE_PER_BLOCK) {  /* the first block is spent */
+        PyMem_Free(q->blocks[q->first++]);
+        q->nblocks--;
+        q->head = 0;
+    }
+    return entry;
+}
+
+static Py_ssize_t queue_len(ExpiryQueue *q) {
+    return (Py_ssize_t)q->count;
+}
+
+static PyObject *queue_item(ExpiryQueue *q, Py_ssize_t i) {
+    if (i < 0 || (size_t)i >= q->count) {
+        PyErr_SetString(PyExc_IndexError, "expiry queue index out of range");
+        return NULL;
+    }
+    return due_tuple(due_at(q, (size_t)i));
+}
+
+static void queue_dealloc(ExpiryQueue *q) {
+    for (size_t i = 0; i < q->nblocks; i++) PyMem_Free(q->blocks[q->first + i]);
+    PyMem_Free(q->blocks);
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+/* ExpiryQueue(entries=()): the entries, (expires, order id, seq) each, in their order. */
+static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *entries = NULL;
+    static char *kwlist[] = {"entries", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:ExpiryQueue", kwlist, &entries)) return NULL;
+    ExpiryQueue *q = (ExpiryQueue *)type->tp_alloc(type, 0);
+    PyObject *it = q == NULL || entries == NULL ? NULL : PyObject_GetIter(entries), *entry;
+    if (it != NULL) {
+        while ((entry = PyIter_Next(it)) != NULL) {
+            PyObject *done = queue_append(q, entry);
+            Py_DECREF(entry);
+            if (done == NULL) break;
+            Py_DECREF(done);
+        }
+        Py_DECREF(it);
+    }
+    if (PyErr_Occurred()) Py_CLEAR(q);
+    return (PyObject *)q;
+}
+
+static PySequenceMethods queue_sequence = {.sq_length = (lenfunc)queue_len, .sq_item = (ssizeargfunc)queue_item};
+
+static PyMethodDef queue_methods[] = {
+    {"append", (PyCFunction)queue_append, METH_O, "append((expires, order_id, seq)) at the end"},
+    {"popleft", (PyCFunction)queue_popleft, METH_NOARGS, "remove and return the first entry"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ExpiryQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tape.replicas._audit.ExpiryQueue",
+    .tp_basicsize = sizeof(ExpiryQueue),
+    .tp_dealloc = (destructor)queue_dealloc,
+    .tp_as_sequence = &queue_sequence,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "books' expiry entries (expires, order id, seq) in stamp order, in C (see the module's comment)",
+    .tp_methods = queue_methods,
+    .tp_new = queue_new,
+};
+
 /* --- the common cases, from a packet's bytes ------------------------------------------------ */
 
 #define AT_PURCHASE_ID 43
@@ -438,7 +579,8 @@ static PyTypeObject BookTableType = {
 
 typedef struct {  /* one apply_fast call's context */
     BookTable *t;
-    PyObject *dirty, *orphans, *expiry_append, *alert_type, *alerts;
+    PyObject *dirty, *orphans, *alert_type, *alerts;
+    ExpiryQueue *expiry;
     uint64_t book_ttl, next_expiry;
     int expiry_empty;
     char *effects;  /* the digest's effect bytes of what was applied, for `codes` */
@@ -473,20 +615,6 @@ static int mark_dirty(Run *r, uint64_t order_id) {
     int rc = PySet_Add(r->dirty, id);
     Py_DECREF(id);
     return rc;
-}
-
-/* An entry lives as long as its book (an hour by default): a tuple of ints cannot be in a cycle, so
- * the collector is told not to walk it (it would until a collection found that out, and the entries
- * waiting for one made the replica's collections stall it ~8 ms every ~450,000 messages). */
-static int expire_later(Run *r, uint64_t expires, uint64_t order_id, uint64_t seq) {
-    PyObject *entry = Py_BuildValue("(KKK)", (unsigned long long)expires, (unsigned long long)order_id,
-                                    (unsigned long long)seq);
-    if (entry == NULL) return -1;
-    PyObject_GC_UnTrack(entry);
-    PyObject *done = PyObject_CallOneArg(r->expiry_append, entry);
-    Py_DECREF(entry);
-    Py_XDECREF(done);
-    return done == NULL ? -1 : 0;
 }
 
 /* The purchase that first crosses its book: the Alert, and its effect ('A' + its record). */
@@ -545,7 +673,7 @@ static int request(Run *r, const unsigned char *m, uint64_t seq, uint64_t stamp)
         if (held) return held < 0 ? -1 : 0;
     }
     Book *b;
-    if (mark_dirty(r, order_id) < 0 || expire_later(r, stamp + r->book_ttl, order_id, seq) < 0 ||
+    if (mark_dirty(r, order_id) < 0 || due_push(r->expiry, stamp + r->book_ttl, order_id, seq) < 0 ||
         (b = insert(r->t, order_id)) == NULL) return -1;
     b->requested = shares;
     b->opened_ns = stamp;
@@ -561,12 +689,12 @@ static int request(Run *r, const unsigned char *m, uint64_t seq, uint64_t stamp)
  *            seq, alert_type, alerts) -> (applied, now): alerts raised are appended to `alerts`. */
 static PyObject *apply_fast(PyObject *self, PyObject *args) {
     Run r = {0};
-    PyObject *codes, *expiry;
+    PyObject *codes;
     unsigned long long book_ttl, now, next_due, seq;
     Py_buffer pkt;
     Py_ssize_t index, end, n = 0;
-    if (!PyArg_ParseTuple(args, "O!YO!OO!KKKy*nnKOO!:apply_fast", &BookTableType, &r.t, &codes, &PySet_Type,
-                          &r.dirty, &expiry, &PyDict_Type, &r.orphans, &book_ttl, &now, &next_due, &pkt, &index,
+    if (!PyArg_ParseTuple(args, "O!YO!O!O!KKKy*nnKOO!:apply_fast", &BookTableType, &r.t, &codes,
+                          &PySet_Type, &r.dirty, &ExpiryQueueType, &r.expiry, &PyDict_Type, &r.orphans, &book_ttl, &now, &next_due, &pkt, &index,
                           &end, &seq, &r.alert_type, &PyList_Type, &r.alerts))
         return NULL;
     r.book_ttl = book_ttl;
@@ -576,11 +704,9 @@ static PyObject *apply_fast(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "message range outside the packet");
         goto done;
     }
-    Py_ssize_t queued = PyObject_Size(expiry);
-    r.expiry_append = PyObject_GetAttrString(expiry, "append");
-    if (queued < 0 || r.expiry_append == NULL || effect_space(&r, (size_t)(end - index) + 64) == NULL) goto done;
+    if (effect_space(&r, (size_t)(end - index) + 64) == NULL) goto done;
     r.used = 0;
-    r.expiry_empty = queued == 0;
+    r.expiry_empty = r.expiry->count == 0;
     const unsigned char *p = (const unsigned char *)pkt.buf + HEADER_SIZE;
     for (; index + n < end; n++) {
         const unsigned char *m = p + (index + n) * BLOCK_SIZE;
@@ -601,7 +727,6 @@ static PyObject *apply_fast(PyObject *self, PyObject *args) {
     result = Py_BuildValue("(nK)", n, now);
 done:
     PyMem_Free(r.effects);
-    Py_XDECREF(r.expiry_append);
     PyBuffer_Release(&pkt);
     return result;
 }
@@ -615,10 +740,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_audit",
                                     "A replica's books in C and the audit's common cases", -1, methods};
 
 PyMODINIT_FUNC PyInit__audit(void) {
-    if (PyType_Ready(&BookTableType) < 0) return NULL;
+    if (PyType_Ready(&BookTableType) < 0 || PyType_Ready(&ExpiryQueueType) < 0) return NULL;
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
-    if (PyModule_AddObjectRef(mod, "BookTable", (PyObject *)&BookTableType) < 0) {
+    if (PyModule_AddObjectRef(mod, "BookTable", (PyObject *)&BookTableType) < 0 ||
+        PyModule_AddObjectRef(mod, "ExpiryQueue", (PyObject *)&ExpiryQueueType) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

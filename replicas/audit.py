@@ -40,9 +40,9 @@ from tape.protocol.errors import InvariantViolation
 from tape.protocol.moldudp64 import HEADER_SIZE
 
 try:
-    from tape.replicas._audit import BookTable, apply_fast
+    from tape.replicas._audit import BookTable, ExpiryQueue, apply_fast
 except ImportError:  # built without a C compiler: the pure books and rules do it all
-    BookTable = apply_fast = None
+    BookTable = ExpiryQueue = apply_fast = None
 
 DEFAULT_BOOK_TTL_NS = 3600 * 10**9
 DEFAULT_ORPHAN_TTL_NS = 10 * 10**9
@@ -121,7 +121,7 @@ class AuditMachine:
         self.last_seq = 0  # last applied
         self.now_ns = 0
         self.books = self.new_books()
-        self._book_expiry: deque = deque()  # (expires_ns, order id, request seq), in stamp order
+        self._book_expiry = self.new_book_expiry()  # (expires_ns, order id, request seq), in stamp order
         # order id -> [(seq, stamp, purchase tuple), ...] in seq order
         self.orphans: dict[int, list] = {}
         self._orphan_expiry: deque = deque()  # (expires_ns, order id, seq)
@@ -137,6 +137,11 @@ class AuditMachine:
 
     def new_books(self):
         return BookTable() if self.compiled else Books()
+
+    def new_book_expiry(self, entries=()):
+        """A deque of (expires_ns, order id, request seq); compiled, the same in C (an entry lives as
+        long as its book: 24 bytes, not a tuple of three ints)."""
+        return ExpiryQueue(entries) if self.compiled else deque(entries)
 
     # --- the digest ----------------------------------------------------------------
 

@@ -232,8 +232,8 @@ class SnapshotStore:
         m.last_seq, m.now_ns, m.applied = last_seq, now_ns, applied
         m.rejects, m.alerts_raised = meta["rejects"], meta["alerts_raised"]
         m.restore_digest(chain, pending)
-        m._book_expiry = deque(sorted(((b[4] + m.book_ttl_ns, oid, b[6]) for oid, b in books.items()),
-                                      key=lambda e: e[2]))
+        m._book_expiry = m.new_book_expiry(sorted(((b[4] + m.book_ttl_ns, oid, b[6]) for oid, b in books.items()),
+                                                  key=lambda e: e[2]))
         m._orphan_expiry = deque(sorted(((stamp + m.orphan_ttl_ns, oid, seq) for oid, held in orphans.items()
                                          for seq, stamp, _ in held), key=lambda e: e[2]))
         m.dirty.clear()

@@ -6,9 +6,10 @@ digest); and where a C compiler exists it was built."""
 import gc
 import random
 import shutil
+from collections import deque
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import packet_of as packet
 
@@ -92,16 +93,39 @@ def test_generated_trades_never_reach_the_python_rules(seed):
 
 
 @compiled
-def test_a_books_expiry_entry_is_never_walked_by_the_collector():
-    """It lives as long as its book (an hour by default); a collection would untrack it only later."""
+def test_the_books_expiry_entries_are_no_python_objects():
+    """They live as long as their books (an hour by default): nothing for the collector to walk."""
     msgs = [seqd(raw, 10**18 + i, i + 1) for i, raw in enumerate(TradeGenerator(1).take(2000))]
     machine = AuditMachine(compiled=True)
-    gc.disable()
-    try:
-        machine.apply_packet(1, packet(1, msgs))
-        assert len(machine._book_expiry) > 100 and not any(map(gc.is_tracked, machine._book_expiry))
-    finally:
-        gc.enable()
+    machine.apply_packet(1, packet(1, msgs))
+    assert len(machine._book_expiry) > 100 and not gc.is_tracked(machine._book_expiry)
+    assert gc.get_referents(machine._book_expiry) == []
+
+
+@compiled
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 9000)), max_size=12))
+@example([(True, 8 * 4096), (False, 4096 + 5), (True, 3 * 4096), (False, 20000), (True, 9 * 4096)])
+def test_the_expiry_queue_behaves_as_a_deque(ops):
+    """Appends and pops in runs that fill, spend and cross its blocks (4,096 entries each), and its
+    list of blocks (8, then doubled; slid to the front when the first are spent)."""
+    queue, ref, n = audit.ExpiryQueue(), deque(), 0
+    for append, k in ops:
+        for _ in range(k if append else min(k, len(ref))):
+            if append:
+                n += 1
+                queue.append((n * 3, n, 2**64 - n))
+                ref.append((n * 3, n, 2**64 - n))
+            else:
+                assert queue.popleft() == ref.popleft()
+        assert len(queue) == len(ref) and (not ref or (queue[0], queue[-1]) == (ref[0], ref[-1]))
+    assert list(queue) == list(ref) and list(audit.ExpiryQueue(ref)) == list(ref)
+    for _ in ref:
+        queue.popleft()
+    with pytest.raises(IndexError):
+        queue.popleft()
+    with pytest.raises(IndexError):
+        queue[0]
 
 
 @compiled
