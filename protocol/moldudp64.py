@@ -70,15 +70,15 @@ def check_session(raw: bytes, offset: int = 0) -> None:
 
 def encode_packet(session: bytes, seq: int, messages: Iterable[bytes]) -> bytes:
     """One downstream packet holding `messages` (all of them: the caller sizes it)."""
-    parts = []
-    count = 0
-    for msg in messages:
-        parts.append(BLOCK_LEN.pack(len(msg)))
-        parts.append(msg)
-        count += 1
-    if count > MAX_BLOCKS:
-        raise ValueError(f"{count} messages do not fit one packet (max {MAX_BLOCKS})")
-    return HEADER.pack(session, seq, count) + b"".join(parts)
+    msgs = messages if isinstance(messages, list) else list(messages)
+    if len(msgs) > MAX_BLOCKS:
+        raise ValueError(f"{len(msgs)} messages do not fit one packet (max {MAX_BLOCKS})")
+    if len(set(map(len, msgs))) == 1:  # the usual case, one message type: one length prefix for all
+        prefix = BLOCK_LEN.pack(len(msgs[0]))
+        body = prefix + prefix.join(msgs)
+    else:
+        body = b"".join(BLOCK_LEN.pack(len(msg)) + msg for msg in msgs)
+    return HEADER.pack(session, seq, len(msgs)) + body
 
 
 def encode_heartbeat(session: bytes, next_seq: int) -> bytes:

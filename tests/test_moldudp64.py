@@ -7,9 +7,10 @@ from tape.protocol import moldudp64 as m
 from tape.protocol.errors import ProtocolError
 
 blobs = st.lists(st.binary(min_size=0, max_size=200), min_size=1, max_size=40)
+same_size_blobs = st.integers(0, 80).flatmap(lambda n: st.lists(st.binary(min_size=n, max_size=n), max_size=40))
 
 
-@given(session, st.integers(1, 2**63), blobs)
+@given(session, st.integers(1, 2**63), blobs | same_size_blobs)
 def test_packet_round_trip(sess, seq, msgs):
     pkt = m.encode_packet(sess, seq, msgs)
     got = m.decode_packet(pkt)
