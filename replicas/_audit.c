@@ -8,7 +8,8 @@
  *               back to change it). 72 bytes a book in one open-addressed
  *               array, no Python object per book: nothing for the
  *               collector to walk, and a snapshot packs its dirty books
- *               without chasing seven objects each.
+ *               without chasing seven objects each. The ids of the books
+ *               the common cases change are kept here (take_dirty).
  *   ExpiryQueue the books' expiry entries in stamp order, 24 bytes each in
  *               blocks, read as a deque of (expires, order id, seq) tuples.
  *   apply_fast  applies messages index..end-1 of a packet while each is one
@@ -49,7 +50,7 @@ typedef struct {
     int64_t requested, cumulative;
     uint64_t opened_ns, request_seq;
     char client[CLIENT_LEN], stock[STOCK_LEN];
-    uint8_t alerted, used;
+    uint8_t alerted, used, dirty;  /* dirty: its id is in the table's dirty ids */
 } Book;
 
 /* A doubling moves the books a few slots at a time, on the inserts that follow it: moved in one
@@ -64,6 +65,8 @@ typedef struct {
     size_t count;  /* books in both arrays */
     Book *old;     /* while growing: the array before, its books not moved yet; else NULL */
     size_t old_mask, cursor, left;  /* the next old slot to visit, and how many are left to visit */
+    uint64_t *dirty;  /* ids of the books the common cases changed since take_dirty() (once each) */
+    size_t dirty_count, dirty_cap;
 } BookTable;
 
 static PyTypeObject BookTableType;
@@ -167,6 +170,25 @@ static void erase(BookTable *t, Book *b) {
     t->count--;
 }
 
+/* The common cases note the books they change here, not in the machine's set of Python ints (an
+ * int and a set insert for every message). */
+static int note_dirty(BookTable *t, Book *b) {
+    if (b->dirty) return 0;
+    if (t->dirty_count == t->dirty_cap) {
+        size_t cap = t->dirty_cap ? t->dirty_cap * 2 : MIN_CAPACITY;
+        uint64_t *grown = PyMem_Realloc(t->dirty, cap * sizeof(uint64_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        t->dirty = grown;
+        t->dirty_cap = cap;
+    }
+    t->dirty[t->dirty_count++] = b->order_id;
+    b->dirty = 1;
+    return 0;
+}
+
 /* --- the Python mapping ------------------------------------------------------------------ */
 
 /* An order id from Python: 0 on success, 1 if it cannot be one (no such book), -1 on error. */
@@ -264,6 +286,7 @@ static int table_setitem(BookTable *t, PyObject *key, PyObject *value) {
     if (b == NULL && (b = insert(t, order_id)) == NULL) return -1;
     scratch.order_id = order_id;
     scratch.used = 1;
+    scratch.dirty = b->dirty;
     *b = scratch;
     return 0;
 }
@@ -330,6 +353,22 @@ static uint64_t get_be64(const unsigned char *p) {
  * the other in one bytes (PACKED_BOOK each: no Python object per book, so a snapshot's part on the
  * thread that applies allocates nothing for the collector); the snapshot's layout (replicas/audit.py
  * BOOK), keys u64 big-endian. */
+static PyObject *table_take_dirty(BookTable *t, PyObject *unused) {
+    PyObject *ids = PyList_New((Py_ssize_t)t->dirty_count);
+    for (size_t i = 0; ids != NULL && i < t->dirty_count; i++) {
+        PyObject *id = PyLong_FromUnsignedLongLong(t->dirty[i]);
+        if (id == NULL) Py_CLEAR(ids);
+        else PyList_SET_ITEM(ids, (Py_ssize_t)i, id);
+    }
+    if (ids == NULL) return NULL;
+    for (size_t i = 0; i < t->dirty_count; i++) {
+        Book *b = find(t, t->dirty[i]);  /* (gone if deleted since, or a new book under the id) */
+        if (b != NULL) b->dirty = 0;
+    }
+    t->dirty_count = 0;
+    return ids;
+}
+
 static PyObject *table_packed(BookTable *t, PyObject *order_ids) {
     PyObject *ids = PySequence_Fast(order_ids, "packed() takes a sequence of order ids");
     if (ids == NULL) return NULL;
@@ -395,6 +434,7 @@ static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 static void table_dealloc(BookTable *t) {
     PyMem_Free(t->slots);
     PyMem_Free(t->old);
+    PyMem_Free(t->dirty);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -406,6 +446,8 @@ static PyMethodDef table_methods[] = {
     {"get", (PyCFunction)table_get, METH_VARARGS, "get(order_id, default=None): the book as a list, or default"},
     {"keys", (PyCFunction)table_keys, METH_NOARGS, "the order ids with a book, in no particular order"},
     {"items", (PyCFunction)table_items, METH_NOARGS, "(order id, book) pairs, in no particular order"},
+    {"take_dirty", (PyCFunction)table_take_dirty, METH_NOARGS,
+     "the ids of the books the common cases changed since the last call (a list, each once), afresh"},
     {"packed", (PyCFunction)table_packed, METH_O,
      "packed(order_ids): key and record of those with a book, in one bytes"},
     {NULL, NULL, 0, NULL},
@@ -579,7 +621,7 @@ static PyTypeObject ExpiryQueueType = {
 
 typedef struct {  /* one apply_fast call's context */
     BookTable *t;
-    PyObject *dirty, *orphans, *alert_type, *alerts;
+    PyObject *orphans, *alert_type, *alerts;
     ExpiryQueue *expiry;
     uint64_t book_ttl, next_expiry;
     int expiry_empty;
@@ -607,14 +649,6 @@ static int effect(Run *r, char code) {
     char *at = effect_space(r, 1);
     if (at != NULL) *at = code;
     return at == NULL ? -1 : 0;
-}
-
-static int mark_dirty(Run *r, uint64_t order_id) {
-    PyObject *id = PyLong_FromUnsignedLongLong(order_id);
-    if (id == NULL) return -1;
-    int rc = PySet_Add(r->dirty, id);
-    Py_DECREF(id);
-    return rc;
 }
 
 /* The purchase that first crosses its book: the Alert, and its effect ('A' + its record). */
@@ -654,7 +688,7 @@ static int purchase(Run *r, const unsigned char *m, uint64_t seq, uint64_t stamp
         return 0;
     int crosses = total > b->requested && !b->alerted;
     if (crosses && stamp > INT64_MAX) return 0;  /* an alert's stamp is an i64: the rules refuse it */
-    if (mark_dirty(r, order_id) < 0) return -1;
+    if (note_dirty(r->t, b) < 0) return -1;
     b->cumulative = total;
     if (!crosses) return effect(r, 'F') < 0 ? -1 : 1;
     b->alerted = 1;
@@ -673,8 +707,8 @@ static int request(Run *r, const unsigned char *m, uint64_t seq, uint64_t stamp)
         if (held) return held < 0 ? -1 : 0;
     }
     Book *b;
-    if (mark_dirty(r, order_id) < 0 || due_push(r->expiry, stamp + r->book_ttl, order_id, seq) < 0 ||
-        (b = insert(r->t, order_id)) == NULL) return -1;
+    if (due_push(r->expiry, stamp + r->book_ttl, order_id, seq) < 0 || (b = insert(r->t, order_id)) == NULL ||
+        note_dirty(r->t, b) < 0) return -1;
     b->requested = shares;
     b->opened_ns = stamp;
     b->request_seq = seq;
@@ -685,7 +719,7 @@ static int request(Run *r, const unsigned char *m, uint64_t seq, uint64_t stamp)
     return effect(r, 'O') < 0 ? -1 : 1;
 }
 
-/* apply_fast(books, codes, dirty, book_expiry, orphans, book_ttl, now, next_expiry, packet, index, end,
+/* apply_fast(books, codes, book_expiry, orphans, book_ttl, now, next_expiry, packet, index, end,
  *            seq, alert_type, alerts) -> (applied, now): alerts raised are appended to `alerts`. */
 static PyObject *apply_fast(PyObject *self, PyObject *args) {
     Run r = {0};
@@ -693,8 +727,8 @@ static PyObject *apply_fast(PyObject *self, PyObject *args) {
     unsigned long long book_ttl, now, next_due, seq;
     Py_buffer pkt;
     Py_ssize_t index, end, n = 0;
-    if (!PyArg_ParseTuple(args, "O!YO!O!O!KKKy*nnKOO!:apply_fast", &BookTableType, &r.t, &codes,
-                          &PySet_Type, &r.dirty, &ExpiryQueueType, &r.expiry, &PyDict_Type, &r.orphans, &book_ttl, &now, &next_due, &pkt, &index,
+    if (!PyArg_ParseTuple(args, "O!YO!O!KKKy*nnKOO!:apply_fast", &BookTableType, &r.t, &codes,
+                          &ExpiryQueueType, &r.expiry, &PyDict_Type, &r.orphans, &book_ttl, &now, &next_due, &pkt, &index,
                           &end, &seq, &r.alert_type, &PyList_Type, &r.alerts))
         return NULL;
     r.book_ttl = book_ttl;

@@ -107,6 +107,10 @@ class Books(dict):
         return b"".join(order_id.to_bytes(8, "big") + pack(*book) for order_id in order_ids
                         if (book := get(order_id)) is not None)
 
+    def take_dirty(self) -> list[int]:
+        """(The compiled books' common cases note the ids they change; here the rules mark them all.)"""
+        return []
+
 
 class AuditMachine:
     def __init__(self, book_ttl_ns: int = DEFAULT_BOOK_TTL_NS, orphan_ttl_ns: int = DEFAULT_ORPHAN_TTL_NS,
@@ -137,6 +141,13 @@ class AuditMachine:
 
     def new_books(self):
         return BookTable() if self.compiled else Books()
+
+    def take_dirty(self) -> set[int]:
+        """The order ids whose book or orphans changed since the last take (a snapshot's), and
+        start afresh: those the rules marked, and those the compiled common cases noted."""
+        dirty, self.dirty = self.dirty, set()
+        dirty.update(self.books.take_dirty())
+        return dirty
 
     def new_book_expiry(self, entries=()):
         """A deque of (expires_ns, order id, request seq); compiled, the same in C (an entry lives as
@@ -205,7 +216,7 @@ class AuditMachine:
             while index < end:
                 raised = len(out)
                 try:
-                    done, self.now_ns = apply_fast(self.books, self._codes, self.dirty, self._book_expiry,
+                    done, self.now_ns = apply_fast(self.books, self._codes, self._book_expiry,
                                                    self.orphans, self.book_ttl_ns, self.now_ns, self._next_expiry(),
                                                    packet, index, end, seq, Alert, out)
                 except Exception as e:  # (out of memory): what it applied of the run is not known

@@ -122,9 +122,10 @@ class SnapshotStore:
         `abandon`) comes back here. One save at a time. Kept short: the stream waits meanwhile
         (the books come packed in one bytes; the orphans' ids are few, the dirty ones many)."""
         assert self._sums_known, "save() onto a snapshot that was not loaded: its checksum is unknown"
-        dirty = sorted(m.dirty)
+        taken = m.take_dirty()
+        dirty = sorted(taken)
         orphans = []
-        for order_id in sorted(m.dirty & (m.orphans.keys() | self.orphan_keys)):
+        for order_id in sorted(taken & (m.orphans.keys() | self.orphan_keys)):
             held = m.orphans.get(order_id)
             if held or order_id in self.orphan_keys:
                 orphans.append((order_id, b"".join(ORPHAN.pack(seq) + M.SEQUENCED.pack(*msg)
@@ -133,9 +134,7 @@ class SnapshotStore:
         meta = {"format": FORMAT, "rejects": dict(m.rejects), "alerts_raised": m.alerts_raised,
                 "book_ttl_ns": m.book_ttl_ns, "orphan_ttl_ns": m.orphan_ttl_ns, **(extra or {})}
         state = STATE.pack(m.last_seq, m.now_ns, m.applied, m.chain, len(pending)) + pending
-        job = SaveJob(dirty, m.books.packed(dirty), orphans, state, meta, outbox)
-        m.dirty = set()
-        return job
+        return SaveJob(dirty, m.books.packed(dirty), orphans, state, meta, outbox)
 
     def write(self, job: SaveJob) -> tuple[int, str, set[int]]:
         """The save's disk work, in one transaction (any thread): returns the records' checksum,
@@ -236,7 +235,7 @@ class SnapshotStore:
                                                   key=lambda e: e[2]))
         m._orphan_expiry = deque(sorted(((stamp + m.orphan_ttl_ns, oid, seq) for oid, held in orphans.items()
                                          for seq, stamp, _ in held), key=lambda e: e[2]))
-        m.dirty.clear()
+        m.take_dirty()  # the state loaded is the state saved
         return {k: v for k, v in meta.items()
                 if k not in ("format", "rejects", "alerts_raised", "records_sum", "outbox_sum")}
 

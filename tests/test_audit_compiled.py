@@ -53,7 +53,7 @@ def streams(draw):
 
 
 def state(m: AuditMachine) -> tuple:
-    return (dict(m.books.items()), m.orphans, list(m._book_expiry), list(m._orphan_expiry), set(m.dirty),
+    return (dict(m.books.items()), m.orphans, list(m._book_expiry), list(m._orphan_expiry), m.take_dirty(),
             m.pending_effects, m.chain, m.rejects, m.alerts_raised, m.applied, m.last_seq, m.now_ns)
 
 
@@ -225,9 +225,9 @@ def test_a_packet_cut_short_is_refused_before_anything_changes():
     m = AuditMachine(compiled=True)
     pkt = packet(1, [seqd(M.purchase_request(1, 100, "A", "X"), 5, 1)] * 3)
     with pytest.raises(ValueError):
-        audit.apply_fast(m.books, m._codes, m.dirty, m._book_expiry, m.orphans, 1, 0, 2**64 - 1, pkt[:-1], 0, 3, 1,
+        audit.apply_fast(m.books, m._codes, m._book_expiry, m.orphans, 1, 0, 2**64 - 1, pkt[:-1], 0, 3, 1,
                          audit.Alert, [])
-    assert len(m.books) == 0 and not m.dirty and not m.pending_effects
+    assert len(m.books) == 0 and not m.take_dirty() and not m.pending_effects
 
 
 def test_both_kinds_replay_a_random_stream_to_the_same_digest():
