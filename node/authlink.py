@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 from tape.node.ratelog import RateLimitedLog
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import SOCKET_RECV
-from tape.protocol.linkauth import HELLO, NONCE_SIZE, LinkKeys, Opener, Sealer
+from tape.protocol.linkauth import HELLO, NONCE_SIZE, LinkKeys, Opener, Sealer, record_digests
 
 HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
 MAX_LINK_CONNECTIONS = 256  # open at once on one listener (replication, alerts, replay)
@@ -56,12 +56,24 @@ class SealedWriter:
         self._sealer = sealer
         self.transport = writer.transport
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, digests: list[bytes] | None = None) -> None:
         if data:
-            self._writer.write(self._sealer.seal(data))
+            self._writer.write(self._sealer.seal(data, digests))
 
     def __getattr__(self, name):  # drain, close, is_closing, wait_closed, get_extra_info
         return getattr(self._writer, name)
+
+
+def write_each(writers: list, data: bytes) -> None:
+    """The same bytes to several links (a leader's append to its followers): hashed once for all
+    the sealed ones."""
+    digests = None
+    for writer in writers:
+        if isinstance(writer, SealedWriter):
+            digests = digests or record_digests(data)
+            writer.write(data, digests)
+        else:
+            writer.write(data)
 
 
 def _refuse(refused: dict[str, int], e: ProtocolError) -> None:

@@ -8,7 +8,7 @@ records; the frames themselves do not change.
 Handshake: each side first sends a hello, both at once (no round trip is
 waited for before sending it):
 
-    magic "TPL1" | key id 8 | nonce 16                      (28 bytes)
+    magic "TPL2" | key id 8 | nonce 16                      (28 bytes)
 
 The key is the connecting side's (named by its id: rotation works as for
 the stream, docs/security.md); the accepting side must hold it. Each
@@ -20,8 +20,12 @@ and every record is
 
     length u32 (of the payload) | tag 16 | payload
 
-where tag = BLAKE2b-128(key=direction key, counter u64 | payload), the
-counter numbering the direction's records from 0. Fresh nonces from both
+where tag = BLAKE2b-128(key=direction key, counter u64 | digest) and
+digest = BLAKE2b-256(payload), the counter numbering the direction's
+records from 0. The payload is hashed without the key, so that a leader
+writing the same append to every follower hashes it once
+(`record_digests`), not once a link (TPL1 keyed the tag over the payload
+itself: three passes over every message at the leader). Fresh nonces from both
 sides make every connection's keys new, so a recorded record is worth
 nothing on another connection, and the counter rejects one replayed,
 dropped or reordered on the same. The first record proves the key: a peer
@@ -38,11 +42,12 @@ import struct
 from .errors import ProtocolError
 from .streamauth import key_id
 
-MAGIC = b"TPL1"
+MAGIC = b"TPL2"
 NONCE_SIZE = 16
 HELLO = struct.Struct(">4s8s16s")
 RECORD = struct.Struct(">I16s")
 TAG_SIZE = 16
+DIGEST_SIZE = 32  # a record payload's BLAKE2b, which the tag covers
 MAX_RECORD = 1 << 20  # payload bytes of one record: larger writes are split
 _COUNTER = struct.Struct(">Q")
 
@@ -76,10 +81,16 @@ class LinkKeys:
         return (Sealer(c2s), Opener(s2c)) if initiator else (Sealer(s2c), Opener(c2s))
 
 
-def _tag(key: bytes, counter: int, payload) -> bytes:
-    h = hashlib.blake2b(_COUNTER.pack(counter), key=key, digest_size=TAG_SIZE)
-    h.update(payload)
-    return h.digest()
+def record_digests(data: bytes) -> list[bytes]:
+    """The digest of each record payload `Sealer.seal` cuts `data` into: the same for every link,
+    so that bytes written to several are hashed once."""
+    view = memoryview(data)
+    return [hashlib.blake2b(view[at:at + MAX_RECORD], digest_size=DIGEST_SIZE).digest()
+            for at in range(0, len(data), MAX_RECORD)]
+
+
+def _tag(key: bytes, counter: int, digest: bytes) -> bytes:
+    return hashlib.blake2b(_COUNTER.pack(counter) + digest, key=key, digest_size=TAG_SIZE).digest()
 
 
 class Sealer:
@@ -89,12 +100,15 @@ class Sealer:
         self._key = key
         self._counter = 0
 
-    def seal(self, data: bytes) -> bytes:
+    def seal(self, data: bytes, digests: list[bytes] | None = None) -> bytes:
+        """`digests`: record_digests(data), if the caller has them (the same bytes to other links)."""
+        digests = record_digests(data) if digests is None else digests
+        assert len(digests) == -(-len(data) // MAX_RECORD), "digests of other bytes"
         out = []
         view = memoryview(data)
-        for at in range(0, len(data), MAX_RECORD):
+        for at, digest in zip(range(0, len(data), MAX_RECORD), digests):
             part = view[at:at + MAX_RECORD]
-            out += (RECORD.pack(len(part), _tag(self._key, self._counter, part)), part)
+            out += (RECORD.pack(len(part), _tag(self._key, self._counter, digest)), part)
             self._counter += 1
         return b"".join(out)
 
@@ -121,7 +135,8 @@ class Opener:
             if len(buf) < end:
                 break
             payload = bytes(buf[pos + RECORD.size:end])
-            if not hmac.compare_digest(_tag(self._key, self._counter, payload), tag):
+            digest = hashlib.blake2b(payload, digest_size=DIGEST_SIZE).digest()
+            if not hmac.compare_digest(_tag(self._key, self._counter, digest), tag):
                 raise ProtocolError("bad_tag", f"record {self._counter} does not verify", self._consumed + pos)
             self._counter += 1
             out.append(payload)

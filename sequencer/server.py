@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tape.node.authlink import write_each
 from tape.node.diskspace import DiskFull
 from tape.node.journal_repair import open_checked
 from tape.node.latency import LatencyHistogram, LatencySamples
@@ -325,10 +326,9 @@ class Sequencer(NodeProcess):
         if send:
             frame = rep.encode_append(self.core.term, self.node.wire_name, batch.prev_seq, batch.prev_term,
                                       commit, batch.term, batch.messages)
+            write_each([self.links[f].writer for f in send], frame)
             for f in send:
-                writer = self.links[f].writer
-                writer.write(frame)
-                if self.followers_core.backlog(f, writer.transport.get_write_buffer_size()):
+                if self.followers_core.backlog(f, self.links[f].writer.transport.get_write_buffer_size()):
                     wake.append(f)
         for f in wake:
             self.links[f].wake.set()

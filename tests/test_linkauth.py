@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tape.protocol.errors import ProtocolError
-from tape.protocol.linkauth import HELLO, MAX_RECORD, RECORD, LinkKeys
+from tape.protocol.linkauth import HELLO, MAX_RECORD, RECORD, LinkKeys, record_digests
 
 K1, K2 = os.urandom(32), os.urandom(32)
 
@@ -34,6 +34,20 @@ def test_both_directions_and_a_write_larger_than_a_record():
     assert len(wire) == len(big) + 3 * RECORD.size  # three records
     assert so.open(wire) == big
     assert co.open(ss.seal(b"ack")) == b"ack"
+
+
+def test_bytes_for_several_links_are_hashed_once_and_each_link_opens_its_own():
+    """A leader's append to its followers: one set of digests, a record of each link's key and count."""
+    data = os.urandom(MAX_RECORD + 99)  # two records
+    links = [pair(LinkKeys([K]), LinkKeys([K]), nc=bytes([i]) * 16) for i, K in enumerate((K1, K2, K1))]
+    digests = record_digests(data)
+    assert len(digests) == 2
+    wires = [cs.seal(data, digests) for cs, _, _, _ in links]
+    assert len(set(wires)) == 3  # each under its own direction key
+    for wire, (_, _, _, so) in zip(wires, links):
+        assert so.open(wire) == data
+    with pytest.raises(ProtocolError):  # a digest of other bytes seals nothing that opens
+        links[0][3].open(links[0][0].seal(b"x" * 10, record_digests(b"y" * 10)))
 
 
 def test_a_flipped_bit_anywhere_in_a_record_is_refused():

@@ -34,7 +34,7 @@ def test_one_host_holds_a_bounded_number_of_connections_and_they_time_out(tmp_pa
         cluster.start_node("emitter")
         port = cluster.cfg.node("emitter").alert_port
         held = [connect(port, "the alert port") for _ in range(MAX_CONNECTIONS_PER_HOST)]  # silent: no hello
-        wait_for(lambda: all(s.recv(64)[:4] == b"TPL1" for s in held), "the emitter's hello on every connection")
+        wait_for(lambda: all(s.recv(64)[:4] == b"TPL2" for s in held), "the emitter's hello on every connection")
         extra = connect(port, "the alert port")
         assert closed(extra)  # over the host's share: closed at once, before any hello
         wait_for(lambda: refused(cluster, "emitter", "host_busy") == 1, "the extra connection counted")
