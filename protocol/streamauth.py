@@ -73,14 +73,13 @@ class StreamKeys:
                     origin: bytes) -> tuple[bytes, bytes]:
         """(the seal entry, the packet of `entries` and the seal) for one range from `first_seq`."""
         unsigned = SEQUENCED.pack(AUTH, first_seq, len(entries), _ZERO_TAG, self.signing_id, 0, stamp_ns, origin, 0)
-        parts = [HEADER.pack(session, first_seq, len(entries) + 1)]
-        for e in entries:
-            parts += (BLOCK_PREFIX, e)
-        parts += (BLOCK_PREFIX, unsigned)
-        packet = b"".join(parts)  # one join: the tag is computed over it, then patched in
+        # Every entry is a sequenced message (SEQUENCED_SIZE bytes): one block prefix joined between.
+        packet = bytearray(HEADER.pack(session, first_seq, len(entries) + 1) + BLOCK_PREFIX
+                           + BLOCK_PREFIX.join([*entries, unsigned]))
         at = len(packet) - SEQUENCED_SIZE + _TAG_AT
-        tag = self.tag(self.signing, packet)
-        return unsigned[:_TAG_AT] + tag + unsigned[_TAG_AT + TAG_SIZE:], packet[:at] + tag + packet[at + TAG_SIZE:]
+        tag = self.tag(self.signing, packet)  # over the packet with a zero tag, then patched in
+        packet[at:at + TAG_SIZE] = tag
+        return unsigned[:_TAG_AT] + tag + unsigned[_TAG_AT + TAG_SIZE:], bytes(packet)
 
     def verify(self, data: bytes) -> str | None:
         """None if `data` is one whole sealed range whose tag verifies, else the reason (the
