@@ -12,8 +12,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from itertools import accumulate
-from operator import itemgetter
 from pathlib import Path
 from typing import Iterator
 
@@ -235,13 +233,11 @@ class Journal:
         offset = seg.size
         indexed = len(seg.idx_seqs)
         buf = fmt.encode_records(records)
-        # The sparse index: the offsets of every index_every-th record (message bytes summed in C).
+        # The sparse index: the offsets of every index_every-th record.
         nxt = seg.idx_seqs[-1] + self.index_every if seg.idx_seqs else seg.first_seq
         if first <= nxt <= records[-1][0]:
-            before = list(accumulate(map(len, map(itemgetter(2), records)), initial=0))
-            for k in range(nxt - first, len(records), self.index_every):
-                seg.idx_seqs.append(first + k)
-                seg.idx_offsets.append(offset + k * fmt.RECORD_HEADER_SIZE + before[k])
+            seg.idx_seqs.extend(range(nxt, records[-1][0] + 1, self.index_every))
+            seg.idx_offsets.extend(offset + at for at in fmt.record_offsets(records, nxt - first, self.index_every))
         try:
             self._write(buf)
         except OSError:

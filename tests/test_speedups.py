@@ -37,6 +37,15 @@ def test_c_and_pure_encode_the_same_bytes(records, as_lists):
 
 
 @compiled
+@given(RECORDS, st.integers(0, 40), st.integers(1, 9))
+def test_c_and_pure_find_the_same_record_offsets(records, start, every):
+    offsets = fmt.record_offsets(records, start, every)
+    assert offsets == fmt.record_offsets_pure(records, start, every)
+    buf = fmt.encode_records(records)
+    assert [fmt.scan(buf, at, None, 1).records[0][0] for at in offsets] == [r[0] for r in records[start::every]]
+
+
+@compiled
 @given(st.binary(max_size=9000))
 def test_the_c_crc_is_zlibs_at_every_length(message):
     record = fmt.encode_records([(1, 2, message)])
