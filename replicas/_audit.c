@@ -349,10 +349,8 @@ static uint64_t get_be64(const unsigned char *p) {
     return v;
 }
 
-/* packed(order_ids): the key and record of each of these with a book, in the given order, one after
- * the other in one bytes (PACKED_BOOK each: no Python object per book, so a snapshot's part on the
- * thread that applies allocates nothing for the collector); the snapshot's layout (replicas/audit.py
- * BOOK), keys u64 big-endian. */
+/* take_dirty(): the ids note_dirty noted since the last call (each once, or twice if deleted and
+ * opened again meanwhile), their books' flags cleared. */
 static PyObject *table_take_dirty(BookTable *t, PyObject *unused) {
     PyObject *ids = PyList_New((Py_ssize_t)t->dirty_count);
     for (size_t i = 0; ids != NULL && i < t->dirty_count; i++) {
@@ -369,6 +367,10 @@ static PyObject *table_take_dirty(BookTable *t, PyObject *unused) {
     return ids;
 }
 
+/* packed(order_ids): the key and record of each of these with a book, in the given order, one after
+ * the other in one bytes (PACKED_BOOK each: no Python object per book, so a snapshot's part on the
+ * thread that applies allocates nothing for the collector); the snapshot's layout (replicas/audit.py
+ * BOOK), keys u64 big-endian. */
 static PyObject *table_packed(BookTable *t, PyObject *order_ids) {
     PyObject *ids = PySequence_Fast(order_ids, "packed() takes a sequence of order ids");
     if (ids == NULL) return NULL;
