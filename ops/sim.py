@@ -50,6 +50,7 @@ from tape.replicas.emitter_core import (
     RecordDone,
     RecordIntent,
     Redeliver,
+    emit_seq_of,
 )
 from tape.replicas.replica_core import ReplicaCore, SendAlerts
 from tape.rewinder.gapfill import Answer, GapFillCore
@@ -546,7 +547,7 @@ class Emitter:
     def restart(self) -> None:
         delivery = "quorum" if self.sim.seed % 2 else "first"  # both modes, without drawing from the seed's rng
         self.core = EmitterCore({wire(r) for r in REPLICAS}, self.mark, delivery=delivery)
-        self.carry_out(self.core.recover([Alert.decode(self.outbox[k]) for k in sorted(self.outbox)]))
+        self.carry_out(self.core.recover([self.outbox[k] for k in sorted(self.outbox)]))
 
     def receive(self, src: str, msg) -> None:
         if msg[0] == "hello":
@@ -554,12 +555,14 @@ class Emitter:
             if mark is not None:
                 self.sim.send_ordered(EMITTER, src, ("welcome", mark))
         elif msg[0] == "alerts":
-            new, copies, alarms = self.core.on_alerts(wire(src), [Alert.decode(raw) for raw in msg[1]])
+            new, copies, alarms = self.core.on_alerts(wire(src), msg[1])
             if alarms:
-                raise Violation(f"divergence: alerts at emit seqs {[a.emit_seq for a in alarms]} reached no quorum")
+                raise Violation(f"divergence: alerts at emit seqs {[emit_seq_of(a) for a in alarms]} reached no "
+                                "quorum")
             for a in copies:
-                if not self.core.judge_copy(a, self.recorded.get(a.emit_seq, self.outbox.get(a.emit_seq))):
-                    raise Violation(f"divergence: {src}'s alert at emit seq {a.emit_seq} differs")
+                seq = emit_seq_of(a)
+                if not self.core.judge_copy(a, self.recorded.get(seq, self.outbox.get(seq))):
+                    raise Violation(f"divergence: {src}'s alert at emit seq {seq} differs")
             if new and not self.carry_out(self.core.deliver(new)):
                 return  # crashed on the way
             links = {r: frozenset((EMITTER, r)) for r in REPLICAS}
@@ -573,12 +576,13 @@ class Emitter:
         """As the emitter shell does; False if a crash point was reached."""
         for a in actions:
             if isinstance(a, RecordIntent):
-                self.outbox.update((x.emit_seq, x.encode()) for x in a.alerts)
-                self.mark = a.alerts[-1].emit_seq
+                self.outbox.update((emit_seq_of(x), x) for x in a.alerts)
+                self.mark = emit_seq_of(a.alerts[-1])
                 self.record_done(a.done)
             elif isinstance(a, (DeliverAlerts, Redeliver)):
                 held = {r["alert_id"] for r in self.sink}  # the sink is idempotent by alert id
-                self.sink += [r for r in (x.to_dict("SIM") for x in a.alerts) if r["alert_id"] not in held]
+                records = (Alert.decode(x).to_dict("SIM") for x in a.alerts)
+                self.sink += [r for r in records if r["alert_id"] not in held]
             elif isinstance(a, RecordDone):
                 self.record_done(a.alerts)
             elif isinstance(a, Crash):
@@ -588,7 +592,7 @@ class Emitter:
 
     def record_done(self, alerts: list) -> None:
         for x in alerts:
-            self.recorded[x.emit_seq] = self.outbox.pop(x.emit_seq, x.encode())
+            self.recorded[emit_seq_of(x)] = self.outbox.pop(emit_seq_of(x), x)
 
     def tick(self) -> None:
         """As the shell's timer: a done no next intent carried is recorded on its own."""

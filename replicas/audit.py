@@ -52,6 +52,7 @@ REJECT_REASONS = ("duplicate_order", "bad_shares", "client_mismatch", "stock_mis
 # Outcome codes fed to the digest, one byte per applied message.
 _OPENED, _FILLED, _ALERT, _HELD, _REJECT, _CONTROL = b"O", b"F", b"A", b"H", b"X", b"C"
 _ALERT_RECORD = struct.Struct(">QQQQq16s8sqqQ")
+ALERT_SIZE = _ALERT_RECORD.size  # an alert record's bytes: its emit seq first, u64 big-endian
 _REJECT_RECORD = struct.Struct(">QQB")
 BOOK = struct.Struct(">qq16s8sQ?Q")  # a snapshot's book record: requested, cumulative, client, stock, opened_ns,
 # alerted, request_seq (the fields of a book, in its order)
@@ -78,6 +79,11 @@ class Alert(NamedTuple):
     def decode(cls, raw: bytes) -> "Alert":
         e, p, pid, oid, req, client, stock, cum, stamp, _ = _ALERT_RECORD.unpack(raw)
         return cls(e, p, pid, oid, client, stock, req, cum, stamp)
+
+    @staticmethod
+    def emit_seq_of(record: bytes) -> int:
+        """An alert record's emit seq, read without decoding the rest."""
+        return int.from_bytes(record[:8], "big")
 
     def to_dict(self, session: str) -> dict:
         return {

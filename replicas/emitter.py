@@ -41,7 +41,7 @@ from tape.protocol import alertlink
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import CONTROL_READ, DONE_ALONE_AFTER_NS, RECENT_ALERTS
 from tape.replicas import sinks as sinklib
-from tape.replicas.audit import Alert
+from tape.replicas.audit import ALERT_SIZE, Alert
 from tape.replicas.emitter_core import (
     Crash,
     DeliverAlerts,
@@ -60,11 +60,12 @@ class IntentNotRecorded(Exception):
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
 
 
-def keep_newest(recent: dict[int, bytes], records: list[tuple[int, bytes]], limit: int) -> None:
-    """Add (emit seq, bytes) records, in rising emit seq, and forget the oldest beyond `limit`."""
-    recent.update(records)
-    for seq in list(itertools.islice(recent, max(0, len(recent) - limit))):  # insertion order: the oldest first
-        del recent[seq]
+def keep_newest(recent: dict, records: list, limit: int) -> None:
+    """Add alert records (keyed by their first 8 bytes, the emit seq), in rising emit seq, and
+    forget the oldest beyond `limit`."""
+    recent.update((raw[:8], raw) for raw in records)
+    for key in list(itertools.islice(recent, max(0, len(recent) - limit))):  # insertion order: the oldest first
+        del recent[key]
 
 
 class Emitter(NodeProcess):
@@ -93,7 +94,7 @@ class Emitter(NodeProcess):
         self.record_failures = 0
         self.refusal_log = RateLimitedLog(log)
         self.by_replica: dict[bytes, asyncio.StreamWriter] = {}  # its latest connection: where a rebuild order goes
-        self.recent: dict[int, bytes] = {}  # emit seq -> the bytes recorded, the newest RECENT_ALERTS
+        self.recent: dict[bytes, bytes] = {}  # emit seq (its key) -> the bytes recorded, the newest RECENT_ALERTS
         self._done_timer: asyncio.TimerHandle | None = None
         self._delivering = False  # a batch is on its way to the sinks (stopped there: it stays in doubt)
 
@@ -128,7 +129,7 @@ class Emitter(NodeProcess):
         server = None
         try:
             with self.env.begin() as txn:
-                doubt = [Alert.decode(v) for _, v in txn.cursor(db=self.outbox)]
+                doubt = [v for _, v in txn.cursor(db=self.outbox)]
             await self._carry_out(self.core.recover(doubt))
             server = await asyncio.start_server(self.link_server(self._on_replica, self.cfg.cluster_link),
                                                 self.node.host, self.node.alert_port)
@@ -180,10 +181,10 @@ class Emitter(NodeProcess):
                         if name in self.core.diverged:  # (one that already rebuilds for it ignores this)
                             writer.write(alertlink.rebuild(self.core.diverged[name]))
                     elif kind == alertlink.ALERT:
-                        try:
-                            fresh.append(Alert.decode(payload))
-                        except Exception as e:
-                            return self._reject("malformed_alert", f"from {name!r}: {e}")
+                        if len(payload) != ALERT_SIZE:
+                            return self._reject("malformed_alert", f"from {name!r}: {len(payload)} bytes, "
+                                                f"not {ALERT_SIZE}")
+                        fresh.append(payload)
                     elif kind == alertlink.DIGEST and len(payload) == alertlink.FOLD.size:
                         try:
                             await self._on_digest(name, *alertlink.FOLD.unpack(payload))
@@ -238,7 +239,7 @@ class Emitter(NodeProcess):
                     self.by_replica[r].write(alertlink.rebuild(fold_seq))
             await self._settled(ready, alarms)
 
-    async def _handle(self, alerts: list[Alert], replica: bytes) -> None:
+    async def _handle(self, alerts: list[bytes], replica: bytes) -> None:
         async with self._lock:
             if self.stopping.is_set():
                 raise sinklib.SinkStopped("stopping")
@@ -247,8 +248,9 @@ class Emitter(NodeProcess):
                 self._judge(a)
             await self._settled(new, alarms)
 
-    async def _settled(self, new: list[Alert], alarms: list[Alert]) -> None:
-        for a in alarms:
+    async def _settled(self, new: list[bytes], alarms: list[bytes]) -> None:
+        for raw in alarms:
+            a = Alert.decode(raw)
             log.error("DIVERGENCE: alert at emit seq %d reached no quorum of replicas; not delivered: %s",
                       a.emit_seq, a)
         if new:
@@ -257,26 +259,24 @@ class Emitter(NodeProcess):
     async def _carry_out(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, RecordIntent):
-                records = [(a.emit_seq, a.encode()) for a in action.alerts]
-                try:
+                try:  # (an alert record's first 8 bytes are its emit seq, u64 big-endian: its key)
                     with self.env.begin(write=True) as txn:
-                        for seq, raw in records:
-                            txn.put(seq.to_bytes(8, "big"), raw, db=self.outbox)
-                        txn.put(b"mark", action.alerts[-1].emit_seq.to_bytes(8, "big"), db=self.meta)
+                        txn.cursor(db=self.outbox).putmulti([(raw[:8], raw) for raw in action.alerts])
+                        txn.put(b"mark", action.alerts[-1][:8], db=self.meta)
                         self._move_done(txn, action.done)
                 except lmdb.Error as e:
                     self.core.on_intent_failed(action)
                     self.record_failures += 1
                     raise IntentNotRecorded(str(e)) from None
-                keep_newest(self.recent, records, RECENT_ALERTS)  # done moves the same bytes: copies are judged by them
+                keep_newest(self.recent, action.alerts, RECENT_ALERTS)  # copies are judged by these bytes
                 self._arm_done_timer()
             elif isinstance(action, DeliverAlerts):
-                records = [a.to_dict(self.cfg.session) for a in action.alerts]
+                alerts = [Alert.decode(raw) for raw in action.alerts]
                 self._delivering = True
-                await asyncio.to_thread(self._deliver_all, records)
+                await asyncio.to_thread(self._deliver_all, [a.to_dict(self.cfg.session) for a in alerts])
                 self._delivering = False
                 now = time.time_ns()
-                self.latency.extend([now - a.stamp_ns for a in action.alerts])
+                self.latency.extend([now - a.stamp_ns for a in alerts])
             elif isinstance(action, Redeliver):
                 await self._redeliver(action.alerts)
             elif isinstance(action, RecordDone):
@@ -285,9 +285,9 @@ class Emitter(NodeProcess):
                 log.error("crash hook: dying %s (batch %d)", action.point, action.batch)
                 os._exit(CRASH_EXIT)
 
-    async def _redeliver(self, doubt: list[Alert]) -> None:
+    async def _redeliver(self, doubt: list[bytes]) -> None:
         """Alerts with intent but no done: again to idempotent sinks, listed for the operator otherwise."""
-        records = [a.to_dict(self.cfg.session) for a in doubt]
+        records = [Alert.decode(raw).to_dict(self.cfg.session) for raw in doubt]
         ids = ", ".join(r["alert_id"] for r in records[:20])
         log.warning("%d alerts were in doubt after a crash (intent, no done): %s", len(doubt), ids)
         for sink in self.sinks:
@@ -307,7 +307,7 @@ class Emitter(NodeProcess):
         for sink in self.sinks:
             sink.deliver(records)
 
-    def _done(self, alerts: list[Alert]) -> None:
+    def _done(self, alerts: list[bytes]) -> None:
         """Outbox to delivered, on its own (no next batch carried it). Refused by the disk, the
         alerts stay in the outbox: delivered, and in doubt at the next start (sent again to the
         idempotent sinks), never lost."""
@@ -317,13 +317,15 @@ class Emitter(NodeProcess):
         except lmdb.Error as e:
             self.record_failures += 1
             log.error("delivered alerts %d-%d not recorded as done (%s; a full or failing disk?): they stay in "
-                      "the outbox, in doubt at the next start", alerts[0].emit_seq, alerts[-1].emit_seq, e)
+                      "the outbox, in doubt at the next start", Alert.emit_seq_of(alerts[0]),
+                      Alert.emit_seq_of(alerts[-1]), e)
 
-    def _move_done(self, txn, alerts: list[Alert]) -> None:
-        for a in alerts:
-            key = a.emit_seq.to_bytes(8, "big")
-            txn.delete(key, db=self.outbox)
-            txn.put(key, a.encode(), db=self.delivered_db)
+    def _move_done(self, txn, alerts: list[bytes]) -> None:
+        outbox = txn.cursor(db=self.outbox)
+        for raw in alerts:
+            if outbox.set_key(raw[:8]):
+                outbox.delete()
+        txn.cursor(db=self.delivered_db).putmulti([(raw[:8], raw) for raw in alerts])
 
     def _arm_done_timer(self) -> None:
         """Record the last batch's done on its own if no next batch's intent carries it soon."""
@@ -340,14 +342,15 @@ class Emitter(NodeProcess):
             if not self.stopping.is_set():
                 await self._carry_out(self.core.done_due())
 
-    def _judge(self, a: Alert) -> None:
-        recorded = self.recent.get(a.emit_seq)
+    def _judge(self, raw: bytes) -> None:
+        key = raw[:8]  # its emit seq
+        recorded = self.recent.get(key)
         if recorded is None:  # older than the recent ones, or recorded before this process started
-            key = a.emit_seq.to_bytes(8, "big")
             with self.env.begin() as txn:
                 recorded = txn.get(key, db=self.delivered_db)
                 if recorded is None:
                     recorded = txn.get(key, db=self.outbox)
-        if not self.core.judge_copy(a, recorded):
+        if not self.core.judge_copy(raw, recorded):
             what = "was raised by no other replica" if recorded is None else "differs from the one delivered"
+            a = Alert.decode(raw)
             log.error("DIVERGENCE: alert at emit seq %d %s: %s", a.emit_seq, what, a)

@@ -2,7 +2,10 @@
 
 Events in: a replica's hello, a batch of alerts from one replica's ordered
 channel, what the store recorded for an alert seen again, and the alerts
-found in doubt at start. Actions out, carried out in order by the shell
+found in doubt at start. Alerts are their records' bytes as replicas send
+them (replicas.audit.Alert.encode), read only for their emit seq: copies
+are judged and votes counted by bytes, and the shell decodes only what it
+delivers. Actions out, carried out in order by the shell
 (replicas/emitter.py):
 
     RecordIntent(alerts, done)  the outbox and the new mark, and the previous
@@ -61,6 +64,8 @@ from dataclasses import dataclass, field
 from tape.protocol.limits import MAX_PENDING_ALERTS
 from tape.replicas.audit import Alert
 
+emit_seq_of = Alert.emit_seq_of
+
 CRASH_POINTS = ("before_intent", "after_intent", "after_deliver", "after_done")
 DELIVERY = ("first", "quorum")
 FOLDS_KEPT = 64  # fold points whose replica digests are remembered (64 x 4096 seqs)
@@ -111,7 +116,7 @@ class EmitterCore:
         self.delivery = delivery
         self.quorum = len(replicas) // 2 + 1
         self.max_pending = max_pending
-        self.pending: dict[int, dict[bytes, set[bytes]]] = {}  # quorum: emit seq -> encoded alert -> senders
+        self.pending: dict[int, dict[bytes, set[bytes]]] = {}  # quorum: emit seq -> alert record -> senders
         self._pending_order: list[int] = []  # a heap of the pending emit seqs
         self.frontier: dict[bytes, int] = {}  # quorum: the highest emit seq each replica has sent
         self.held: dict[bytes, int] = {}  # quorum: pending emit seqs each replica has voted on
@@ -128,7 +133,7 @@ class EmitterCore:
         self.divergences = 0
         self.in_doubt = 0
         self._mark_before = mark
-        self.undone: list[Alert] = []  # the last batch delivered, its done not yet recorded
+        self.undone: list[bytes] = []  # the last batch delivered, its done not yet recorded
         self._undone_batch = 0
         self.told: dict[bytes, int] = {}  # replica -> the mark it was last told (welcome or ack)
 
@@ -150,7 +155,7 @@ class EmitterCore:
             self.told[r] = self.mark
         return due
 
-    def on_alerts(self, replica: bytes, alerts: list[Alert]) -> tuple[list[Alert], list[Alert], list[Alert]]:
+    def on_alerts(self, replica: bytes, alerts: list[bytes]) -> tuple[list[bytes], list[bytes], list[bytes]]:
         """(new alerts to deliver, copies of recorded ones to judge, alarms: alerts dropped as no quorum's)
         of one batch of `replica`'s ordered channel. Raises TooFarAhead (nothing taken) in quorum mode."""
         if replica in self.diverged:
@@ -159,37 +164,41 @@ class EmitterCore:
         if self.delivery == "quorum":
             return self._vote(alerts, replica)
         new, copies = [], []
-        for a in alerts:
-            if a.emit_seq <= self.mark or (new and a.emit_seq <= new[-1].emit_seq):
-                copies.append(a)
+        last = self.mark
+        for raw in alerts:
+            seq = emit_seq_of(raw)
+            if seq <= last:
+                copies.append(raw)
             else:
-                new.append(a)
+                new.append(raw)
+                last = seq
         return new, copies, []
 
-    def _vote(self, alerts: list[Alert], replica: bytes) -> tuple[list[Alert], list[Alert], list[Alert]]:
+    def _vote(self, alerts: list[bytes], replica: bytes) -> tuple[list[bytes], list[bytes], list[bytes]]:
         share = self.max_pending // len(self.replicas)
-        votes = {a.emit_seq for a in alerts if a.emit_seq > self.mark and not self._voted(a.emit_seq, replica)}
+        seqs = [emit_seq_of(raw) for raw in alerts]
+        votes = {seq for seq in seqs if seq > self.mark and not self._voted(seq, replica)}
         if self.held.get(replica, 0) + len(votes) > share:
             raise TooFarAhead(f"{self.held.get(replica, 0):,} of its alerts await a quorum (at most {share:,})")
         copies = []
-        for a in alerts:
-            if a.emit_seq <= self.mark:
-                copies.append(a)
+        for seq, raw in zip(seqs, alerts):
+            if seq <= self.mark:
+                copies.append(raw)
                 continue
-            if a.emit_seq not in self.pending:
-                self.pending[a.emit_seq] = {}
-                heapq.heappush(self._pending_order, a.emit_seq)
-            if not self._voted(a.emit_seq, replica):
-                self.pending[a.emit_seq].setdefault(a.encode(), set()).add(replica)
+            if seq not in self.pending:
+                self.pending[seq] = {}
+                heapq.heappush(self._pending_order, seq)
+            if not self._voted(seq, replica):
+                self.pending[seq].setdefault(raw, set()).add(replica)
                 self.held[replica] = self.held.get(replica, 0) + 1
-            self.frontier[replica] = max(self.frontier.get(replica, 0), a.emit_seq)
+            self.frontier[replica] = max(self.frontier.get(replica, 0), seq)
         ready, alarms = self._settle()
         return ready, copies, alarms
 
     def _voted(self, seq: int, replica: bytes) -> bool:
         return any(replica in senders for senders in self.pending.get(seq, {}).values())
 
-    def _settle(self) -> tuple[list[Alert], list[Alert]]:
+    def _settle(self) -> tuple[list[bytes], list[bytes]]:
         """Pending alerts decided, lowest emit seq first: (delivered by a quorum, alarms)."""
         ready, alarms = [], []
         while self._pending_order:
@@ -205,13 +214,13 @@ class EmitterCore:
             heapq.heappop(self._pending_order)
             del self.pending[seq]
             for raw, senders in versions.items():
-                (ready if senders is best else alarms).append(Alert.decode(raw))
+                (ready if senders is best else alarms).append(raw)
                 for r in senders:
                     self.held[r] -= 1
         self.divergences += len(alarms)
         return ready, alarms
 
-    def on_digest(self, replica: bytes, fold_seq: int, chain: bytes) -> tuple[list[bytes], list[Alert], list[Alert]]:
+    def on_digest(self, replica: bytes, fold_seq: int, chain: bytes) -> tuple[list[bytes], list[bytes], list[bytes]]:
         """A replica's digest chain at a fold point: (replicas to tell to rebuild, alerts a quorum
         now delivers, alarms), the last two only under quorum, once a diverged replica's votes
         are withdrawn."""
@@ -249,13 +258,13 @@ class EmitterCore:
         self.held[replica] = 0
         self._pending_order = sorted(self.pending)  # (a sorted list is a heap)
 
-    def deliver(self, new: list[Alert]) -> list[EmitterAction]:
+    def deliver(self, new: list[bytes]) -> list[EmitterAction]:
         """Intent (with the previous batch's done), deliver: the steps for new alerts, which move
         the mark. Their own done comes with the next batch's intent, or from `done_due`."""
-        assert new and new[0].emit_seq > self.mark, "only alerts above the mark are delivered"
+        assert new and emit_seq_of(new[0]) > self.mark, "only alerts above the mark are delivered"
         self.batches += 1
         self._mark_before = self.mark
-        self.mark = new[-1].emit_seq
+        self.mark = emit_seq_of(new[-1])
         self.delivered += len(new)
         done, done_batch = self.undone, self._undone_batch
         self.undone, self._undone_batch = new, self.batches
@@ -285,16 +294,16 @@ class EmitterCore:
         self.undone, self._undone_batch = intent.done, self.batches - 1  # the batch delivered before it
         self.pending, self._pending_order, self.held, self.frontier = {}, [], {}, {}
 
-    def judge_copy(self, alert: Alert, recorded: bytes | None) -> bool:
+    def judge_copy(self, alert: bytes, recorded: bytes | None) -> bool:
         """A copy of an alert at or below the mark, against the bytes recorded for its
         emit seq: True if it is a duplicate (harmless), False if a divergence alarm."""
-        if recorded is not None and bytes(recorded) == alert.encode():
+        if recorded is not None and recorded == alert:
             self.duplicates += 1
             return True
         self.divergences += 1
         return False
 
-    def recover(self, in_doubt: list[Alert]) -> list[EmitterAction]:
+    def recover(self, in_doubt: list[bytes]) -> list[EmitterAction]:
         """At start: alerts with intent and no done may or may not have reached the sinks."""
         if not in_doubt:
             return []

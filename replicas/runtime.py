@@ -36,14 +36,13 @@ from tape.protocol.limits import CONTROL_READ, GIL_SWITCH_S, REPLAY_CLIENT_HEART
 from tape.protocol.moldudp64 import HEADER_SIZE, MAX_BLOCKS
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import sealed_ranges
-from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
+from tape.replicas.audit import ALERT_SIZE, DIGEST_BLOCK, Alert, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
 from tape.replicas.snapshot import SaveJob, move_aside, open_verified
 
 log = logging.getLogger("tape.replica")
 TRADE_TYPES = bytes((messages.REQUEST, messages.PURCHASE))
 BLOCK_STAMP = struct.Struct(f">{2 + messages.STAMP_AT}xQ")  # a block's stamp, alone
-ALERT_SIZE = len(Alert(0, 0, 0, 0, b" " * 16, b" " * 8, 0, 0, 0).encode())
 
 
 class Replica(NodeProcess):
