@@ -202,8 +202,9 @@ class Journal:
 
     # --- appending -------------------------------------------------------------
 
-    def append(self, records: list) -> None:
-        """Append [(seq, term, message), ...] in one write (group commit).
+    def append(self, records) -> None:
+        """Append [(seq, term, message), ...] (a list, or a protocol.journal.RecordRun) in one
+        write (group commit).
         Seqs must continue the journal with no gap. A write refused for want of
         space leaves the journal as it was and raises DiskFull."""
         if self.readonly:
@@ -232,12 +233,15 @@ class Journal:
         seg = self.segments[-1]
         offset = seg.size
         indexed = len(seg.idx_seqs)
-        buf = fmt.encode_records(records)
+        run = isinstance(records, fmt.RecordRun)
+        buf = records.encoded() if run else fmt.encode_records(records)
         # The sparse index: the offsets of every index_every-th record.
         nxt = seg.idx_seqs[-1] + self.index_every if seg.idx_seqs else seg.first_seq
         if first <= nxt <= records[-1][0]:
             seg.idx_seqs.extend(range(nxt, records[-1][0] + 1, self.index_every))
-            seg.idx_offsets.extend(offset + at for at in fmt.record_offsets(records, nxt - first, self.index_every))
+            starts = (records.offsets(nxt - first, self.index_every) if run
+                      else fmt.record_offsets(records, nxt - first, self.index_every))
+            seg.idx_offsets.extend(offset + at for at in starts)
         try:
             self._write(buf)
         except OSError:

@@ -10,6 +10,9 @@
  *                      where this host's zlib takes 104)
  *   record_offsets     where some of those records start in their buffer (the
  *                      journal's sparse index)
+ *   encode_run         the same records of a run (consecutive seqs, one term,
+ *                      messages of one size back to back), with no Python
+ *                      object per record
  *   client_seq_maxima  the highest client seq of each origin in a run of
  *                      sequenced messages (protocol/messages.py)
  *   stamp_run          a client's inbound messages stamped (messages.py)
@@ -129,6 +132,35 @@ static PyObject *encode_records(PyObject *self, PyObject *arg) {
 fail:
     Py_DECREF(seq_of);
     return NULL;
+}
+
+/* encode_run(first_seq, term, messages, size): encode_records of the records (first_seq + i, term,
+ * message i), message i being messages[i * size:(i + 1) * size]. */
+static PyObject *encode_run(PyObject *self, PyObject *args) {
+    unsigned long long first, term;
+    Py_buffer blob;
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "KKy*n:encode_run", &first, &term, &blob, &size)) return NULL;
+    PyObject *out = NULL;
+    if (size < 1 || size > MAX_MESSAGE || blob.len % size != 0) {
+        PyErr_Format(PyExc_ValueError, "encode_run: %zd bytes are not whole messages of %zd", blob.len, size);
+        goto done;
+    }
+    Py_ssize_t n = blob.len / size;
+    out = PyBytes_FromStringAndSize(NULL, n * (RECORD_HEADER + size));
+    if (out == NULL) goto done;
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+    const char *m = blob.buf;
+    for (Py_ssize_t i = 0; i < n; i++, p += RECORD_HEADER + size, m += size) {
+        put_u32(p + 4, (uint32_t)size);
+        put_u64(p + 8, first + (uint64_t)i);
+        put_u64(p + 16, term);
+        memcpy(p + RECORD_HEADER, m, (size_t)size);
+        put_u32(p, crc32_ieee(p + 4, (size_t)(RECORD_HEADER - 4 + size)));
+    }
+done:
+    PyBuffer_Release(&blob);
+    return out;
 }
 
 /* record_offsets(records, start, every) -> the offset in encode_records(records) of records start,
@@ -552,6 +584,8 @@ static PyMethodDef methods[] = {
      "The highest client seq of each origin in a run of sequenced messages (protocol/messages.py)."},
     {"record_offsets", record_offsets, METH_VARARGS,
      "Where records start in encode_records' buffer (protocol/journal.py's record_offsets_pure)."},
+    {"encode_run", encode_run, METH_VARARGS,
+     "encode_records of a run of one term's fixed-size messages (protocol/journal.py's encode_run_pure)."},
     {"encode_records", encode_records, METH_O,
      "Many (seq, term, message) records as one contiguous buffer (docs/journal-format.md)."},
     {NULL, NULL, 0, NULL},

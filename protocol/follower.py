@@ -8,16 +8,17 @@ conflicting suffix, which records to append, and the ack to send back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Callable
 
+from tape.protocol.journal import RecordRun
+from tape.protocol.messages import SEQUENCED_SIZE
 from tape.protocol.replication import Append
 
 
 @dataclass
 class AppendResult:
     truncate_after: int | None = None  # drop records after this seq first
-    records: list = field(default_factory=list)  # (seq, term, message) to append
+    records: list | RecordRun = field(default_factory=list)  # (seq, term, message) to append
     success: bool = True
     last_seq: int = 0  # for the ack
 
@@ -58,11 +59,11 @@ class FollowerCore:
                 else:
                     hi = mid
             return AppendResult(success=False, last_seq=lo - 1)
-        msgs = a.messages()
+        count = a.count
         result = AppendResult()
         first_new = 0
         # Entries we already hold: keep them if their term matches, else drop our suffix.
-        for i, _ in enumerate(msgs):
+        for i in range(count):
             seq = a.prev_seq + 1 + i
             if seq > self.last_seq:
                 break
@@ -73,18 +74,18 @@ class FollowerCore:
                 break
             first_new = i + 1
         else:
-            first_new = len(msgs)
+            first_new = count
         start = a.prev_seq + 1 + first_new
         if start <= self.last_seq:  # the loop stopped at a match beyond: nothing to add
             first_new = self.last_seq - a.prev_seq
             start = self.last_seq + 1
-        result.records = list(zip(range(start, start + len(msgs) - first_new), repeat(a.entries_term),
-                                  msgs[first_new:]))
-        if result.records:
-            self.last_seq = result.records[-1][0]
+        if first_new < count:
+            new = a.entries if first_new == 0 else a.entries[first_new * SEQUENCED_SIZE:]
+            result.records = RecordRun(start, a.entries_term, new, SEQUENCED_SIZE)
+            self.last_seq = start + count - first_new - 1
             self.last_term = a.entries_term
         # Commit: what the leader says is committed, as far as we hold its log.
-        match = a.prev_seq + len(msgs)
+        match = a.prev_seq + count
         self.commit_seq = max(self.commit_seq, min(a.commit_seq, match))
         result.last_seq = match
         return result

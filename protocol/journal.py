@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from itertools import accumulate
+from itertools import accumulate, repeat
 from typing import NamedTuple
 
 MAGIC = b"TAPEJNL1"
@@ -83,10 +83,61 @@ def record_offsets_pure(records, start: int, every: int) -> list[int]:
     return before[start:len(records):every]
 
 
+def encode_run_pure(first_seq: int, term: int, messages, size: int) -> bytes:
+    """encode_records of the records (first_seq + i, term, message i), message i being
+    messages[i * size:(i + 1) * size]. The definition of `encode_run`, in C where built."""
+    if not 1 <= size <= MAX_MESSAGE or len(messages) % size:
+        raise ValueError(f"encode_run: {len(messages)} bytes are not whole messages of {size}")
+    return encode_records_pure(RecordRun(first_seq, term, messages, size))
+
+
 try:
-    from tape.protocol._speedups import encode_records, record_offsets
+    from tape.protocol._speedups import encode_records, encode_run, record_offsets
 except ImportError:  # installed without a C compiler: the same bytes, several times slower
-    encode_records, record_offsets = encode_records_pure, record_offsets_pure
+    encode_records, encode_run, record_offsets = encode_records_pure, encode_run_pure, record_offsets_pure
+
+
+class RecordRun:
+    """Records of consecutive seqs and one term whose messages are one size, held as the
+    messages back to back: an append as it arrives, journaled and noted without a Python
+    object per record. Reads as the list of (seq, term, message) it stands for."""
+
+    __slots__ = ("first_seq", "term", "messages", "size")
+
+    def __init__(self, first_seq: int, term: int, messages: bytes, size: int):
+        assert size > 0 and len(messages) % size == 0, "a run holds whole messages"
+        self.first_seq, self.term, self.messages, self.size = first_seq, term, messages, size
+
+    def __len__(self) -> int:
+        return len(self.messages) // self.size
+
+    def __iter__(self):
+        size, blob = self.size, self.messages
+        return zip(range(self.first_seq, self.first_seq + len(self)), repeat(self.term),
+                   (blob[at:at + size] for at in range(0, len(blob), size)))
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        if not -len(self) <= i < len(self):
+            raise IndexError("record run index out of range")
+        i %= len(self)
+        return self.first_seq + i, self.term, self.messages[i * self.size:(i + 1) * self.size]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (RecordRun, list)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"RecordRun(seqs {self.first_seq}..{self.first_seq + len(self) - 1}, term {self.term})"
+
+    def encoded(self) -> bytes:
+        """encode_records(self)."""
+        return encode_run(self.first_seq, self.term, self.messages, self.size)
+
+    def offsets(self, start: int, every: int) -> list[int]:
+        """record_offsets(self, start, every): records of one size need no sum."""
+        step = RECORD_HEADER_SIZE + self.size
+        return list(range(start * step, len(self) * step, every * step))
 
 
 class ScanResult(NamedTuple):

@@ -29,6 +29,7 @@ from tape.protocol import replication as rep
 from tape.protocol.election import ElectionAction, ElectionCore, Refused, Rng
 from tape.protocol.errors import InvariantViolation
 from tape.protocol.follower import FollowerCore
+from tape.protocol.journal import RecordRun
 from tape.protocol.messages import SEQUENCED_SIZE
 
 
@@ -65,17 +66,21 @@ class LogState:
             self.term_starts.append((first_seq, term))
 
     def note(self, records) -> None:
-        if isinstance(records, list) and records and records[0][1] == records[-1][1]:
-            self._note_run(records)  # an append: one term (terms only grow along a log)
+        if isinstance(records, RecordRun) and records.size == SEQUENCED_SIZE and len(records):
+            self._note_run(records.first_seq, records.term, records.messages)  # an append as it came
+        elif isinstance(records, list) and records and records[0][1] == records[-1][1]:
+            # an append of one term (terms only grow along a log), as (seq, term, message)
+            blob = b"".join([m for _, _, m in records])
+            if len(blob) == len(records) * SEQUENCED_SIZE and records[-1][0] == records[0][0] + len(records) - 1:
+                self._note_run(records[0][0], records[0][1], blob)
+            else:
+                self._note_each(records)
         else:
             self._note_each(records)
 
-    def _note_run(self, records: list) -> None:
-        """note() of records of one term, a batch at a time: one C-level pass over their bytes."""
-        blob = b"".join([m for _, _, m in records])
-        first, term = records[0][0], records[0][1]
-        if len(blob) != len(records) * SEQUENCED_SIZE or records[-1][0] != first + len(records) - 1:
-            return self._note_each(records)
+    def _note_run(self, first: int, term: int, blob: bytes) -> None:
+        """note() of records of one term, consecutive seqs, their sequenced messages back to back
+        in `blob`: one C-level pass over their bytes."""
         self.note_term(first, term)
         last = self.client_last
         for origin, cseq in messages.client_seq_maxima(blob).items():
@@ -87,7 +92,7 @@ class LogState:
             self.last_seal = first + seal
         if messages.SESSION_END in kinds:
             self.ended = True
-        self.last = (records[-1][0], term)
+        self.last = (first + len(blob) // SEQUENCED_SIZE - 1, term)
 
     def _note_each(self, records) -> None:
         last = self.client_last

@@ -19,10 +19,10 @@ import hashlib
 import hmac
 from collections import deque
 from dataclasses import dataclass
-from itertools import repeat
 
 from tape.protocol import backoff, messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.journal import RecordRun
 from tape.protocol.limits import (
     BACKOFF_INTERVAL_NS,
     BACKOFF_RETRY_MS,
@@ -42,14 +42,15 @@ class Batch:
     prev_seq: int
     prev_term: int
     term: int
-    messages: list  # 75-byte sequenced messages
+    messages: list  # sequenced messages (messages.SEQUENCED_SIZE bytes each)
 
     @property
     def last_seq(self) -> int:
         return self.first_seq + len(self.messages) - 1
 
-    def records(self) -> list:
-        return list(zip(range(self.first_seq, self.first_seq + len(self.messages)), repeat(self.term), self.messages))
+    def records(self) -> RecordRun:
+        """Its (seq, term, message) records, to journal."""
+        return RecordRun(self.first_seq, self.term, b"".join(self.messages), messages.SEQUENCED_SIZE)
 
 
 

@@ -117,7 +117,7 @@ def test_rebuilt_dedupe_state_drops_retransmits_of_what_the_log_holds():
     core, start = leader()
     core.on_inbound(batch(A, 1, 7), 1)
     b = core.flush(2)
-    state, last_seq, last_term = rebuild_client_state(start.records() + b.records())
+    state, last_seq, last_term = rebuild_client_state([*start.records(), *b.records()])
     assert state == {A: 7} and last_seq == 8 and last_term == 1
     new = LeaderCore(S, b"seq-b     ", 2, [F1, F2], {A: None}, last_seq=8, last_term=1, client_last=state)
     assert new.on_inbound(batch(A, 1, 7), 3) == "duplicate"

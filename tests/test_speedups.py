@@ -45,6 +45,31 @@ def test_c_and_pure_find_the_same_record_offsets(records, start, every):
     assert [fmt.scan(buf, at, None, 1).records[0][0] for at in offsets] == [r[0] for r in records[start::every]]
 
 
+RUNS = st.integers(1, 80).flatmap(lambda size: st.tuples(
+    st.integers(0, 2**63), st.integers(0, 2**64 - 1), st.lists(st.binary(min_size=size, max_size=size), max_size=30),
+    st.just(size)))
+
+
+@given(RUNS, st.integers(0, 40), st.integers(1, 9))
+def test_a_record_run_reads_encodes_and_indexes_as_the_records_it_stands_for(run, start, every):
+    first, term, messages, size = run
+    records = [(first + i, term, m) for i, m in enumerate(messages)]
+    r = fmt.RecordRun(first, term, b"".join(messages), size)
+    assert list(r) == records and len(r) == len(records) and r == records and r[start:] == records[start:]
+    assert [r[i] for i in range(-len(r), len(r))] == records + records
+    assert r.encoded() == fmt.encode_records_pure(records) == fmt.encode_run_pure(first, term, r.messages, size)
+    assert r.offsets(start, every) == fmt.record_offsets_pure(records, start, every)
+
+
+def test_a_record_run_refuses_what_is_not_whole_messages():
+    with pytest.raises(ValueError):
+        fmt.encode_run(1, 1, bytes(10), 3)
+    with pytest.raises(ValueError):
+        fmt.encode_run_pure(1, 1, bytes(10), 3)
+    with pytest.raises(IndexError):
+        fmt.RecordRun(1, 1, bytes(6), 3)[2]
+
+
 @compiled
 @given(st.binary(max_size=9000))
 def test_the_c_crc_is_zlibs_at_every_length(message):
