@@ -20,7 +20,6 @@ under that key; the magic keeps them from ever reading as an inbound batch
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ class Resend:
 
 
 def _sealed(body: bytes, key: bytes | None) -> bytes:
-    return body + hmac.new(key, body, hashlib.sha256).digest() if key else body
+    return body + hmac.digest(key, body, "sha256") if key else body
 
 
 def encode(client: bytes, term: int, client_seq: int, retry_ms: int, key: bytes | None) -> bytes:
@@ -69,7 +68,7 @@ def decode(data: bytes, key: bytes | None) -> BackOff | Resend:
         raise ProtocolError("bad_backoff", f"{len(data)} bytes, not a {want}-byte back-off or resend")
     if key:
         body, mac = data[:FIELDS.size], data[FIELDS.size:]
-        if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()):
+        if not hmac.compare_digest(mac, hmac.digest(key, body, "sha256")):
             raise ProtocolError("unauthenticated", "the advice's MAC is not the client key's", FIELDS.size)
     magic, client, term, client_seq, retry_ms = FIELDS.unpack_from(data)
     return BackOff(client, term, client_seq, retry_ms) if magic == MAGIC else Resend(client, term, client_seq)

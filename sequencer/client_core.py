@@ -46,7 +46,6 @@ for by the leader anyway.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections import deque
 
@@ -139,7 +138,7 @@ class ClientCore:
                 continue
             data = moldudp64.encode_packet(self.origin, self.next_cseq, chunk)
             if self.key:
-                data += hmac.new(self.key, data, hashlib.sha256).digest()
+                data += hmac.digest(self.key, data, "sha256")
             self.unacked.append(Unacked(self.next_cseq, len(chunk), data, now_ns, self.resend_timeout_ns))
             self.next_cseq += len(chunk)
             out.append(data)

@@ -15,7 +15,6 @@ and a packet is either wholly committed or not at all.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections import deque
 from dataclasses import dataclass
@@ -154,7 +153,7 @@ class LeaderCore:
             if len(data) < moldudp64.HEADER_SIZE + messages.INBOUND_MAC_SIZE:
                 return self._drop("unauthenticated")
             body, mac = data[:-messages.INBOUND_MAC_SIZE], data[-messages.INBOUND_MAC_SIZE:]
-            if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()):
+            if not hmac.compare_digest(mac, hmac.digest(key, body, "sha256")):
                 return self._drop("unauthenticated")
             data = body
         if count == 0 or count == 0xFFFF or cseq == 0:
