@@ -34,6 +34,7 @@ from tape.replicas.audit import BOOK, PACKED_BOOK, AuditMachine
 
 ORPHAN = struct.Struct(">Q")  # seq, followed by the 75-byte message
 STATE = struct.Struct(">QQQ16sI")  # last_seq, now_ns, applied, chain, len(pending)
+_KEY_AND_BOOK = struct.Struct(f"8s{PACKED_BOOK - 8}s")  # a book as Books.packed gives it: key, record
 FORMAT = 2  # 2: with checksums
 SUM_MOD = 1 << 128
 SUM_CHUNK = 4096  # records hashed per call while loading (bounds the list of them)
@@ -173,9 +174,9 @@ class SnapshotStore:
         save (one key per order touched): the old records read and the new ones written by one
         LMDB call each, and hashed by one call each."""
         keys = [order_id.to_bytes(8, "big") for order_id in dirty]
-        new = [(packed[i:i + 8], packed[i + 8:i + PACKED_BOOK]) for i in range(0, len(packed), PACKED_BOOK)]
+        new = list(_KEY_AND_BOOK.iter_unpack(packed))  # (key, record) pairs
         with txn.cursor(db=self.books) as cursor:
-            old = [(bytes(k), bytes(v)) for k, v in cursor.getmulti(keys)]
+            old = cursor.getmulti(keys)  # (key, record) pairs, bytes (the transaction has no buffers)
             cursor.putmulti(new)
             if len(new) < len(keys):  # closed books: few, at their expiry
                 kept = {k for k, _ in new}
