@@ -10,6 +10,7 @@ and listed for the operator for the others.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import logging
 import os
@@ -20,6 +21,8 @@ from pathlib import Path
 
 log = logging.getLogger("tape.emitter")
 TAIL_BYTES = 4 << 20  # how much of the JSON-lines file's tail is checked for ids on start
+IDS_KEPT = 65_536  # ids the JSON-lines sink remembers: what is in doubt is far fewer (two batches)
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # (json.dumps with options builds one a call)
 
 
 class SinkStopped(Exception):
@@ -27,7 +30,7 @@ class SinkStopped(Exception):
 
 
 def _line(record: dict) -> str:
-    return json.dumps(record, separators=(",", ":"))
+    return _ENCODE(record)
 
 
 class JsonLinesSink:
@@ -45,7 +48,7 @@ class JsonLinesSink:
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.stopping = stopping or threading.Event()
         self.retries = 0
-        self.recent: set[str] = set()
+        self.recent: dict[str, None] = {}  # the newest IDS_KEPT ids written, in order
         if path.exists():
             with open(path, "rb") as f:
                 f.seek(max(0, path.stat().st_size - TAIL_BYTES))
@@ -57,7 +60,7 @@ class JsonLinesSink:
                     f.truncate(path.stat().st_size - len(torn))
             for line in lines:
                 try:
-                    self.recent.add(json.loads(line)["alert_id"])
+                    self.recent[json.loads(line)["alert_id"]] = None
                 except (ValueError, KeyError, TypeError):
                     continue
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -73,7 +76,9 @@ class JsonLinesSink:
                 self.retries += 1
                 self.stopping.wait(delay)
                 delay = min(delay * 2, self.max_backoff_s)
-            self.recent.update(r["alert_id"] for r in fresh)
+            self.recent.update(dict.fromkeys(r["alert_id"] for r in fresh))
+            for old in list(itertools.islice(self.recent, max(0, len(self.recent) - IDS_KEPT))):
+                del self.recent[old]
         return len(fresh)
 
     def _append(self, data: bytes) -> bool:

@@ -16,6 +16,7 @@ from linkclient import LinkSocket
 from tape.ops.config import load
 from tape.ops.local import LocalCluster
 from tape.protocol import alertlink
+from tape.replicas import sinks
 from tape.replicas.audit import Alert
 from tape.replicas.emitter import keep_newest
 from tape.replicas.sinks import JsonLinesSink, WebhookSink
@@ -94,6 +95,17 @@ def test_webhook_gives_up_only_when_stopping():
     with pytest.raises(Exception, match="TAPE:1"):
         sink.deliver([record(1)])
     assert sink.retries >= 2
+
+
+def test_jsonl_sink_remembers_the_newest_ids_within_its_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(sinks, "IDS_KEPT", 5)
+    sink = JsonLinesSink(tmp_path / "alerts.jsonl")
+    for first in range(1, 30, 4):
+        sink.deliver([record(seq) for seq in range(first, first + 4)])
+        assert len(sink.recent) <= 5
+    assert list(sink.recent) == [f"TAPE:{seq}" for seq in range(28, 33)]
+    assert sink.deliver([record(32), record(33)]) == 1  # the newest still never twice
+    sink.close()
 
 
 def test_jsonl_sink_cuts_a_torn_line_and_never_writes_an_id_twice(tmp_path):
