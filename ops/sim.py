@@ -567,7 +567,7 @@ class Emitter:
                 return  # crashed on the way
             links = {r: frozenset((EMITTER, r)) for r in REPLICAS}
             linked = [r for r, ln in links.items() if r == src or (ln in self.sim.epochs and ln not in self.sim.broken)]
-            due = self.core.acks_due([wire(r) for r in linked], wire(src))  # as the shell: the sender, and
+            due = self.core.acks_due([wire(r) for r in linked], {wire(src)})  # as the shell: the sender, and
             for r in linked:  # the moved mark to each linked (quorum: not only to src)
                 if wire(r) in due:
                     self.sim.send_ordered(EMITTER, r, ("ack", self.core.mark))

@@ -33,6 +33,9 @@ RECENT_ALERTS = 65_536
 # A delivered batch's done is recorded in the next batch's intent transaction, or on its own once
 # no next batch came for this long: after a crash, at most this much more is in doubt.
 DONE_ALONE_AFTER_NS = 10_000_000
+# The emitter answers replicas' alert batches at most this often, one acknowledgement covering
+# every batch since: an answer a batch woke each replica hundreds of times a second.
+ACK_EVERY_NS = 5_000_000
 
 # --- the leader's batches ----------------------------------------------------------------
 # A batch is one journal append and one replication frame: the leader cuts a drain

@@ -39,7 +39,7 @@ from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import alertlink
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import CONTROL_READ, DONE_ALONE_AFTER_NS, RECENT_ALERTS
+from tape.protocol.limits import ACK_EVERY_NS, CONTROL_READ, DONE_ALONE_AFTER_NS, RECENT_ALERTS
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit import ALERT_SIZE, Alert
 from tape.replicas.emitter_core import (
@@ -96,6 +96,8 @@ class Emitter(NodeProcess):
         self.by_replica: dict[bytes, asyncio.StreamWriter] = {}  # its latest connection: where a rebuild order goes
         self.recent: dict[bytes, bytes] = {}  # emit seq (its key) -> the bytes recorded, the newest RECENT_ALERTS
         self._done_timer: asyncio.TimerHandle | None = None
+        self._ack_timer: asyncio.TimerHandle | None = None
+        self._senders: set[bytes] = set()  # replicas whose batches came since the last acknowledgements
         self._delivering = False  # a batch is on its way to the sinks (stopped there: it stays in doubt)
 
     @property
@@ -142,8 +144,9 @@ class Emitter(NodeProcess):
             self.stopping.set()
             if server is not None:
                 server.close()
-            if self._done_timer is not None:
-                self._done_timer.cancel()
+            for timer in (self._done_timer, self._ack_timer):
+                if timer is not None:
+                    timer.cancel()
             async with self._lock:  # let a delivery in its thread finish or give up
                 if not self._delivering:  # the last batch reached every sink: its done is due, not a doubt
                     await self._carry_out(self.core.done_due())
@@ -213,9 +216,17 @@ class Emitter(NodeProcess):
             writer.close()
 
     def _acknowledge(self, sender: bytes | None) -> None:
-        """The mark to the replica whose alerts were handled and to each one told less (under
-        quorum another replica's copy, or a digest, may have been the one that moved it)."""
-        due = self.core.acks_due(sorted(set(self.links.values())), sender)
+        """The mark, within ACK_EVERY_NS, to the replica whose alerts were handled and to each one
+        told less (under quorum another replica's copy, or a digest, may have moved it)."""
+        if sender is not None:
+            self._senders.add(sender)
+        if self._ack_timer is None:
+            self._ack_timer = asyncio.get_running_loop().call_later(ACK_EVERY_NS / 1e9, self._send_acks)
+
+    def _send_acks(self) -> None:
+        self._ack_timer = None
+        senders, self._senders = self._senders, set()
+        due = self.core.acks_due(sorted(set(self.links.values())), senders)
         for writer, replica in self.links.items():  # every connection naming it (without keys, a
             if replica in due:                       # stranger's hello may name a real replica)
                 writer.write(alertlink.ack(self.mark))

@@ -40,9 +40,11 @@ each channel is ordered. Two delivery modes:
   resends from the mark when it is back).
 
 Acknowledgements: each replica is told the mark when it says hello, after
-each batch it sent, and whenever the mark moved past what it was last told
+the batches it sent, and whenever the mark moved past what it was last told
 (`acks_due`); not every replica after every replica's batch, as before: a
-copy that moves the mark for no one needs one answer, not three.
+copy that moves the mark for no one needs one answer, not three. The shell
+asks at most every ACK_EVERY_NS, for the replicas whose batches came
+meanwhile: one answer covers them all.
 
 An alert at or below the mark was recorded before: the same bytes are a
 duplicate, other bytes (or none recorded at all) a divergence alarm.
@@ -146,11 +148,11 @@ class EmitterCore:
         self.told[replica] = min(self.told.get(replica, self.mark), self.mark)
         return self.mark
 
-    def acks_due(self, linked, sender: bytes | None = None) -> list[bytes]:
+    def acks_due(self, linked, senders=()) -> list[bytes]:
         """Of the `linked` replicas (those the shell can write to), the ones to acknowledge the mark
-        to now: `sender`, whose batch was just handled (it may have raised its copies after it was
-        told a mark that covers them), and every other one told less than the mark."""
-        due = [r for r in linked if r == sender or self.told.get(r, -1) < self.mark]
+        to now: the `senders`, whose batches were handled since (they may have raised their copies
+        after they were told a mark that covers them), and every other one told less than the mark."""
+        due = [r for r in linked if r in senders or self.told.get(r, -1) < self.mark]
         for r in due:
             self.told[r] = self.mark
         return due

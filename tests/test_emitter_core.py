@@ -31,16 +31,16 @@ def test_a_replica_is_acknowledged_after_its_batch_and_when_the_mark_moved_past_
     core.on_hello(A), core.on_hello(B)
     assert core.acks_due([A, B]) == []  # welcomed with the mark
     core.deliver(core.on_alerts(A, [alert(3)])[0])
-    assert core.acks_due([A, B], A) == [A, B] and core.acks_due([A, B]) == []  # once each
+    assert core.acks_due([A, B], {A}) == [A, B] and core.acks_due([A, B]) == []  # once each
     core.on_alerts(B, [alert(3)])  # B raised its copy after it was told mark 3: told again, A not
-    assert core.acks_due([A, B], B) == [B]
+    assert core.acks_due([A, B], {B}) == [B]
     core.deliver(core.on_alerts(A, [alert(4)])[0])
-    assert core.acks_due([A], A) == [A] and core.acks_due([A, B]) == [B]  # only linked ones are told
+    assert core.acks_due([A], {A}) == [A] and core.acks_due([A, B]) == [B]  # only linked ones are told
     core.on_hello(C)  # a replica linked later is welcomed with the mark, then told what moves
     core.deliver(core.on_alerts(B, [alert(5)])[0])
-    assert core.acks_due([A, B, C], B) == [A, B, C]
+    assert core.acks_due([A, B, C], {B}) == [A, B, C]
     core.deliver(core.on_alerts(A, [alert(6)])[0])
-    assert core.acks_due([A], A) == [A]
+    assert core.acks_due([A], {A}) == [A]
     core.on_hello(B)  # a second connection naming B: its first one was told less, and still is
     assert core.acks_due([A, B, C]) == [B, C]
 
