@@ -23,7 +23,6 @@ at that point of its N-th batch.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
@@ -64,8 +63,7 @@ def keep_newest(recent: dict, records: list, limit: int) -> None:
     """Add alert records (keyed by their first 8 bytes, the emit seq), in rising emit seq, and
     forget the oldest beyond `limit`."""
     recent.update((raw[:8], raw) for raw in records)
-    for key in list(itertools.islice(recent, max(0, len(recent) - limit))):  # insertion order: the oldest first
-        del recent[key]
+    sinklib.forget_oldest(recent, limit)
 
 
 class Emitter(NodeProcess):

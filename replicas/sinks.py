@@ -29,6 +29,12 @@ class SinkStopped(Exception):
     """The emitter is stopping; the batch was not (known to be) delivered."""
 
 
+def forget_oldest(kept: dict, limit: int) -> None:
+    """Drop the oldest entries (insertion order) of `kept` beyond `limit`."""
+    for key in list(itertools.islice(kept, max(0, len(kept) - limit))):
+        del kept[key]
+
+
 def _line(record: dict) -> str:
     return _ENCODE(record)
 
@@ -77,8 +83,7 @@ class JsonLinesSink:
                 self.stopping.wait(delay)
                 delay = min(delay * 2, self.max_backoff_s)
             self.recent.update(dict.fromkeys(r["alert_id"] for r in fresh))
-            for old in list(itertools.islice(self.recent, max(0, len(self.recent) - IDS_KEPT))):
-                del self.recent[old]
+            forget_oldest(self.recent, IDS_KEPT)
         return len(fresh)
 
     def _append(self, data: bytes) -> bool:
