@@ -653,14 +653,33 @@ static int effect(Run *r, char code) {
     return at == NULL ? -1 : 0;
 }
 
+#define ALERT_FIELDS 9
+
+/* An Alert (a NamedTuple: a tuple subclass without a __dict__) made as tuple.__new__ makes one, without
+ * the Python-level __new__ a call of the class runs; any other alert_type is called. */
+static PyObject *new_alert(PyObject *alert_type, const PyObject *const *fields) {
+    PyTypeObject *tp = (PyTypeObject *)alert_type;
+    if (!PyType_Check(alert_type) || !PyType_IsSubtype(tp, &PyTuple_Type) || tp->tp_dictoffset != 0)
+        return PyObject_CallFunctionObjArgs(alert_type, fields[0], fields[1], fields[2], fields[3], fields[4],
+                                            fields[5], fields[6], fields[7], fields[8], NULL);
+    PyObject *a = tp->tp_alloc(tp, ALERT_FIELDS);
+    for (int i = 0; a != NULL && i < ALERT_FIELDS; i++) PyTuple_SET_ITEM(a, i, Py_NewRef((PyObject *)fields[i]));
+    return a;
+}
+
 /* The purchase that first crosses its book: the Alert, and its effect ('A' + its record). */
 static int alert(Run *r, const Book *b, const unsigned char *m, uint64_t seq, uint64_t stamp) {
     uint64_t purchase_id = get_be64(m + AT_PURCHASE_ID);
-    PyObject *a = PyObject_CallFunction(r->alert_type, "KKKKy#y#LLK", (unsigned long long)seq,
-                                        (unsigned long long)seq, (unsigned long long)purchase_id,
-                                        (unsigned long long)b->order_id, b->client, (Py_ssize_t)CLIENT_LEN,
-                                        b->stock, (Py_ssize_t)STOCK_LEN, (long long)b->requested,
-                                        (long long)b->cumulative, (unsigned long long)stamp);
+    PyObject *fields[ALERT_FIELDS] = {  /* Alert's order: emit seq, purchase seq, ..., stamp */
+        PyLong_FromUnsignedLongLong(seq), PyLong_FromUnsignedLongLong(seq),
+        PyLong_FromUnsignedLongLong(purchase_id), PyLong_FromUnsignedLongLong(b->order_id),
+        PyBytes_FromStringAndSize(b->client, CLIENT_LEN), PyBytes_FromStringAndSize(b->stock, STOCK_LEN),
+        PyLong_FromLongLong(b->requested), PyLong_FromLongLong(b->cumulative), PyLong_FromUnsignedLongLong(stamp)};
+    PyObject *a = NULL;
+    int made = 1;
+    for (int i = 0; i < ALERT_FIELDS; i++) made &= fields[i] != NULL;
+    if (made) a = new_alert(r->alert_type, (const PyObject *const *)fields);
+    for (int i = 0; i < ALERT_FIELDS; i++) Py_XDECREF(fields[i]);
     int rc = a == NULL ? -1 : PyList_Append(r->alerts, a);
     Py_XDECREF(a);
     unsigned char *rec = rc < 0 ? NULL : (unsigned char *)effect_space(r, 1 + ALERT_RECORD);

@@ -31,7 +31,7 @@ from tape.protocol.receiver import StreamReceiver
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # (not frozen: made for most packets, and a frozen one's __init__ costs 3x)
 class SendAlerts:
     alerts: list
 
@@ -77,8 +77,9 @@ class ReplicaCore:
         last = self.machine.last_seq
         self._since_snapshot += last - first_seq + 1
         folded = last // DIGEST_BLOCK > (first_seq - 1) // DIGEST_BLOCK
-        if SESSION_END in packet[HEADER_SIZE + 2::SEQUENCED_BLOCK_SIZE][skip:][-2:]:  # only its seal may follow
-            self.session_ended = True
+        last_two = max(HEADER_SIZE + skip * SEQUENCED_BLOCK_SIZE, len(packet) - 2 * SEQUENCED_BLOCK_SIZE)
+        if SESSION_END in packet[last_two + 2::SEQUENCED_BLOCK_SIZE]:  # the applied ones' last two types: only
+            self.session_ended = True                                  # its seal may follow the end
         out: list[ReplicaAction] = []
         if alerts:
             self.outbox.extend(alerts)

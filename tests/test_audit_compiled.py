@@ -17,7 +17,7 @@ from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol.errors import InvariantViolation
 from tape.replicas import audit
-from tape.replicas.audit import AuditMachine, Books
+from tape.replicas.audit import Alert, AuditMachine, Books
 
 compiled = pytest.mark.skipif(audit.apply_fast is None, reason="built without a C compiler")
 ORIGIN = b"client1   "
@@ -87,7 +87,9 @@ def test_generated_trades_never_reach_the_python_rules(seed):
     fast._apply = lambda seq, ms, out: (ruled.append(seq), rules(seq, ms, out))
     for first in range(0, len(msgs), 17):  # a 1,400-byte packet's worth each, folds crossed
         chunk = msgs[first:first + 17]
-        assert fast.apply_packet(first + 1, packet(first + 1, chunk)) == pure.apply_run(first + 1, chunk)
+        alerts = fast.apply_packet(first + 1, packet(first + 1, chunk))
+        assert alerts == pure.apply_run(first + 1, chunk)
+        assert all(type(a) is Alert and a.encode() for a in alerts)  # made by the C: Alerts, whole
     assert state(fast) == state(pure) and fast.digest() == pure.digest()
     assert fast.alerts_raised > 100 and ruled == []
 
