@@ -77,9 +77,10 @@ class ReplicaCore:
         last = self.machine.last_seq
         self._since_snapshot += last - first_seq + 1
         folded = last // DIGEST_BLOCK > (first_seq - 1) // DIGEST_BLOCK
+        # The types of the last two messages applied: only its seal may follow the session's end.
         last_two = max(HEADER_SIZE + skip * SEQUENCED_BLOCK_SIZE, len(packet) - 2 * SEQUENCED_BLOCK_SIZE)
-        if SESSION_END in packet[last_two + 2::SEQUENCED_BLOCK_SIZE]:  # the applied ones' last two types: only
-            self.session_ended = True                                  # its seal may follow the end
+        if SESSION_END in packet[last_two + 2::SEQUENCED_BLOCK_SIZE]:
+            self.session_ended = True
         out: list[ReplicaAction] = []
         if alerts:
             self.outbox.extend(alerts)
