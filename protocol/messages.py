@@ -220,27 +220,6 @@ def _inbound_slicer(skip: int, count: int) -> struct.Struct:
     return struct.Struct(f"{HEADER_SIZE + skip * INBOUND_BLOCK_SIZE}x" + f"2x{INBOUND_SIZE}s" * (count - skip))
 
 
-SPLIT_CHUNK = 1024  # messages one splitter takes (32 bytes of Struct per message)
-
-
-@functools.lru_cache(maxsize=256)  # at most ~8 MB of splitters
-def _splitter(count: int) -> struct.Struct:
-    return struct.Struct(f"{SEQUENCED_SIZE}s" * count)
-
-
-def split_sequenced(blob: bytes) -> tuple[bytes, ...]:
-    """Whole 75-byte sequenced messages back to back, as one bytes object each: a C call per
-    SPLIT_CHUNK messages (a slice each costs six times as much)."""
-    n = len(blob) // SEQUENCED_SIZE
-    if n <= SPLIT_CHUNK:
-        return _splitter(n).unpack_from(blob)
-    step = SPLIT_CHUNK * SEQUENCED_SIZE
-    out = []
-    for at in range(0, n * SEQUENCED_SIZE, step):
-        out += _splitter(min(SPLIT_CHUNK, n - at // SEQUENCED_SIZE)).unpack_from(blob, at)
-    return tuple(out)
-
-
 def inbound_messages(data, skip: int, count: int) -> tuple:
     """Messages skip..count-1 of a checked inbound batch, in one C call."""
     return _inbound_slicer(skip, count).unpack_from(data)

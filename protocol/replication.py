@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from . import framing
 from .errors import ProtocolError
-from .messages import SEQUENCED_SIZE, split_sequenced
+from .messages import SEQUENCED_SIZE
 
 FRAME = framing.FRAME
 APPEND = struct.Struct(">Q10sQQQQI")
@@ -55,10 +55,7 @@ class Append(NamedTuple):
     commit_seq: int
     entries_term: int
     count: int
-    entries: bytes  # count x 75 bytes
-
-    def messages(self) -> tuple[bytes, ...]:
-        return split_sequenced(self.entries)
+    entries: bytes  # count x 75 bytes (journal.RecordRun reads them as records)
 
 
 class Ack(NamedTuple):

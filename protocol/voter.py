@@ -304,7 +304,7 @@ class VoterCore:
                 return seq - 1 if a.entries_term > self.log.term_at(seq) and seq > self.follower.commit_seq else None
         return None
 
-    def take_fetched(self, a: rep.Append) -> list | None:
+    def take_fetched(self, a: rep.Append) -> RecordRun | list | None:
         """Entries another voter's fetch answer holds beyond our log, to append
         (what its leaders' appends would have brought; [] if we hold them all), or None
         to stop: a leader appeared, or the logs do not line up (fetched_conflict first)."""
@@ -315,9 +315,9 @@ class VoterCore:
         held_term = self.log.term_at(a.prev_seq + held)
         if (held and held_term != a.entries_term) or a.entries_term < held_term:
             return None
-        records = [(a.prev_seq + 1 + i, a.entries_term, m) for i, m in enumerate(a.messages()[held:], held)]
-        if records:
-            self._noted(records)
-            self.follower = FollowerCore(self.name, self.last_seq, self.last_term, self.term_at,
-                                         term=self.election.term)
+        if held == a.count:
+            return []
+        records = RecordRun(a.prev_seq + 1 + held, a.entries_term, a.entries[held * SEQUENCED_SIZE:], SEQUENCED_SIZE)
+        self._noted(records)
+        self.follower = FollowerCore(self.name, self.last_seq, self.last_term, self.term_at, term=self.election.term)
         return records

@@ -45,12 +45,12 @@ def test_c_and_pure_find_the_same_record_offsets(records, start, every):
     assert [fmt.scan(buf, at, None, 1).records[0][0] for at in offsets] == [r[0] for r in records[start::every]]
 
 
-RUNS = st.integers(1, 80).flatmap(lambda size: st.tuples(
+RECORD_RUNS = st.integers(1, 80).flatmap(lambda size: st.tuples(
     st.integers(0, 2**63), st.integers(0, 2**64 - 1), st.lists(st.binary(min_size=size, max_size=size), max_size=30),
     st.just(size)))
 
 
-@given(RUNS, st.integers(0, 40), st.integers(1, 9))
+@given(RECORD_RUNS, st.integers(0, 40), st.integers(1, 9))
 def test_a_record_run_reads_encodes_and_indexes_as_the_records_it_stands_for(run, start, every):
     first, term, messages, size = run
     records = [(first + i, term, m) for i, m in enumerate(messages)]
@@ -122,16 +122,10 @@ def test_client_seq_maxima_reads_only_what_carries_a_client_seq():
 @compiled
 @given(RUNS)
 def test_c_and_pure_read_the_same_maxima_from_a_packets_blocks(run):
-    blocks = b"".join(M.BLOCK_PREFIX + m for m in M.split_sequenced(sequenced_run(run)))
+    sequenced, size = sequenced_run(run), M.SEQUENCED_SIZE
+    blocks = b"".join(M.BLOCK_PREFIX + sequenced[at:at + size] for at in range(0, len(sequenced), size))
     assert M.client_seq_maxima(blocks, 2) == M.client_seq_maxima_pure(blocks, 2) == \
         M.client_seq_maxima_pure(sequenced_run(run))
-
-
-@given(st.integers(0, 3000))  # across SPLIT_CHUNK: one splitter, then several
-def test_split_sequenced_is_slicing(n):
-    blob = bytes(range(256)) * (n * M.SEQUENCED_SIZE // 256) + bytes(n * M.SEQUENCED_SIZE % 256)
-    size = M.SEQUENCED_SIZE
-    assert list(M.split_sequenced(blob)) == [blob[i:i + size] for i in range(0, len(blob), size)]
 
 
 @compiled
