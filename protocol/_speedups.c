@@ -522,6 +522,75 @@ done:
     return out == NULL ? NULL : Py_NewRef(out);
 }
 
+/* seal_run(entries, per, session, first_seq, stamp, origin, key, key_id) -> (sealed, packets): the
+ * entries (sequenced messages) cut `per` to a packet, each packet ended by its seal; `sealed` the
+ * entries with each seal in its place, `packets` the sealed packets. protocol/streamauth.py's
+ * StreamKeys.seal_run_pure is the definition. */
+static PyObject *seal_run(PyObject *self, PyObject *args) {
+    PyObject *entries;
+    Py_ssize_t per, session_len, origin_len, key_len, id_len;
+    unsigned long long first, stamp;
+    const char *session, *origin, *key, *key_id;
+    if (!PyArg_ParseTuple(args, "Ony#KKy#y#y#:seal_run", &entries, &per, &session, &session_len, &first, &stamp,
+                          &origin, &origin_len, &key, &key_len, &key_id, &id_len))
+        return NULL;
+    if (session_len != 10 || origin_len != 10 || id_len != 8 || key_len > 64 || per < 1 ||
+        per > 0xFFFE) {
+        PyErr_SetString(PyExc_ValueError, "seal_run: a 10-byte session and origin, an 8-byte key id, a key of "
+                                          "at most 64 bytes, 1 to 65534 entries a packet");
+        return NULL;
+    }
+    PyObject *seq_of = PySequence_Fast(entries, "entries must be a sequence of bytes");
+    if (seq_of == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq_of), npackets = (n + per - 1) / per;
+    PyObject **items = PySequence_Fast_ITEMS(seq_of);
+    PyObject *sealed = PyList_New(n + npackets), *packets = PyList_New(npackets), *out = NULL;
+    if (sealed == NULL || packets == NULL) goto done;
+    uint64_t seq = first;
+    for (Py_ssize_t k = 0, i = 0; k < npackets; k++) {
+        Py_ssize_t count = n - i < per ? n - i : per;
+        PyObject *pkt = PyBytes_FromStringAndSize(NULL, 20 + (count + 1) * SEALED_BLOCK);
+        if (pkt == NULL) goto done;
+        PyList_SET_ITEM(packets, k, pkt);
+        unsigned char *p = (unsigned char *)PyBytes_AS_STRING(pkt), *b = p + 20;
+        memcpy(p, session, 10);
+        put_u64(p + 10, seq);
+        p[18] = (unsigned char)((count + 1) >> 8), p[19] = (unsigned char)(count + 1);
+        for (Py_ssize_t j = 0; j < count; j++, i++, b += SEALED_BLOCK) {
+            PyObject *m = items[i];
+            if (!PyBytes_Check(m) || PyBytes_GET_SIZE(m) != SEQUENCED_SIZE) {
+                PyErr_SetString(PyExc_ValueError, "an entry is a sequenced message: 75 bytes");
+                goto done;
+            }
+            b[0] = 0, b[1] = SEQUENCED_SIZE;
+            memcpy(b + 2, PyBytes_AS_STRING(m), SEQUENCED_SIZE);
+            PyList_SET_ITEM(sealed, i + k, Py_NewRef(m));
+        }
+        unsigned char *seal = b + 2;  /* 'A' | first seq | entries | tag | key id | 0 | stamp | origin | 0 */
+        b[0] = 0, b[1] = SEQUENCED_SIZE;
+        memset(seal, 0, SEQUENCED_SIZE);
+        seal[0] = AUTH_TYPE;
+        put_u64(seal + 1, seq);
+        put_u64(seal + 9, (uint64_t)count);
+        memcpy(seal + SEAL_AT_KEY_ID, key_id, 8);
+        put_u64(seal + SEAL_AT_KEY_ID + 16, stamp);
+        memcpy(seal + SEAL_AT_KEY_ID + 24, origin, 10);
+        const unsigned char *part[1] = {p};
+        size_t len[1] = {(size_t)(20 + (count + 1) * SEALED_BLOCK)};
+        blake2b_keyed_parts(seal + SEAL_AT_TAG, TAG_SIZE, (const unsigned char *)key, (size_t)key_len, 1, part, len);
+        PyObject *seal_entry = PyBytes_FromStringAndSize((const char *)seal, SEQUENCED_SIZE);
+        if (seal_entry == NULL) goto done;
+        PyList_SET_ITEM(sealed, i + k, seal_entry);
+        seq += (uint64_t)count + 1;
+    }
+    out = PyTuple_Pack(2, sealed, packets);
+done:
+    Py_XDECREF(sealed);
+    Py_XDECREF(packets);
+    Py_DECREF(seq_of);
+    return out;
+}
+
 /* The records' bytes are found with the GIL held, then hashed without it: a snapshot thread's sums
  * (~4 ms for 22,000 books, profiling) run beside the thread that applies instead of holding it up.
  * Each key and value is held meanwhile (whoever changes the sequence), and bytes do not change. */
@@ -576,6 +645,8 @@ static PyMethodDef methods[] = {
      "None if a packet is one whole sealed range whose tag verifies, else why (protocol/streamauth.py)."},
     {"good_stream_packet", good_stream_packet, METH_VARARGS,
      "(session, seq, count) of a data packet every listener check passes, else None (protocol/listener.py)."},
+    {"seal_run", seal_run, METH_VARARGS,
+     "Entries cut into packets, each ended by its seal (protocol/streamauth.py's StreamKeys.seal_run_pure)."},
     {"records_sum", records_sum, METH_VARARGS,
      "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
     {"invalid_inbound", invalid_inbound, METH_VARARGS, "What ingress rejects (protocol/messages.py)."},

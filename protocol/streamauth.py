@@ -39,9 +39,9 @@ from .messages import AUTH, BLOCK_PREFIX, CLIENT_SEQ_AT, ORIGIN_AT, SEQUENCED, S
 from .moldudp64 import HEADER, HEADER_SIZE
 
 try:
-    from ._speedups import verify_sealed
+    from ._speedups import seal_run, verify_sealed
 except ImportError:  # built without a C compiler
-    verify_sealed = None
+    seal_run = verify_sealed = None
 
 TAG_SIZE = 16
 _REPLY = struct.Struct(">4sH")
@@ -80,6 +80,27 @@ class StreamKeys:
         tag = self.tag(self.signing, packet)  # over the packet with a zero tag, then patched in
         packet[at:at + TAG_SIZE] = tag
         return unsigned[:_TAG_AT] + tag + unsigned[_TAG_AT + TAG_SIZE:], bytes(packet)
+
+    def seal_run(self, session: bytes, first_seq: int, entries: list[bytes], per: int, stamp_ns: int,
+                 origin: bytes) -> tuple[list[bytes], list[bytes]]:
+        """The entries cut `per` to a packet, each packet one range ended by its seal: (the entries
+        with every seal in its place, the packets). The leader's per-batch call: in C where built,
+        `seal_run_pure` its definition."""
+        if seal_run is None:
+            return self.seal_run_pure(session, first_seq, entries, per, stamp_ns, origin)
+        return seal_run(entries, per, session, first_seq, stamp_ns, origin, self.signing, self.signing_id)
+
+    def seal_run_pure(self, session: bytes, first_seq: int, entries: list[bytes], per: int, stamp_ns: int,
+                      origin: bytes) -> tuple[list[bytes], list[bytes]]:
+        sealed, packets = [], []
+        for i in range(0, len(entries), per):
+            chunk = entries[i:i + per]
+            seal, packet = self.seal_packet(session, first_seq, chunk, stamp_ns, origin)
+            sealed += chunk
+            sealed.append(seal)
+            packets.append(packet)
+            first_seq += len(chunk) + 1
+        return sealed, packets
 
     def verify(self, data: bytes) -> str | None:
         """None if `data` is one whole sealed range whose tag verifies, else the reason (the

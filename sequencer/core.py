@@ -290,17 +290,9 @@ class LeaderCore:
 
     def _seal(self, entries: list[bytes], stamp: int) -> tuple[list[bytes], list[bytes]]:
         """The entries with a seal ending every packet's worth, and those packets."""
-        per = self._builder.per_packet - 1
-        seq = self._builder.next_seq
-        sealed, packets = [], []
-        for i in range(0, len(entries), per):
-            chunk = entries[i:i + per]
-            seal, packet = self.keys.seal_packet(self.session, seq, chunk, stamp, self.name)
-            sealed += chunk
-            sealed.append(seal)
-            packets.append(packet)
-            seq += len(chunk) + 1
-        self._builder.next_seq = seq
+        sealed, packets = self.keys.seal_run(self.session, self._builder.next_seq, entries,
+                                             self._builder.per_packet - 1, stamp, self.name)
+        self._builder.next_seq += len(sealed)
         return sealed, packets
 
     # --- replication -----------------------------------------------------------

@@ -197,6 +197,42 @@ def test_c_and_pure_verify_stream_seals_alike(entries, signer, verifier, flips, 
 
 
 @compiled
+@given(st.lists(st.binary(min_size=M.SEQUENCED_SIZE, max_size=M.SEQUENCED_SIZE), max_size=60), st.integers(1, 20),
+       st.integers(1, 2**63), st.integers(0, 2**64 - 1), st.sampled_from(STREAM_KEYS))
+def test_c_and_pure_seal_a_run_alike(entries, per, first, stamp, key):
+    """The leader's batch cut into sealed packets: the same entries, seals and packets from C and
+    Python, every packet verifying and holding its part of the entries."""
+    from tape.protocol.streamauth import StreamKeys
+
+    keys = StreamKeys([key])
+    session, origin = b"S         ", b"seq-a     "
+    sealed, packets = keys.seal_run(session, first, entries, per, stamp, origin)
+    assert (sealed, packets) == keys.seal_run_pure(session, first, entries, per, stamp, origin)
+    assert len(packets) == -(-len(entries) // per) and len(sealed) == len(entries) + len(packets)
+    assert [m for m in sealed if m[0] != M.AUTH or m in entries] == entries
+    seq = first
+    for pkt in packets:
+        assert keys.verify_pure(pkt) is None
+        _, pkt_seq, count = moldudp64.decode_header(pkt)
+        assert pkt_seq == seq
+        assert [pkt[at + 2:at + 2 + M.SEQUENCED_SIZE] for at in range(20, len(pkt), M.SEQUENCED_BLOCK_SIZE)] \
+            == sealed[seq - first:seq - first + count]
+        seq += count
+
+
+@compiled
+def test_c_seal_run_refuses_what_is_not_a_run_of_sequenced_messages():
+    from tape.protocol import _speedups
+
+    good = (b"S         ", 1, 7, b"seq-a     ", b"k" * 32, bytes(8))
+    for entries, per, session, key_id in (([bytes(74)], 5, good[0], good[5]), (["text" * 19], 5, good[0], good[5]),
+                                          ([bytes(75)], 0, good[0], good[5]), ([bytes(75)], 5, b"S", good[5]),
+                                          ([bytes(75)], 5, good[0], bytes(7))):
+        with pytest.raises((TypeError, ValueError)):
+            _speedups.seal_run(entries, per, session, 1, 7, good[3], good[4], key_id)
+
+
+@compiled
 @given(st.binary(max_size=300))
 def test_c_and_pure_refuse_random_datagrams_alike(data):
     from tape.protocol.streamauth import StreamKeys
