@@ -72,6 +72,15 @@ def test_bench_rewinder_journals_and_acknowledges_every_message():
     assert "CPU time" not in out.stdout
 
 
+@pytest.mark.parametrize("keys", [False, True])
+def test_bench_sequencer_sequences_every_message_with_keys_or_without(keys):
+    """The leader's path on one core, also as `tape up` runs it (client MACs checked, packets
+    sealed): the benchmark raises unless the core accepted every message it was offered."""
+    from tape.ops.bench import bench_sequencer
+
+    assert bench_sequencer(n=3_000, fsync="batch", keys=keys) > 0
+
+
 def test_one_core_benchmarks_can_time_by_cpu_time():
     """--clock cpu: for a busy host (docs/performance.md, third sitting of 2026-11-25)."""
     out = subprocess.run(TAPE + ["bench", "rewinder", "--messages", "2000", "--batch", "100", "--fsync", "never",
