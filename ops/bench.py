@@ -177,7 +177,7 @@ def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never
     finally:
         sock.close()
         shutil.rmtree(d)
-    if core.accepted != n:  # no term start here: n trades (and with keys their seals) only
+    if core.accepted != n:  # every trade offered (no term start here; with keys the log holds seals too)
         raise RuntimeError(f"sequenced {core.accepted} of {n}")
     return n / secs
 
