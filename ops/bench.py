@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import os
 import random
 import shutil
@@ -138,20 +137,13 @@ def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never
     `tape up` runs it: each client batch's HMAC checked, each packet sealed with a stream key."""
     from tape.node.transport import multicast_sender
     from tape.protocol import moldudp64
+    from tape.sequencer.client_core import ClientCore
     from tape.sequencer.core import LeaderCore
 
     origin = moldudp64.session_bytes("load0")
     client_key = os.urandom(32) if keys else None
-    gen = TradeGenerator(seed=11)
-    room = 1400 - moldudp64.HEADER_SIZE - (messages.INBOUND_MAC_SIZE if keys else 0)
-    per_batch = room // messages.INBOUND_BLOCK_SIZE
-    datagrams = []
-    cseq = 1
-    while cseq <= n:
-        chunk = gen.take(min(per_batch, n - cseq + 1))
-        data = moldudp64.encode_packet(origin, cseq, chunk)
-        datagrams.append(data + hmac.digest(client_key, data, "sha256") if keys else data)
-        cseq += len(chunk)
+    # Batched (and signed) as a client sends them: full 1,400-byte datagrams.
+    datagrams = ClientCore(origin, client_key, 1400, 10**9).submit(TradeGenerator(seed=11).take(n), 0)
     d = tempfile.mkdtemp(prefix="tape-bench-")
     sock = multicast_sender()
     dest = ("239.77.99.99", 9)  # nobody listens: measures the send path only
