@@ -106,6 +106,7 @@ class Emitter(NodeProcess):
         c = self.core
         yield "mark", "gauge", "highest emit seq recorded", c.mark
         yield "alerts_delivered", "counter", "alerts delivered to the sinks", c.delivered
+        yield "delivery_batches", "counter", "deliveries (one durable intent and one write to each sink)", c.batches
         yield "duplicates", "counter", "alert copies already delivered", c.duplicates
         yield "divergences", "counter", "alert copies differing from the delivered one", c.divergences
         yield "in_doubt", "counter", "alerts in doubt after a crash, resolved at start", c.in_doubt

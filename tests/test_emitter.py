@@ -198,6 +198,9 @@ def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, end
         frames(b, 1)
         m = cluster.metrics("emitter")
         assert m['tape_emitter_duplicates_total{node="emitter"}'] == 1
+        # A's three alerts came in one write: one delivery (one intent, one write to each sink)
+        assert m['tape_emitter_alerts_delivered_total{node="emitter"}'] == 3
+        assert m['tape_emitter_delivery_batches_total{node="emitter"}'] == 1
         assert m['tape_emitter_divergences_total{node="emitter"}'] == 1
         assert m['tape_emitter_sink_retries_total{node="emitter",sink="webhook"}'] == 2
         for s in (keyless, stranger, a, b):
