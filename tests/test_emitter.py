@@ -3,10 +3,12 @@ endpoint for the webhook, a real `tape emitter` process, and the test
 speaking the alert link over real TCP as the replicas would."""
 
 import http.server
+import io
 import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lmdb
 import pytest
@@ -18,7 +20,7 @@ from tape.ops.local import LocalCluster
 from tape.protocol import alertlink
 from tape.replicas import sinks
 from tape.replicas.audit import Alert
-from tape.replicas.emitter import keep_newest
+from tape.replicas.emitter import Emitter, keep_newest
 from tape.replicas.sinks import JsonLinesSink, WebhookSink
 
 
@@ -119,6 +121,35 @@ def test_jsonl_sink_cuts_a_torn_line_and_never_writes_an_id_twice(tmp_path):
     assert sink.deliver([record(2), record(3)]) == 1
     sink.close()
     assert [json.loads(line)["alert_id"] for line in path.read_text().splitlines()] == ["TAPE:1", "TAPE:2", "TAPE:3"]
+
+
+async def test_sinks_that_need_no_wait_deliver_on_the_emitters_thread_and_each_batch_reaches_each_sink_once(
+        tmp_path, monkeypatch):
+    """The JSON-lines file and stdout are tried on the emitter's own thread (no hand-off); the
+    webhook, and a file whose write the disk refused, get the batch on a worker thread, where
+    the file retries: every sink has every batch exactly once, in order."""
+    class Out(io.StringIO):
+        def write(self, text: str) -> int:
+            assert threading.current_thread() is threading.main_thread(), "stdout handed to a worker thread"
+            return super().write(text)
+
+    jsonl, out = JsonLinesSink(tmp_path / "alerts.jsonl"), Out()
+    stdout = sinks.StdoutSink(out)
+    webhook = WebhookSink("http://127.0.0.1:9/")
+    threads: dict[str, list[str]] = {"webhook": []}
+    monkeypatch.setattr(webhook, "deliver", lambda records: threads["webhook"].append(
+        (threading.current_thread() is threading.main_thread(), [r["alert_id"] for r in records])))
+    emitter = SimpleNamespace(sinks=[jsonl, stdout, webhook])
+    await Emitter._deliver(emitter, [record(1), record(2)])
+    refusals = iter([False])  # the disk refuses the next write once
+    real_append = jsonl._append
+    monkeypatch.setattr(jsonl, "_append", lambda data: next(refusals, None) is None and real_append(data))
+    await Emitter._deliver(emitter, [record(3)])
+    jsonl.close()
+    written = [json.loads(line)["alert_id"] for line in (tmp_path / "alerts.jsonl").read_text().splitlines()]
+    assert written == ["TAPE:1", "TAPE:2", "TAPE:3"]
+    assert [json.loads(line)["alert_id"] for line in out.getvalue().splitlines()] == written
+    assert threads["webhook"] == [(False, ["TAPE:1", "TAPE:2"]), (False, ["TAPE:3"])]
 
 
 # --- a real emitter process ----------------------------------------------------------------
