@@ -4,7 +4,10 @@ For each offered rate the whole `tape up` topology runs twice, a short run and a
 process's CPU time (user + system, from /proc once the replicas applied everything) in the long
 run minus the short one, over the messages sequenced in the long run minus the short one, is
 its marginal CPU per message: start-up, idle ticks and the end of the session cancel out. The
-achieved rate and the latencies are the long run's. Figures, never pass/fail.
+achieved rate and the latencies are the long run's. The time the processes' threads were ready
+to run but waited for a core (/proc/PID/task/*/schedstat) is differenced the same way: on two
+cores shared by nine processes, that queueing is what the latency's tail is made of. Figures,
+never pass/fail.
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ from tape.protocol.moldudp64 import DEFAULT_MAX_PACKET
 PROCESSES = ("leader", "standby", "rw-1", "rw-2", *REPLICAS, "emitter", "load")
 
 
-def marginal_us(short: dict, long: dict) -> dict[str, float]:
-    """Per process, CPU µs per message sequenced, from two runs' reports (the sequencers named
-    by role: whichever led the long run is the leader)."""
+def marginal_us(short: dict, long: dict, key: str = "cpu_s") -> dict[str, float]:
+    """Per process, CPU µs per message sequenced (`key` "wait_s": µs ready to run but waiting for
+    a core), from two runs' reports (the sequencers named by role: whichever led the long run is
+    the leader)."""
     extra = long["sequenced"] - short["sequenced"]
     if extra <= 0:
         raise ValueError("the long run sequenced no more than the short one")
 
     def by_role(report: dict) -> dict[str, float]:
-        cpu = dict(report["cpu_s"])
+        cpu = dict(report.get(key, {}))
         leader = report["terms"][-1]["leader"]
         standby = next(s for s in ("seq-a", "seq-b") if s != leader)
         return {**cpu, "leader": cpu.pop(leader, 0.0), "standby": cpu.pop(standby, 0.0)}
@@ -64,7 +68,8 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
                          "inbound_to_applied_ms": long["latency_ms"],
                          "stamped_to_published_ms": long.get("commit_ms", {}),
                          "submit_to_sequenced_ms": long["submit_to_sequenced_ms"],
-                         "us_per_msg": marginal_us(short, long)})
+                         "us_per_msg": marginal_us(short, long),
+                         "wait_us_per_msg": marginal_us(short, long, "wait_s")})
     console.print(_table(rows, short_s, long_s, max_packet or DEFAULT_MAX_PACKET))
     if out:
         Path(out).write_text(json.dumps(rows, indent=1))
@@ -102,4 +107,5 @@ def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int) -> 
     for p in (*PROCESSES, "whole cluster"):
         table.add_row(p if p != "whole cluster" else "[bold]whole cluster[/bold]",
                       *(f"{r['us_per_msg'][p]:.2f}" for r in rows))
+    table.add_row("waiting for a core, all processes", *(f"{r['wait_us_per_msg']['whole cluster']:.2f}" for r in rows))
     return table

@@ -11,6 +11,7 @@ import time
 
 from tape.node.gctune import tune_gc
 from tape.ops.config import Config
+from tape.ops.local import run_delay_seconds
 from tape.ops.tradegen import TradeGenerator
 from tape.sequencer.client import sharing_listeners
 
@@ -62,7 +63,7 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
     resumed = sent = sum(done)
     ahead = max(0, min(total, PREGENERATED_MAX) - resumed) // len(clients)
     trades = [Trades(g, min(ahead, quotas[i] - done[i])) for i, g in enumerate(gens)]
-    cpu_before = _cpu_seconds()  # the measured window starts here
+    cpu_before, wait_before = _cpu_seconds(), run_delay_seconds() or 0.0  # the measured window starts here
     t0 = time.monotonic()
     turn = 0
     while sent < total and not stop.is_set():
@@ -96,6 +97,7 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
                        "max": round(max(lat, default=0.0), 3)},
         "gap_requests": sum(listener.requests_sent for listener in listeners),
         "cpu_s": round(_cpu_seconds() - cpu_before, 3),  # while submitting and listening (not building trades)
+        "wait_s": round((run_delay_seconds() or 0.0) - wait_before, 3),  # ready to run, without a core
         "build_cpu_s": round(cpu_before, 3),  # start-up and the trades built ahead
     }
     for c in clients:

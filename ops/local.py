@@ -184,6 +184,15 @@ class LocalCluster:
             out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
         return out
 
+    def wait_seconds(self) -> dict[str, float]:
+        """Time each live process's threads were ready to run but waited for a core, so far."""
+        out = {}
+        for name, proc in self.procs.items():
+            waited = run_delay_seconds(proc.pid)
+            if waited is not None:
+                out[name] = waited
+        return out
+
     def journal_dump(self, node: str) -> list[dict]:
         out = subprocess.run(TAPE + ["journal", "dump", str(self.journal_dir(node))],
                              capture_output=True, text=True, check=True)
@@ -200,3 +209,19 @@ def parse_metrics(text: str) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             out[key] = float(value)
     return out
+
+
+def run_delay_seconds(pid: int | str = "self") -> float | None:
+    """Seconds the threads of process `pid` have waited on a run queue, ready but without a core
+    (/proc/PID/task/*/schedstat, its second field); None if the process is gone or the kernel
+    does not keep it."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[1])
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+    except OSError:
+        return None
+    return total / 1e9

@@ -93,6 +93,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
                 drill.finish(cluster)
             timing = _voter_timing(cluster)
             cpu = _cpu_when_applied(cluster) if drill is None else {}
+            waited = cluster.wait_seconds() if cpu else {}  # ready to run, without a core
             _stop_in_order(cluster)
         except (ClusterError, FaultUnavailable) as e:  # fail now, saying why, rather than wait for a verdict
             report = _aborted(console, what, str(e), drill)
@@ -100,7 +101,9 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             report = _verdict(console, cluster, total, rate, drill)
             report["voters"] = timing
             if cpu:
-                report["cpu_s"] = {**cpu, "load": json.loads(cluster.output("load") or "{}").get("cpu_s", 0.0)}
+                load = json.loads(cluster.output("load") or "{}")
+                report["cpu_s"] = {**cpu, "load": load.get("cpu_s", 0.0)}
+                report["wait_s"] = {**waited, "load": load.get("wait_s", 0.0)}
     finally:
         cluster.close()
         if drill:

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.process
 
 
 def report(sequenced, leader, **cpu):
-    return {"sequenced": sequenced, "terms": [{"leader": leader}], "cpu_s": cpu}
+    return {"sequenced": sequenced, "terms": [{"leader": leader}], "cpu_s": cpu,
+            "wait_s": {name: 2 * seconds for name, seconds in cpu.items()}}
 
 
 def test_the_marginal_cost_is_the_difference_over_the_extra_messages_by_role():
@@ -30,6 +31,8 @@ def test_the_marginal_cost_is_the_difference_over_the_extra_messages_by_role():
     assert us["standby"] == pytest.approx((1.2 - 0.5) * 1e6 / 10_000)
     assert us["rw-1"] == pytest.approx(4.0) and us["load"] == pytest.approx(10.0) and us["emitter"] == 0.0
     assert us["whole cluster"] == pytest.approx(sum(us[p] for p in PROCESSES))
+    waited = marginal_us(short, long, "wait_s")  # the time ready to run without a core, the same way
+    assert waited["leader"] == pytest.approx(2 * us["leader"]) and waited["rw-1"] == pytest.approx(8.0)
     with pytest.raises(ValueError):
         marginal_us(long, short)
 
@@ -46,7 +49,8 @@ def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
     assert row["verdict"] == "pass" and row["rate_offered"] == 3000 and row["rate_achieved"] > 0
     assert set(row["us_per_msg"]) == {*PROCESSES, "whole cluster"}
     assert all(row["us_per_msg"][p] > 0 for p in ("leader", "rw-1", "replica-A", "load"))
-    assert "whole cluster" in out.stdout
+    assert set(row["wait_us_per_msg"]) == {*PROCESSES, "whole cluster"}
+    assert "whole cluster" in out.stdout and "waiting for a core" in out.stdout
 
 
 def test_a_failed_run_keeps_its_files_and_names_the_failed_checks(tmp_path, monkeypatch):
