@@ -623,8 +623,10 @@ def _add_bench(sub) -> None:
     bc = bsub.add_parser("cluster", help="marginal CPU per message of every process of tape up, over a ladder of rates",
                          description="For each rate, run the whole tape up topology for --short and --long seconds; "
                                      "print per process the CPU µs per message (the long run's CPU minus the short "
-                                     "one's, over the extra messages, read from /proc), the achieved rate and the "
-                                     "latency percentiles. A run whose verdict fails keeps its files "
+                                     "one's, over the extra messages, read from /proc), the time all of them waited "
+                                     "for a core (the same way, from /proc/PID/task/*/schedstat; per process in "
+                                     "--out), the achieved rate and the latency percentiles. A run whose verdict "
+                                     "fails keeps its files "
                                      "(a temporary directory, named with the failed checks).")
     bc.add_argument("--rates", default="50000,100000,150000,200000,250000,300000", help="comma-separated offered rates")
     bc.add_argument("--short", type=float, default=2.0, help="seconds of the short run (default 2)")
