@@ -319,8 +319,8 @@ class Emitter(NodeProcess):
                           self.data / "in_doubt.jsonl")
 
     async def _deliver(self, records: list[dict]) -> None:
-        """To every sink: here, for one that delivers without waiting on the network (a hand-off
-        to a worker thread cost ~100 µs of CPU a batch); on a worker thread, so that the
+        """To every sink: here, for one that can deliver without waiting (the JSON-lines file: a
+        hand-off to a worker thread cost ~100 µs of CPU a batch); on a worker thread, so that the
         connections are still read meanwhile, for the others and for one whose try failed (a
         full disk: it retries there with backoff)."""
         waiting = [sink for sink in self.sinks if not sink.try_deliver(records)]

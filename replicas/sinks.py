@@ -1,11 +1,13 @@
 """Where the emitter delivers alerts: a JSON-lines file, an HTTP webhook, stdout.
+
 Each sink takes a batch of alert records (dicts with an `alert_id`) and
 returns once they are delivered, raising SinkStopped if the emitter is
 stopping first. `try_deliver` is one attempt that never waits (True if
-delivered; the webhook, which waits on the network, never tries): the
-emitter calls it on its own thread, since a hand-off to a worker thread
-cost ~100 µs of CPU a batch here, and hands the batch to `deliver` on a
-worker thread only if it fails. `idempotent` says whether delivering the
+delivered; the webhook, which waits on the network, and stdout, which may
+be a pipe to a slow reader, never try): the emitter calls it on its own
+thread, since a hand-off to a worker thread cost ~100 µs of CPU a batch
+here, and hands the batch to `deliver` on a worker thread only if it
+fails. `idempotent` says whether delivering the
 same alert twice is harmless: after a crash, alerts in doubt are sent
 again to idempotent sinks and listed for the operator for the others.
 """
@@ -137,8 +139,7 @@ class StdoutSink:
         return len(records)
 
     def try_deliver(self, records: list[dict]) -> bool:
-        self.deliver(records)
-        return True
+        return False  # a pipe to a slow reader waits: only on a worker thread
 
     def close(self) -> None:
         pass

@@ -123,33 +123,42 @@ def test_jsonl_sink_cuts_a_torn_line_and_never_writes_an_id_twice(tmp_path):
     assert [json.loads(line)["alert_id"] for line in path.read_text().splitlines()] == ["TAPE:1", "TAPE:2", "TAPE:3"]
 
 
-async def test_sinks_that_need_no_wait_deliver_on_the_emitters_thread_and_each_batch_reaches_each_sink_once(
-        tmp_path, monkeypatch):
-    """The JSON-lines file and stdout are tried on the emitter's own thread (no hand-off); the
-    webhook, and a file whose write the disk refused, get the batch on a worker thread, where
-    the file retries: every sink has every batch exactly once, in order."""
+async def test_the_file_is_written_on_the_emitters_thread_and_each_batch_reaches_each_sink_once(tmp_path, monkeypatch):
+    """The JSON-lines file is tried on the emitter's own thread (no hand-off); the webhook and
+    stdout, and a file whose write the disk refused, get the batch on a worker thread, where the
+    file retries: every sink has every batch exactly once, in order."""
+    on_main = threading.main_thread
+
     class Out(io.StringIO):
+        threads: list[bool] = []
+
         def write(self, text: str) -> int:
-            assert threading.current_thread() is threading.main_thread(), "stdout handed to a worker thread"
+            self.threads.append(threading.current_thread() is on_main())
             return super().write(text)
 
     jsonl, out = JsonLinesSink(tmp_path / "alerts.jsonl"), Out()
-    stdout = sinks.StdoutSink(out)
-    webhook = WebhookSink("http://127.0.0.1:9/")
-    threads: dict[str, list[str]] = {"webhook": []}
-    monkeypatch.setattr(webhook, "deliver", lambda records: threads["webhook"].append(
-        (threading.current_thread() is threading.main_thread(), [r["alert_id"] for r in records])))
-    emitter = SimpleNamespace(sinks=[jsonl, stdout, webhook])
-    await Emitter._deliver(emitter, [record(1), record(2)])
-    refusals = iter([False])  # the disk refuses the next write once
+    written_on_main = []
     real_append = jsonl._append
-    monkeypatch.setattr(jsonl, "_append", lambda data: next(refusals, None) is None and real_append(data))
+    refusals = iter([True, False])  # the disk takes the first batch, refuses the next write once
+
+    def append(data: bytes) -> bool:
+        written_on_main.append(threading.current_thread() is on_main())
+        return next(refusals, True) and real_append(data)
+
+    monkeypatch.setattr(jsonl, "_append", append)
+    webhook = WebhookSink("http://127.0.0.1:9/")
+    posted = []
+    monkeypatch.setattr(webhook, "deliver", lambda records: posted.append(
+        (threading.current_thread() is on_main(), [r["alert_id"] for r in records])))
+    emitter = SimpleNamespace(sinks=[jsonl, sinks.StdoutSink(out), webhook])
+    await Emitter._deliver(emitter, [record(1), record(2)])
     await Emitter._deliver(emitter, [record(3)])
     jsonl.close()
     written = [json.loads(line)["alert_id"] for line in (tmp_path / "alerts.jsonl").read_text().splitlines()]
     assert written == ["TAPE:1", "TAPE:2", "TAPE:3"]
+    assert written_on_main == [True, True, False]  # tried here twice; the refused one again on a worker
     assert [json.loads(line)["alert_id"] for line in out.getvalue().splitlines()] == written
-    assert threads["webhook"] == [(False, ["TAPE:1", "TAPE:2"]), (False, ["TAPE:3"])]
+    assert out.threads == [False, False] and posted == [(False, ["TAPE:1", "TAPE:2"]), (False, ["TAPE:3"])]
 
 
 # --- a real emitter process ----------------------------------------------------------------
