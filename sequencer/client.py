@@ -25,7 +25,7 @@ from tape.node.settings import Config
 from tape.node.transport import udp_socket
 from tape.protocol import moldudp64
 from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
-from tape.sequencer.client_core import ClientCore, Recovery
+from tape.sequencer.client_core import ClientCore, Recovery, read_delivered
 
 log = logging.getLogger("tape.client")
 
@@ -135,8 +135,8 @@ class Client:
                 return False
         return True
 
-    def on_stream(self, first: int, pkt: bytes, skip: int) -> None:
-        if self.core.on_delivered(pkt, skip, time.monotonic_ns()):
+    def on_stream(self, first: int, pkt: bytes, skip: int, read: tuple | None = None) -> None:
+        if self.core.on_delivered(pkt, skip, time.monotonic_ns(), read):
             self._progress.set()
 
     def on_ahead(self, pkt: bytes) -> None:
@@ -170,8 +170,9 @@ def sharing_listeners(cfg: Config, names: list[str], drop: float = 0.0, seed: in
 
 def _fan_out(clients: list[Client]):
     def deliver(first: int, pkt: bytes, skip: int) -> None:
+        read = read_delivered(pkt, skip)  # once for all of them
         for c in clients:
-            c.on_stream(first, pkt, skip)
+            c.on_stream(first, pkt, skip, read)
     return deliver
 
 

@@ -89,6 +89,15 @@ class Recovery:
         return self.head is not None and rx.next_seq >= self.head
 
 
+def read_delivered(packet: bytes, skip: int) -> tuple[bytes | None, dict[bytes, int], bool]:
+    """What every client reads in an in-order packet of the stream (messages skip..): the leader
+    its seal names, each origin's highest client seq, whether any message is a reject. Read once
+    per packet for all the clients of a process (`sharing_listeners`)."""
+    start = moldudp64.HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
+    return (seal_origin(packet), messages.client_seq_maxima(memoryview(packet)[start:], 2),
+            messages.REJECTED in packet[start + 2::messages.SEQUENCED_BLOCK_SIZE])
+
+
 class ClientCore:
     def __init__(self, origin: bytes, key: bytes | None, max_packet: int, resend_ns: int):
         self.origin = origin
@@ -144,13 +153,14 @@ class ClientCore:
             out.append(data)
         return out
 
-    def on_delivered(self, packet: bytes, skip: int, now_ns: int) -> bool:
-        """Messages skip.. of an in-order packet of the stream; True if they acknowledged something."""
-        self.leader = seal_origin(packet) or self.leader
-        start = moldudp64.HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
-        if messages.REJECTED in packet[start + 2::messages.SEQUENCED_BLOCK_SIZE]:  # rare: a reject; one of ours?
+    def on_delivered(self, packet: bytes, skip: int, now_ns: int, read: tuple | None = None) -> bool:
+        """Messages skip.. of an in-order packet of the stream (`read`: its `read_delivered`, if the
+        caller read it for several clients); True if they acknowledged something."""
+        leader, maxima, rejects = read or read_delivered(packet, skip)
+        self.leader = leader or self.leader
+        if rejects:  # rare: a reject; one of ours?
             self._note_rejects(packet, skip)
-        top = messages.client_seq_maxima(memoryview(packet)[start:], 2).get(self.origin, 0)
+        top = maxima.get(self.origin, 0)
         if top <= self.acked:
             return False
         self.acked = top

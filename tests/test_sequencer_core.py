@@ -228,6 +228,37 @@ def test_follower_drops_a_conflicting_uncommitted_suffix():
     assert again.success and again.truncate_after is None and again.records == []
 
 
+def test_clients_sharing_one_read_of_each_packet_see_what_each_sees_reading_alone():
+    """`tape load`'s clients share one listener, which reads each packet once for all of them."""
+    from tape.protocol.streamauth import StreamKeys
+    from tape.sequencer.client_core import ClientCore, read_delivered
+
+    # No followers (what it journals is committed); sealed packets, each naming its leader
+    core = LeaderCore(S, b"seq-a     ", 1, [], {A: None, B: b"k" * 32}, stream_keys=StreamKeys([b"s" * 32]))
+    packets = core.on_journaled(core.start_term(100).last_seq)
+    alone = {A: ClientCore(A, None, 1400, 10**9), B: ClientCore(B, b"k" * 32, 1400, 10**9)}
+    shared = {A: ClientCore(A, None, 1400, 10**9), B: ClientCore(B, b"k" * 32, 1400, 10**9)}
+    for origin, trades in ((A, [msg.purchase_request(1, 10, "X", "Y"), msg.purchase(2, 1, 2**62, "X", "Y")]),
+                           (B, [msg.purchase_request(3, 10, "X", "Y")] * 3)):
+        sent = alone[origin].submit(trades, 0)
+        assert sent == shared[origin].submit(trades, 0)
+        for datagram in sent:
+            assert core.on_inbound(datagram, 1) is None
+    packets += core.on_journaled(core.flush(2).last_seq)
+    for p in packets:
+        for c in alone.values():
+            c.on_delivered(p, 0, 3)
+        read = read_delivered(p, 0)
+        for c in shared.values():
+            c.on_delivered(p, 0, 3, read)
+    for origin in (A, B):
+        mine, theirs = alone[origin], shared[origin]
+        assert (theirs.acked, theirs.rejected, theirs.leader) == (mine.acked, mine.rejected, mine.leader)
+        assert not theirs.unacked
+    assert shared[A].acked == 2 and shared[A].rejected == [(2, "shares_out_of_range")] and shared[B].acked == 3
+    assert shared[A].leader == shared[B].leader == b"seq-a     "
+
+
 def test_what_the_rules_cannot_apply_is_sequenced_as_a_reject_the_client_sees():
     from tape.protocol.packets import PacketBuilder
     from tape.sequencer.client_core import ClientCore
