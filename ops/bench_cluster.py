@@ -37,10 +37,10 @@ def marginal_us(short: dict, long: dict, key: str = "cpu_s") -> dict[str, float]
         raise ValueError("the long run sequenced no more than the short one")
 
     def by_role(report: dict) -> dict[str, float]:
-        cpu = dict(report.get(key, {}))
+        seconds = dict(report.get(key, {}))
         leader = report["terms"][-1]["leader"]
         standby = next(s for s in ("seq-a", "seq-b") if s != leader)
-        return {**cpu, "leader": cpu.pop(leader, 0.0), "standby": cpu.pop(standby, 0.0)}
+        return {**seconds, "leader": seconds.pop(leader, 0.0), "standby": seconds.pop(standby, 0.0)}
 
     a, b = by_role(short), by_role(long)
     out = {p: (b.get(p, 0.0) - a.get(p, 0.0)) * 1e6 / extra for p in PROCESSES}
