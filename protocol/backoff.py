@@ -20,10 +20,10 @@ under that key; the magic keeps them from ever reading as an inbound batch
 
 from __future__ import annotations
 
-import hmac
 import struct
 from dataclasses import dataclass
 
+from tape.protocol import clientmac
 from tape.protocol.errors import ProtocolError
 
 MAGIC = b"TBO1"
@@ -50,7 +50,7 @@ class Resend:
 
 
 def _sealed(body: bytes, key: bytes | None) -> bytes:
-    return body + hmac.digest(key, body, "sha256") if key else body
+    return body + clientmac.mac(key, body) if key else body
 
 
 def encode(client: bytes, term: int, client_seq: int, retry_ms: int, key: bytes | None) -> bytes:
@@ -68,7 +68,7 @@ def decode(data: bytes, key: bytes | None) -> BackOff | Resend:
         raise ProtocolError("bad_backoff", f"{len(data)} bytes, not a {want}-byte back-off or resend")
     if key:
         body, mac = data[:FIELDS.size], data[FIELDS.size:]
-        if not hmac.compare_digest(mac, hmac.digest(key, body, "sha256")):
+        if not clientmac.verify(key, body, mac):
             raise ProtocolError("unauthenticated", "the advice's MAC is not the client key's", FIELDS.size)
     magic, client, term, client_seq, retry_ms = FIELDS.unpack_from(data)
     return BackOff(client, term, client_seq, retry_ms) if magic == MAGIC else Resend(client, term, client_seq)

@@ -51,6 +51,10 @@ MAX_HELD_BATCHES = 4096  # per client: batches held that arrived ahead of a lost
 # carries it) went for this long: the leader's timer period (sequencer/server.py).
 COMMIT_BEAT_AFTER_NS = 5_000_000
 
+# Client keys whose padded HMAC-SHA256 states are kept (protocol/clientmac.py, ~0.5 KB each): a
+# cluster with more clients than this recomputes them (slower, not wrong).
+MAX_CLIENT_KEYS = 1024
+
 # --- overload: the leader asks clients to back off (protocol/backoff.py) -------------------
 OVERLOAD_NS = 50_000_000  # the inbound socket not emptied by any drain this long: overloaded
 BACKOFF_INTERVAL_NS = 100_000_000  # one back-off per client at most this often

@@ -46,10 +46,9 @@ for by the leader anyway.
 
 from __future__ import annotations
 
-import hmac
 from collections import deque
 
-from tape.protocol import backoff, messages, moldudp64
+from tape.protocol import backoff, clientmac, messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import MAX_RESEND_TIMEOUT_NS, MAX_RETRY_MS, RESEND_ASK_FLOOR_NS, RESENDS_PER_ROUND
 from tape.protocol.rtt import RoundTrip
@@ -147,7 +146,7 @@ class ClientCore:
                 continue
             data = moldudp64.encode_packet(self.origin, self.next_cseq, chunk)
             if self.key:
-                data += hmac.digest(self.key, data, "sha256")
+                data += clientmac.mac(self.key, data)
             self.unacked.append(Unacked(self.next_cseq, len(chunk), data, now_ns, self.resend_timeout_ns))
             self.next_cseq += len(chunk)
             out.append(data)

@@ -15,11 +15,10 @@ and a packet is either wholly committed or not at all.
 
 from __future__ import annotations
 
-import hmac
 from collections import deque
 from dataclasses import dataclass
 
-from tape.protocol import backoff, messages, moldudp64
+from tape.protocol import backoff, clientmac, messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.journal import RecordRun
 from tape.protocol.limits import (
@@ -153,7 +152,7 @@ class LeaderCore:
             if len(data) < moldudp64.HEADER_SIZE + messages.INBOUND_MAC_SIZE:
                 return self._drop("unauthenticated")
             body, mac = data[:-messages.INBOUND_MAC_SIZE], data[-messages.INBOUND_MAC_SIZE:]
-            if not hmac.compare_digest(mac, hmac.digest(key, body, "sha256")):
+            if not clientmac.verify(key, body, mac):
                 return self._drop("unauthenticated")
             data = body
         if count == 0 or count == 0xFFFF or cseq == 0:
