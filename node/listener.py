@@ -16,11 +16,12 @@ import logging
 import time
 from typing import Callable
 
+from tape.node.batchio import recv_datagrams
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config
 from tape.node.transport import LossInjector, multicast_receiver, udp_socket
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
+from tape.protocol.limits import DRAIN_DATAGRAMS
 from tape.protocol.listener import Ahead, Deliver, ListenerCore
 
 log = logging.getLogger("tape.listener")
@@ -87,15 +88,13 @@ class StreamListener:
         """The multicast stream, or the rewinders' answers (the committed log again, checked as any
         stream packet): then ask at once for what is still missing, not at the next tick."""
         loss, on_datagram = self.loss, self.on_datagram
-        for _ in range(DRAIN_DATAGRAMS):
-            try:
-                data = sock.recv(DATAGRAM_BUFFER)
-            except BlockingIOError:
-                break
-            except OSError as e:  # an ICMP error reported for a request: asked again after the timeout
-                self.badlog.warn("recv_error", "receive failed: %s", e)
-                continue
-            self.datagrams += 1
+        try:
+            datagrams = recv_datagrams(sock, DRAIN_DATAGRAMS)
+        except OSError as e:  # an ICMP error reported for a request: asked again after the timeout
+            self.badlog.warn("recv_error", "receive failed: %s", e)
+            datagrams = []
+        self.datagrams += len(datagrams)
+        for data in datagrams:
             if not loss.drop():
                 on_datagram(data)
         if self.receiver.missing() is not None:

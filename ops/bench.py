@@ -135,6 +135,7 @@ def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never
     """The sequencer's work on one core: accept inbound batches, stamp, journal,
     publish (real multicast sends), with no followers (a majority of one). With `keys`, as
     `tape up` runs it: each client batch's HMAC checked, each packet sealed with a stream key."""
+    from tape.node.batchio import send_datagrams
     from tape.node.transport import multicast_sender
     from tape.protocol import moldudp64
     from tape.sequencer.client_core import ClientCore
@@ -159,11 +160,7 @@ def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never
                 core.on_inbound(data, now)
             batch = core.flush(now)
             journal.append(batch.records())
-            for pkt in core.on_journaled(batch.last_seq):
-                try:
-                    sock.sendto(pkt, dest)
-                except BlockingIOError:
-                    pass
+            send_datagrams(sock, core.on_journaled(batch.last_seq), dest)  # as the leader publishes
         secs = clock() - t0
         journal.close()
     finally:

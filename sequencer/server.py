@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tape.node.authlink import write_each
+from tape.node.batchio import send_datagrams
 from tape.node.diskspace import DiskFull
 from tape.node.journal_repair import open_checked
 from tape.node.latency import LatencyHistogram, LatencySamples
@@ -343,13 +344,10 @@ class Sequencer(NodeProcess):
     def _publish(self, packets: list[bytes]) -> None:
         if not packets:
             return
+        self.send_errors += send_datagrams(self.publisher, packets, self.dest)  # refused ones: gap fill
         msgs = 0
         first = 0
         for pkt in packets:
-            try:
-                self.publisher.sendto(pkt, self.dest)
-            except (BlockingIOError, OSError):
-                self.send_errors += 1  # listeners will fill the gap from the rewinders
             count = int.from_bytes(pkt[18:20], "big")
             if 0 < count < 0xFFFF:
                 msgs += count
