@@ -48,4 +48,7 @@ else:
         return _batchio.recv_datagrams(sock.fileno(), limit)
 
     def send_datagrams(sock: socket.socket, datagrams: list[bytes], dest: tuple[str, int]) -> int:
-        return _batchio.send_datagrams(sock.fileno(), datagrams, *dest)
+        try:
+            return _batchio.send_datagrams(sock.fileno(), datagrams, *dest)
+        except ValueError:  # a host name, not an address: the kernel's send resolves it, one a datagram
+            return send_datagrams_pure(sock, datagrams, dest)

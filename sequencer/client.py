@@ -18,6 +18,7 @@ import socket
 import time
 
 from tape.node import netif
+from tape.node.batchio import send_datagrams
 from tape.node.listener import StreamListener
 from tape.node.process import within
 from tape.node.ratelog import RateLimitedLog
@@ -82,8 +83,7 @@ class Client:
             await self._progress.wait()
         while pause := self.core.pause_left_ns(time.monotonic_ns()):
             await asyncio.sleep(pause / 1e9)
-        for data in self.core.submit(msgs, time.monotonic_ns()):
-            self._send(data, self.core.leader)
+        self._send(self.core.submit(msgs, time.monotonic_ns()), self.core.leader)
         return self.core.next_cseq - 1
 
     def _on_advice(self) -> None:
@@ -95,19 +95,16 @@ class Client:
             now = time.monotonic_ns()
             reason = self.core.on_advice(data, now, source in self._leaders)
             if reason is None:  # (a resend request made a batch due now)
-                for datagram in self.core.on_timer(now):
-                    self._send(datagram)
+                self._send(self.core.on_timer(now))
             elif reason != "sent_recently":
                 self.badlog.warn(reason, "dropped a datagram of %d bytes from %s:%d: %s", len(data), *source, reason)
 
-    def _send(self, data: bytes, to: bytes | None = None) -> None:
-        """To the sequencer named `to` (the leader the stream names), else to every one."""
+    def _send(self, datagrams: list[bytes], to: bytes | None = None) -> None:
+        """To the sequencer named `to` (the leader the stream names), else to every one. What the
+        kernel refuses is resent after the timeout."""
         leader = self._by_name.get(to)
         for addr in self.sequencers if leader is None else (leader,):
-            try:
-                self.sock.sendto(data, addr)
-            except OSError:
-                pass  # resent after the timeout
+            send_datagrams(self.sock, datagrams, addr)
 
     async def recover(self, timeout: float) -> int:
         """After a restart: read the stream up to the head it announces (the
@@ -145,8 +142,7 @@ class Client:
     async def _resend_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.client_resend_ms / 4000)
-            for data in self.core.on_timer(time.monotonic_ns()):
-                self._send(data)
+            self._send(self.core.on_timer(time.monotonic_ns()))
 
 
 def sharing_listeners(cfg: Config, names: list[str], drop: float = 0.0, seed: int = 0) -> tuple[list, list]:

@@ -88,3 +88,11 @@ def test_each_datagram_goes_in_order_and_a_refused_one_is_counted_not_the_rest(p
     _arrived()
     assert batchio.recv_datagrams_pure(rx, 1000) == datagrams
     assert send(tx, [], rx.getsockname()) == 0
+
+
+@pytest.mark.parametrize("send", SENDERS)
+def test_a_host_named_not_numbered_is_sent_to_as_well(pair, send):
+    tx, rx = pair
+    assert send(tx, [b"one", b"two"], ("localhost", rx.getsockname()[1])) == 0
+    _arrived()
+    assert batchio.recv_datagrams_pure(rx, 10) == [b"one", b"two"]
