@@ -118,7 +118,7 @@ class RecordRun:
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return list(self)[i]
+            return [self[k] for k in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self):
             raise IndexError("record run index out of range")
         i %= len(self)

@@ -18,6 +18,7 @@ from tape.ops.journal_tool import digest as journal_digest
 from tape.ops.local import TAPE, LocalCluster
 from tape.protocol import moldudp64
 from tape.protocol.election import VOTE_LOST
+from tape.protocol.limits import JOURNAL_RECENT_RECORDS
 
 pytestmark = pytest.mark.process
 TOTAL = 24_000
@@ -93,6 +94,7 @@ def test_a_damaged_sealed_segment_stops_the_rewinder_and_its_restart_repairs_it(
         segments = sorted(cluster.journal_dir("rw-1").glob("*.seg"))
         assert len(segments) >= 2, segments  # the first is sealed
         seq, offset = flip_record_byte(segments[0])  # one bit of a message, under its CRC
+        assert seq < 30_000 - JOURNAL_RECENT_RECORDS - 1_000  # older than the tail kept in memory: read from the file
         keys = cluster.cfg.stream_auth
         request = keys.sign_request(moldudp64.encode_request(cluster.cfg.session_bytes, seq, 1),
                                     requester.getsockname())

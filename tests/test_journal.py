@@ -213,3 +213,43 @@ def test_a_write_refused_for_want_of_space_leaves_the_journal_as_it_was(tmp_path
 
 def batch(first: int, n: int) -> list:
     return [(s, 1, message(s)) for s in range(first, first + n)]
+
+
+APPENDS = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 30), st.booleans()),  # count, as a RecordRun
+    st.tuples(st.just("truncate"), st.integers(0, 40), st.just(False)),  # records dropped from the end
+), min_size=1, max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=APPENDS, reads=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 40)), max_size=30))
+def test_reads_of_the_newest_records_from_memory_are_what_the_files_hold(tmp_path_factory, ops, reads):
+    """The journal answers reads of its tail from the appends it keeps in memory (a handful here,
+    so that the oldest are forgotten): across RecordRuns, lists, truncations and segment rolls,
+    each read is what a journal opened afresh on the same files reads."""
+    path = tmp_path_factory.mktemp("j")
+    j = Journal(path, S, segment_bytes=2000, fsync="never")
+    j.recent_records = 25
+    term = 1
+    for op, n, as_run in ops:
+        if op == "truncate":
+            j.truncate_after(max(0, j.last_seq - n))
+            term += 1  # a new leader's entries follow
+            continue
+        first = j.last_seq + 1
+        msgs = [message(s) for s in range(first, first + n)]
+        j.append(fmt.RecordRun(first, term, b"".join(msgs), len(msgs[0])) if as_run
+                 else [(s, term, m) for s, m in enumerate(msgs, first)])
+        files = Journal(path, S, readonly=True)
+        tail = [(seq, count) for seq in range(max(1, first - 30), j.last_seq + 2) for count in (1, 3, 40)]
+        for seq, count in reads + tail:
+            assert j.read_batch(seq, count) == files.read_batch(seq, count)
+    assert all(len(r) == 3 for r in j.read_batch(max(1, j.last_seq - 5), 10))
+
+
+def test_a_record_run_slices_as_the_list_it_stands_for():
+    msgs = [message(s) for s in range(1, 8)]
+    run = fmt.RecordRun(1, 3, b"".join(msgs), len(msgs[0]))
+    as_list = [(s, 3, m) for s, m in enumerate(msgs, 1)]
+    for sl in (slice(0, 7), slice(2, 5), slice(5, 100), slice(-3, None), slice(4, 2), slice(0, 7, 2)):
+        assert run[sl] == as_list[sl]
