@@ -21,7 +21,7 @@ from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config
 from tape.node.transport import LossInjector, multicast_receiver, udp_socket
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import DRAIN_DATAGRAMS
+from tape.protocol.limits import DRAIN_DATAGRAMS, GAP_TICK_MS
 from tape.protocol.listener import Ahead, Deliver, ListenerCore
 
 log = logging.getLogger("tape.listener")
@@ -97,7 +97,7 @@ class StreamListener:
         for data in datagrams:
             if not loss.drop():
                 on_datagram(data)
-        if self.receiver.missing() is not None:
+        if self.receiver.missing() is not None or self.core.asking:  # (asking: time what was filled now)
             self._ask()
 
     def on_datagram(self, data: bytes) -> None:
@@ -117,7 +117,7 @@ class StreamListener:
     async def _tick(self) -> None:
         """Ask again what stays unanswered, and for what a hint says is missing, at a steady tick."""
         while True:
-            await asyncio.sleep(self.cfg.gap_request_ms / 2000)
+            await asyncio.sleep(max(self.cfg.gap_request_ms, GAP_TICK_MS) / 2000)
             self._ask()
 
     def _ask(self) -> None:

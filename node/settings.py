@@ -62,7 +62,7 @@ class Config:
     segment_mb: int = 64
     # [timeouts]
     client_resend_ms: int = 50
-    gap_request_ms: int = 20
+    gap_request_ms: int = 8
     election_ms: int = 300
     leader_heartbeat_ms: int = 50
     # [audit]

@@ -89,6 +89,10 @@ REPLAY_CLIENT_HEARTBEAT_S = 1.0
 REPLAY_BEHIND = 2_000  # messages a replica misses (known to exist, not held) before it catches up over TCP
 RECEIVER_MAX_HELD = 1_000_000  # out-of-order messages a receiver holds before dropping the furthest
 GAPS_ASKED_AT_ONCE = 8  # missing runs a listener has requests out for at once
+# A listener's timer asks again what stays unanswered while no datagram arrives to drain (each
+# drain asks too), every half of this or of gap_request_ms, whichever is longer: a timer at half
+# of a short answer timeout would wake every listener of an idle stream that much more often.
+GAP_TICK_MS = 20
 MAX_GAP_TIMEOUT_NS = 500_000_000  # the most a listener's measured gap-request timeout grows to
 MAX_HELD_SCANNED = 4_096  # held packets a listener looks through for missing runs, per tick
 MAX_HINT_AHEAD = 1 << 24  # a heartbeat further ahead of the stream than this is far-fetched

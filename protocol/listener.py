@@ -21,7 +21,8 @@ of 8,800 packets a second waits a round trip per gap in turn and falls
 behind. Ask again for the same run only after the answer timeout, and then
 of the next rewinder (the last one did not answer). The timeout follows
 how long answers take (protocol/rtt.py, from runs asked for once, timed at
-the listener's ticks), never under `gap_request_ns`: a loaded rewinder
+the drain that fills them: `asking` tells the shell to call `on_timer` then),
+never under `gap_request_ns`: a loaded rewinder
 answers later than that, and asking everything twice loads it further.
 
 With stream keys, a data packet counts only if it is one whole sealed range
@@ -94,6 +95,11 @@ class ListenerCore:
         self._asked: dict[int, tuple[int, int, int]] = {}  # first seq of a missing run -> (when, whom, times) asked
         self.answers = RoundTrip(gap_request_ns, MAX_GAP_TIMEOUT_NS)  # a gap request to its run filled
         self._which = 0
+
+    @property
+    def asking(self) -> bool:
+        """Runs were asked for that `on_timer` has not seen filled (it times those that were)."""
+        return bool(self._asked)
 
     def on_datagram(self, data: bytes) -> list[Deliver | Ahead | Undecodable] | ProtocolError:
         """What to deliver, or the error for which the datagram was dropped (counted in `bad`)."""

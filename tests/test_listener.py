@@ -92,3 +92,32 @@ async def test_answers_are_read_a_bounded_batch_a_wake_up():
     finally:
         rewinder.close()
         await lst.close()
+
+
+async def test_an_answer_is_timed_when_it_arrives_not_at_the_next_tick():
+    """The answer timeout follows how long answers take: the drain that fills a gap times it (a
+    tick would add up to half the configured timeout to every sample, here 1 s)."""
+    lst, delivered, _ = listener(keys=False)
+    lst.cfg = dataclasses.replace(lst.cfg, gap_request_ms=2000)
+    rewinder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rewinder.bind(("127.0.0.1", 0))
+    rewinder.settimeout(2)
+    lst.rewinders = [rewinder.getsockname()] * len(lst.rewinders)
+    lst.start()
+    try:
+        await asyncio.sleep(0.05)  # the first tick is behind us
+        lst.on_datagram(PacketBuilder(SESSION, 1).add_sequenced(good(2))[0])
+        lst.on_datagram(PacketBuilder(SESSION, 5).add_sequenced(good(2, 5))[0])  # 3-4 missing
+        lst._ask()
+        request, reply_to = rewinder.recvfrom(100)
+        assert lst.core.asking
+        rewinder.sendto(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0], reply_to)
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+            if not lst.core.asking:
+                break
+        assert delivered == [1, 3, 5] and not lst.core.asking
+        assert 0 < lst.core.answers.srtt_ns < 200_000_000
+    finally:
+        rewinder.close()
+        await lst.close()
