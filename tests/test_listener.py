@@ -62,21 +62,33 @@ def test_without_keys_nothing_received_is_fatal():
     assert failures == [] and lst.bad == {"unknown_type": 2} and delivered == [1]
 
 
-async def test_answers_are_read_a_bounded_batch_a_wake_up():
-    lst, delivered, _ = listener(keys=False)
+def fake_rewinder(lst):
+    """A socket that is every rewinder the config names: a request asked again after the answer
+    timeout (a slow machine) goes to the next one, which must exist."""
     rewinder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     rewinder.bind(("127.0.0.1", 0))
     rewinder.settimeout(2)
-    # Every rewinder the config names is this socket: a request asked again after the answer
-    # timeout (a slow machine) goes to the next one, which must exist.
     lst.rewinders = [rewinder.getsockname()] * len(lst.rewinders)
+    return rewinder
+
+
+def open_gap(lst, rewinder) -> tuple:
+    """Seqs 1-2 and 5-6 received, 3-4 missing and asked for (as a drain that sees the gap does):
+    returns where the answer goes."""
+    lst.on_datagram(PacketBuilder(SESSION, 1).add_sequenced(good(2))[0])
+    lst.on_datagram(PacketBuilder(SESSION, 5).add_sequenced(good(2, 5))[0])
+    lst._ask()
+    request, reply_to = rewinder.recvfrom(100)
+    assert moldudp64.decode_header(request)[1:] == (3, 2)
+    return reply_to
+
+
+async def test_answers_are_read_a_bounded_batch_a_wake_up():
+    lst, delivered, _ = listener(keys=False)
+    rewinder = fake_rewinder(lst)
     lst.start()
     try:
-        lst.on_datagram(PacketBuilder(SESSION, 1).add_sequenced(good(2))[0])
-        lst.on_datagram(PacketBuilder(SESSION, 5).add_sequenced(good(2, 5))[0])  # 3-4 missing
-        lst._ask()  # what a drain that sees the gap does
-        request, reply_to = rewinder.recvfrom(100)
-        assert moldudp64.decode_header(request)[1:] == (3, 2)
+        reply_to = open_gap(lst, rewinder)
         for _ in range(DRAIN_DATAGRAMS + 10):  # a flood at the answer socket
             rewinder.sendto(b"x", reply_to)
         before = lst.datagrams
@@ -99,17 +111,11 @@ async def test_an_answer_is_timed_when_it_arrives_not_at_the_next_tick():
     tick would add up to half the configured timeout to every sample, here 1 s)."""
     lst, delivered, _ = listener(keys=False)
     lst.cfg = dataclasses.replace(lst.cfg, gap_request_ms=2000)
-    rewinder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    rewinder.bind(("127.0.0.1", 0))
-    rewinder.settimeout(2)
-    lst.rewinders = [rewinder.getsockname()] * len(lst.rewinders)
+    rewinder = fake_rewinder(lst)
     lst.start()
     try:
         await asyncio.sleep(0.05)  # the first tick is behind us
-        lst.on_datagram(PacketBuilder(SESSION, 1).add_sequenced(good(2))[0])
-        lst.on_datagram(PacketBuilder(SESSION, 5).add_sequenced(good(2, 5))[0])  # 3-4 missing
-        lst._ask()
-        request, reply_to = rewinder.recvfrom(100)
+        reply_to = open_gap(lst, rewinder)
         assert lst.core.asking
         rewinder.sendto(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0], reply_to)
         for _ in range(100):
