@@ -213,7 +213,7 @@ class ListenerCore:
                 which += 1  # no answer in time: try the next rewinder
             asked[first] = (now_ns, which, times + 1)
             out.append(AskRewinder(which % self.rewinders, self._request(first, count)))
-        for when, _, times in self._asked.values():  # runs filled since (measured at this tick)
+        for when, _, times in self._asked.values():  # runs filled since: timed now (the shell calls as they fill)
             if times == 1:
                 self.answers.sample(now_ns - when)
         self._asked = asked
