@@ -2,7 +2,9 @@
 (`node/_batchio.c`: recvmmsg, sendmmsg); the loops here are the definition and the fallback.
 
 A 1,400-byte multicast packet costs its sender ~5.2 µs with one `sendto` each and its listeners
-~0.95 µs with one `recv` each here; a batch per call saves ~1.3 and ~0.5 of them (docs/performance.md)."""
+~0.95 µs with one `recv` each here; a batch per call saves ~1.3 and ~0.5 of them (docs/performance.md).
+A receive holds its datagrams at once: at most `limit` of at most 64 KiB each (a listener's drain of
+DRAIN_DATAGRAMS, whatever a flood sends)."""
 
 from __future__ import annotations
 
