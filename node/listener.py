@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 from tape.node.batchio import recv_datagrams
+from tape.node.latency import LatencyHistogram
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config
 from tape.node.transport import LossInjector, multicast_receiver, udp_socket
@@ -47,6 +48,8 @@ class StreamListener:
         self.receiver = self.core.receiver
         self.badlog = RateLimitedLog(log)
         self.datagrams = 0
+        self.gap_histogram = LatencyHistogram()  # how long something stayed missing, a gap at a time
+        self._gap_since: int | None = None
         self._task = None
 
     @property
@@ -97,8 +100,21 @@ class StreamListener:
         for data in datagrams:
             if not loss.drop():
                 on_datagram(data)
-        if self.receiver.missing() is not None or self.core.asking:  # (asking: time what was filled now)
+        missing = self.receiver.missing() is not None
+        if missing != (self._gap_since is not None):
+            self._time_gap(missing)
+        if missing or self.core.asking:  # (asking: time the answers that filled a gap now)
             self._ask()
+
+    def _time_gap(self, opened: bool) -> None:
+        """From the drain that first sees something missing to the one that sees nothing missing
+        (gaps that overlap count as one)."""
+        now = time.monotonic_ns()
+        if opened:
+            self._gap_since = now
+        else:
+            self.gap_histogram.observe(now - self._gap_since)
+            self._gap_since = None
 
     def on_datagram(self, data: bytes) -> None:
         actions = self.core.on_datagram(data)

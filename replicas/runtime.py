@@ -113,6 +113,12 @@ class Replica(NodeProcess):
         yield "open_books", "gauge", "open books", len(m.books)
         yield "held_orphans", "gauge", "purchases held for their request", sum(len(h) for h in m.orphans.values())
         yield "lag", "gauge", "messages known to exist but not applied", self.listener.receiver.lag()
+        yield "stream_gap_seconds", "histogram", "time something was missing from the stream, from the drain that " \
+            "saw it missing to the one that saw it filled (gaps that overlap count once)", self.listener.gap_histogram
+        yield "gap_requests", "counter", "gap-fill requests sent to the rewinders", self.listener.requests_sent
+        yield "gap_answer_timeout_seconds", "gauge", "how long a gap request waits for its answer before it is " \
+            "asked again (follows measured answers, never under gap_request_ms)", \
+            self.listener.core.answers.timeout_ns / 1e9
         yield "bad_datagrams", "counter", "stream datagrams dropped, by reason (unsealed, bad_tag, ...)", \
             dict(self.listener.bad)
         yield "replayed_messages", "counter", "messages caught up over TCP replay", self.replayed

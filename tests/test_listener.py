@@ -9,6 +9,7 @@ import socket
 import tomllib
 
 from tape.node.listener import StreamListener
+from tape.node.transport import udp_socket
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
@@ -126,4 +127,33 @@ async def test_an_answer_is_timed_when_it_arrives_not_at_the_next_tick():
         assert 0 < lst.core.answers.srtt_ns < 200_000_000
     finally:
         rewinder.close()
+        await lst.close()
+
+
+async def test_the_time_something_stays_missing_is_measured_gap_by_gap():
+    """The replica's tape_replica_stream_gap_seconds: from the drain that sees seqs missing to the
+    one that sees them filled."""
+    lst, delivered, _ = listener(keys=False)
+    rewinder = fake_rewinder(lst)
+    stream, _ = udp_socket()
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    lst.start()
+    try:
+        for first, n in ((1, 2), (5, 2)):  # 3-4 lost
+            sender.sendto(PacketBuilder(SESSION, first).add_sequenced(good(n, first))[0], stream.getsockname())
+        await asyncio.sleep(0.05)
+        lst._drain(stream)  # sees the gap, asks for it
+        request, reply_to = rewinder.recvfrom(100)
+        assert sum(lst.gap_histogram.counts) == 0
+        await asyncio.sleep(0.05)
+        rewinder.sendto(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0], reply_to)
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+            if delivered == [1, 3, 5]:
+                break
+        assert delivered == [1, 3, 5]
+        assert sum(lst.gap_histogram.counts) == 1 and 0.05 <= lst.gap_histogram.sum_seconds < 1
+    finally:
+        for s in (rewinder, stream, sender):
+            s.close()
         await lst.close()
