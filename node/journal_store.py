@@ -89,6 +89,7 @@ class Journal:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         fsync: str | int | float = "batch",
         index_every: int = DEFAULT_INDEX_EVERY,
+        recent_records: int = JOURNAL_RECENT_RECORDS,
         readonly: bool = False,
     ):
         self.dir = Path(directory)
@@ -107,7 +108,7 @@ class Journal:
         # (gap fills, catch-ups): ~130 µs to find a packet's worth in the file, ~12 from here.
         self._recent: deque = deque()
         self._recent_count = 0
-        self.recent_records = JOURNAL_RECENT_RECORDS
+        self.recent_records = recent_records
         # Metrics (plain numbers: the shell exposes them).
         self.fsyncs = 0
         self.fsync_seconds = 0.0

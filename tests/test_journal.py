@@ -228,8 +228,7 @@ def test_reads_of_the_newest_records_from_memory_are_what_the_files_hold(tmp_pat
     so that the oldest are forgotten): across RecordRuns, lists, truncations and segment rolls,
     each read is what a journal opened afresh on the same files reads."""
     path = tmp_path_factory.mktemp("j")
-    j = Journal(path, S, segment_bytes=2000, fsync="never")
-    j.recent_records = 25
+    j = Journal(path, S, segment_bytes=2000, fsync="never", recent_records=25)
     term = 1
     for op, n, as_run in ops:
         if op == "truncate":
