@@ -12,6 +12,20 @@ LATENCY_SAMPLE_PACKETS = 8
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+class EveryNth:
+    """One item in `n` of a stream handed over in lists of any length: the first, the n+1th, ..."""
+
+    def __init__(self, n: int):
+        assert n >= 1
+        self.n = n
+        self._due = 1  # the next pick's place (1-based) in the next list
+
+    def pick(self, items: list) -> list:
+        picked = items[self._due - 1::self.n]
+        self._due += len(picked) * self.n - len(items)
+        return picked
+
+
 class LatencyHistogram:
     """Counts a bucket per observation: what Prometheus' histogram_quantile reads."""
 

@@ -1,8 +1,9 @@
 """Joining the public stream: the shell every listener shares (clients,
 `tape tail`, replicas). Receives multicast packets and rewinders' answers
 (dropping a seeded share if asked) and carries out what ListenerCore
-decides: hands each in-order run of messages to a callback as (first seq,
-packet bytes, index of the first message), and sends its gap requests.
+decides: hands the in-order runs of messages a wake-up brings to a callback
+at once (a list of Deliver: first seq, packet bytes, index of the first
+message), and sends its gap requests.
 
 Both sockets, the multicast stream's and the one gap requests go out on and
 the rewinders' answers come back to, are non-blocking and drained up to
@@ -29,11 +30,13 @@ log = logging.getLogger("tape.listener")
 
 
 class StreamListener:
-    def __init__(self, cfg: Config, interface: str, deliver: Callable[[int, bytes, int], None], drop: float = 0.0,
+    def __init__(self, cfg: Config, interface: str, deliver: Callable[[list[Deliver]], None], drop: float = 0.0,
                  seed: int = 0, next_seq: int = 1, on_undecodable: Callable[[int, ProtocolError], None] | None = None,
                  on_ahead: Callable[[bytes], None] | None = None):
-        """`interface`: the local address multicast arrives on (netif.resolve'd). `on_ahead`: gets
-        each sealed packet held ahead of a gap (clients stop resending what it shows)."""
+        """`interface`: the local address multicast arrives on (netif.resolve'd). `deliver`: gets
+        the runs of a drain in order, in one call (a call a packet cost its Python again for each).
+        `on_ahead`: gets each sealed packet held ahead of a gap (clients stop resending what it
+        shows)."""
         self.cfg = cfg
         self.interface = interface
         self.deliver = deliver
@@ -90,16 +93,19 @@ class StreamListener:
     def _drain(self, sock) -> None:
         """The multicast stream, or the rewinders' answers (the committed log again, checked as any
         stream packet): then ask at once for what is still missing, not at the next tick."""
-        loss, on_datagram = self.loss, self.on_datagram
+        loss, take = self.loss, self._take
         try:
             datagrams = recv_datagrams(sock, DRAIN_DATAGRAMS)
         except OSError as e:  # an ICMP error reported for a request: asked again after the timeout
             self.badlog.warn("recv_error", "receive failed: %s", e)
             datagrams = []
         self.datagrams += len(datagrams)
+        runs: list[Deliver] = []
         for data in datagrams:
             if not loss.drop():
-                on_datagram(data)
+                take(data, runs)
+        if runs:
+            self.deliver(runs)
         missing = self.receiver.missing() is not None
         if missing != (self._gap_since is not None):
             self._time_gap(missing)
@@ -117,14 +123,27 @@ class StreamListener:
             self._gap_since = None
 
     def on_datagram(self, data: bytes) -> None:
+        """One datagram, delivered at once (a TCP replay's packets, tests)."""
+        runs: list[Deliver] = []
+        self._take(data, runs)
+        if runs:
+            self.deliver(runs)
+
+    def _take(self, data: bytes, runs: list[Deliver]) -> None:
+        """What a datagram delivers joins `runs`; anything else is carried out after the runs
+        before it."""
         actions = self.core.on_datagram(data)
         if isinstance(actions, ProtocolError):
             self.badlog.warn(actions.reason, "dropped datagram of %d bytes: %s", len(data), actions)
             return
+        if actions and type(actions[0]) is Deliver:  # (a list of runs is all Deliver)
+            runs += actions
+            return
+        if runs:
+            self.deliver(runs[:])
+            runs.clear()
         for a in actions:
-            if isinstance(a, Deliver):
-                self.deliver(a.first_seq, a.packet, a.skip)
-            elif isinstance(a, Ahead):
+            if isinstance(a, Ahead):
                 if self.on_ahead is not None:
                     self.on_ahead(a.packet)
             elif self.on_undecodable is not None:

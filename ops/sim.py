@@ -487,7 +487,7 @@ class Listener:
             self.delivered.append(raw)
         if self.replica is not None:
             before = self.machine.alerts_raised
-            for action in self.replica.on_packet(d.first_seq, d.packet, d.skip):
+            for action in self.replica.on_packets([d]):
                 if isinstance(action, SendAlerts):
                     self.send_alerts(action)
             raised = self.machine.alerts_raised - before  # the newest alerts, at the end of the outbox

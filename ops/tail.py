@@ -15,6 +15,7 @@ from tape.node.process import within
 from tape.ops.config import Config
 from tape.ops.journal_tool import record_dict
 from tape.protocol import messages
+from tape.protocol.listener import Deliver
 
 
 async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, seed: int, summary: bool,
@@ -48,7 +49,11 @@ async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, see
         if until is not None and state["last"] >= until:
             done.set()
 
-    listener = StreamListener(cfg, netif.resolve(cfg.interface or "127.0.0.1"), deliver, drop, seed)
+    def deliver_runs(runs: list[Deliver]) -> None:
+        for run in runs:
+            deliver(run.first_seq, run.packet, run.skip)
+
+    listener = StreamListener(cfg, netif.resolve(cfg.interface or "127.0.0.1"), deliver_runs, drop, seed)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, done.set)

@@ -1,6 +1,6 @@
 """A replica's decisions around its audit state machine. Pure.
 
-Events in: an in-order run of committed messages, the emitter's welcome and
+Events in: in-order runs of committed messages (a listener's Deliver), the emitter's welcome and
 acks on the alert channel, the channel's loss, the time, the stream's state.
 Actions out, carried out by the shell (replicas/runtime.py):
 
@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tape.protocol.limits import REPLAY_BEHIND
+from tape.protocol.listener import Deliver
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE, SESSION_END
 from tape.protocol.moldudp64 import HEADER_SIZE
 from tape.protocol.receiver import StreamReceiver
@@ -70,29 +71,42 @@ class ReplicaCore:
         self._snapshot_at = now_ns
         self.last_fold: SendDigest | None = None  # resent on every welcome
 
-    def on_packet(self, first_seq: int, packet: bytes, skip: int) -> list[ReplicaAction]:
-        """Apply a delivered packet's messages from number `skip` on (an impossible order raises
-        InvariantViolation): what the replica process and the simulator do."""
-        alerts = self.machine.apply_packet(first_seq, packet, skip)
-        last = self.machine.last_seq
-        self._since_snapshot += last - first_seq + 1
-        folded = last // DIGEST_BLOCK > (first_seq - 1) // DIGEST_BLOCK
-        # The types of the last two messages applied: only its seal may follow the session's end.
-        last_two = max(HEADER_SIZE + skip * SEQUENCED_BLOCK_SIZE, len(packet) - 2 * SEQUENCED_BLOCK_SIZE)
-        if SESSION_END in packet[last_two + 2::SEQUENCED_BLOCK_SIZE]:
-            self.session_ended = True
+    def on_packets(self, runs: list[Deliver]) -> list[ReplicaAction]:
+        """Apply delivered packets' messages, each from its number `skip` on (an impossible order
+        raises InvariantViolation): what the replica process does with a drain of the stream, and
+        the simulator with a packet. The actions are those of each packet in turn, their alerts
+        sent together up to each fold point's digest."""
+        machine = self.machine
         out: list[ReplicaAction] = []
+        alerts: list[Alert] = []
+        before = machine.last_seq
+        for run in runs:
+            first_seq, packet, skip = run.first_seq, run.packet, run.skip
+            raised = machine.apply_packet(first_seq, packet, skip)
+            if raised:
+                alerts += raised
+            last = machine.last_seq
+            if last // DIGEST_BLOCK > (first_seq - 1) // DIGEST_BLOCK:  # a fold point crossed
+                self._raised(alerts, out)
+                alerts = []
+                self.last_fold = SendDigest(last - last % DIGEST_BLOCK, machine.chain)
+                if self.linked:
+                    out.append(self.last_fold)
+            # The types of the last two messages applied: only its seal may follow the session's end.
+            last_two = max(HEADER_SIZE + skip * SEQUENCED_BLOCK_SIZE, len(packet) - 2 * SEQUENCED_BLOCK_SIZE)
+            if SESSION_END in packet[last_two + 2::SEQUENCED_BLOCK_SIZE]:
+                self.session_ended = True
+        self._raised(alerts, out)
+        self._since_snapshot += machine.last_seq - before
+        if self._since_snapshot >= self.snapshot_every:
+            out.append(Snapshot())
+        return out
+
+    def _raised(self, alerts: list[Alert], out: list[ReplicaAction]) -> None:
         if alerts:
             self.outbox.extend(alerts)
             if self.linked:
                 out.append(SendAlerts(alerts))
-        if folded:  # the chain changes only at fold points: it is the last one's
-            self.last_fold = SendDigest(last - last % DIGEST_BLOCK, self.machine.chain)
-            if self.linked:
-                out.append(self.last_fold)
-        if self._since_snapshot >= self.snapshot_every:
-            out.append(Snapshot())
-        return out
 
     def on_welcome(self, mark: int) -> list[ReplicaAction]:
         """The channel is up: everything after the emitter's mark goes (again), then the last fold's digest."""

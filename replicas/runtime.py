@@ -25,7 +25,7 @@ from pathlib import Path
 
 import lmdb
 
-from tape.node.latency import LATENCY_SAMPLE_PACKETS, LatencyHistogram, LatencySamples
+from tape.node.latency import LATENCY_SAMPLE_PACKETS, EveryNth, LatencyHistogram, LatencySamples
 from tape.node.listener import StreamListener
 from tape.node.process import NodeProcess, within
 from tape.node.settings import Config, Node
@@ -33,6 +33,7 @@ from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CONTROL_READ, GIL_SWITCH_S, REPLAY_CLIENT_HEARTBEAT_S, STREAM_READ
+from tape.protocol.listener import Deliver
 from tape.protocol.moldudp64 import HEADER_SIZE, MAX_BLOCKS
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import sealed_ranges
@@ -69,7 +70,7 @@ class Replica(NodeProcess):
         # for the report only, never for state.
         self.latency = LatencySamples()
         self.latency_histogram = LatencyHistogram()
-        self._unsampled = 1  # packets to apply until the next latency sample (the first is one)
+        self._sampled = EveryNth(LATENCY_SAMPLE_PACKETS)  # the packets whose latency is measured
 
     def _open(self) -> None:
         """The state from the snapshot (a fresh one if there is none), and a listener from the seq after it."""
@@ -169,19 +170,17 @@ class Replica(NodeProcess):
 
     # --- applying ------------------------------------------------------------------------
 
-    def _deliver(self, first: int, pkt: bytes, skip: int) -> None:
+    def _deliver(self, runs: list[Deliver]) -> None:
         if self.failed:
             return
         try:
-            actions = self.core.on_packet(first, pkt, skip)
+            actions = self.core.on_packets(runs)
         except (ProtocolError, InvariantViolation) as e:
             # Skipping would diverge this replica from the others: stop applying, loudly.
-            self.fail(f"cannot apply seq {first}: {e}")
+            self.fail(f"cannot apply from seq {runs[0].first_seq}: {e}")
             return
-        self._unsampled -= 1
-        if not self._unsampled:
-            self._unsampled = LATENCY_SAMPLE_PACKETS
-            self._note_latency(pkt, skip)
+        for run in self._sampled.pick(runs):
+            self._note_latency(run.packet, run.skip)
         self._carry_out(actions)
 
     def _note_latency(self, pkt: bytes, skip: int) -> None:

@@ -26,6 +26,7 @@ from tape.node.settings import Config
 from tape.node.transport import udp_socket
 from tape.protocol import moldudp64
 from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
+from tape.protocol.listener import Deliver
 from tape.sequencer.client_core import ClientCore, Recovery, read_delivered
 
 log = logging.getLogger("tape.client")
@@ -47,7 +48,7 @@ class Client:
         self.max_in_flight = max_in_flight
         self.interface = netif.resolve(cfg.interface_of(cfg.client(name)))
         self._own_listener = listener is None
-        self.listener = listener or StreamListener(cfg, self.interface, self.on_stream, drop, seed,
+        self.listener = listener or StreamListener(cfg, self.interface, _fan_out([self]), drop, seed,
                                                    on_ahead=self.on_ahead)
         self._progress = asyncio.Event()
         self._task = None
@@ -165,10 +166,12 @@ def sharing_listeners(cfg: Config, names: list[str], drop: float = 0.0, seed: in
 
 
 def _fan_out(clients: list[Client]):
-    def deliver(first: int, pkt: bytes, skip: int) -> None:
-        read = read_delivered(pkt, skip)  # once for all of them
-        for c in clients:
-            c.on_stream(first, pkt, skip, read)
+    def deliver(runs: list[Deliver]) -> None:
+        for run in runs:
+            pkt, skip = run.packet, run.skip
+            read = read_delivered(pkt, skip)  # once for all of them
+            for c in clients:
+                c.on_stream(run.first_seq, pkt, skip, read)
     return deliver
 
 

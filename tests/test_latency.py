@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tape.node.latency import LatencySamples
+from tape.node.latency import EveryNth, LatencySamples
 
 
 @given(st.lists(st.tuples(st.integers(0, 10**9), st.integers(1, 400)), max_size=200), st.integers(2, 64))
@@ -15,3 +15,14 @@ def test_a_weighted_sample_equals_that_many_single_ones(packets, cap):
             single.add(value)
     assert (weighted.count, weighted.max, weighted.stride) == (single.count, single.max, single.stride)
     assert sorted(weighted.samples) == sorted(single.samples) and len(weighted.samples) < cap
+
+
+@given(st.lists(st.integers(0, 40), max_size=30), st.integers(1, 9))
+def test_every_nth_picks_the_same_items_however_the_stream_is_cut(cuts, n):
+    """A replica measures one delivered packet in LATENCY_SAMPLE_PACKETS, whatever each drain holds."""
+    items, picked, every = list(range(sum(cuts))), [], EveryNth(n)
+    at = 0
+    for cut in cuts:
+        picked += every.pick(items[at:at + cut])
+        at += cut
+    assert picked == items[::n]

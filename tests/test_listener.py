@@ -36,7 +36,7 @@ def sealed(seq, raw_messages):
 
 def listener(keys: bool):
     delivered, failures = [], []
-    lst = StreamListener(config(keys), "127.0.0.1", lambda f, p, s: delivered.append(f),
+    lst = StreamListener(config(keys), "127.0.0.1", lambda runs: delivered.extend(r.first_seq for r in runs),
                          on_undecodable=lambda seq, e: failures.append((seq, e.reason)))
     return lst, delivered, failures
 
@@ -156,4 +156,29 @@ async def test_the_time_something_stays_missing_is_measured_gap_by_gap():
     finally:
         for s in (rewinder, stream, sender):
             s.close()
+        await lst.close()
+
+
+async def test_a_drain_delivers_its_runs_in_one_call_and_keeps_their_order_with_the_rest():
+    """A replica applies what one wake-up brings in one call; what is not a run (a packet held
+    ahead of a gap, an undecodable committed message) is carried out after the runs before it."""
+    events = []
+    lst = StreamListener(config(keys=True), "127.0.0.1", lambda runs: events.append([r.first_seq for r in runs]),
+                         on_undecodable=lambda seq, e: events.append(("undecodable", seq)),
+                         on_ahead=lambda pkt: events.append(("ahead", moldudp64.decode_header(pkt)[1])))
+    stream, _ = udp_socket()
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    bad = good(3, 9)
+    bad[1] = b"Z" + bad[1][1:]  # seq 10 cannot be decoded
+    lst.start()
+    try:
+        for first, msgs in ((1, good(3)), (5, good(3, 5)), (13, good(3, 13)), (9, bad), (17, good(3, 17))):
+            sender.sendto(sealed(first, msgs), stream.getsockname())  # 1-4, 5-8, 13-16 ahead, 9-12, 17-20
+        await asyncio.sleep(0.05)
+        lst._drain(stream)
+        assert lst.datagrams == 5
+        assert events == [[1, 5], ("ahead", 13), ("undecodable", 10), ("ahead", 17)]
+    finally:
+        stream.close()
+        sender.close()
         await lst.close()

@@ -1,8 +1,11 @@
 """ReplicaCore (replicas/replica_core.py): the outbox and the emitter's marks, snapshot timing, the exit."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import packet_of
 
 from tape.protocol import messages as M
+from tape.protocol.listener import Deliver
 from tape.protocol.receiver import StreamReceiver
 from tape.replicas.audit import AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
@@ -25,7 +28,7 @@ def overfill(first_order: int, n: int) -> list:
 
 def applied(c: ReplicaCore, first: int, msgs: list) -> list:
     """The messages as a delivered packet, as the replica and the simulator apply them."""
-    return c.on_packet(first, packet_of(first, msgs), 0)
+    return c.on_packets([Deliver(first, packet_of(first, msgs), 0)])
 
 
 def core(**kw) -> ReplicaCore:
@@ -97,3 +100,38 @@ def test_a_replica_replays_over_tcp_for_what_it_misses_not_for_what_it_holds():
     assert ReplicaCore.far_behind(rx) and not ReplicaCore.caught_up(rx)
     rx.on_packet(*packet(21 + 3 * REPLAY_BEHIND, REPLAY_BEHIND - 400))  # a replay brings most of them
     assert not ReplicaCore.far_behind(rx) and ReplicaCore.caught_up(rx)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 700), min_size=1, max_size=12), st.lists(st.integers(1, 6), min_size=1, max_size=12),
+       st.booleans())
+def test_a_drain_of_packets_at_once_acts_as_the_packets_one_by_one(sizes, cuts, linked):
+    """A replica applies the runs a wake-up brings in one call: the same state, outbox and digests
+    as one packet at a time, each fold point's digest after every alert raised before it, and no
+    more snapshots asked for than packets."""
+    msgs = overfill(1, sum(sizes))  # an alert every second message; 4,096 (a fold) within reach
+    runs, seq = [], 1
+    for n in sizes:
+        runs.append(Deliver(seq, packet_of(seq, msgs[seq - 1:seq - 1 + 2 * n]), 0))
+        seq += 2 * n
+    one, many = core(snapshot_every=1500), core(snapshot_every=1500)
+    if linked:
+        one.on_welcome(0), many.on_welcome(0)
+    by_one = [a for run in runs for a in one.on_packets([run])]
+    by_many, at = [], 0
+    for i in range(len(runs)):  # drains of cuts[i] packets
+        drain = runs[at:at + cuts[i % len(cuts)]]
+        by_many += many.on_packets(drain)
+        at += len(drain)
+        if at == len(runs):
+            break
+
+    def sent(actions):  # the alerts' emit seqs, a digest as its fold seq (negative)
+        return [x for a in actions for x in ([e.emit_seq for e in a.alerts] if isinstance(a, SendAlerts) else
+                                              [-a.fold_seq] if isinstance(a, SendDigest) else [])]
+
+    assert sent(by_many) == sent(by_one) and (not linked or sent(by_one))
+    assert many.machine.digest() == one.machine.digest() and many.machine.last_seq == seq - 1
+    assert list(many.outbox) == list(one.outbox) and many.last_fold == one.last_fold
+    assert many._since_snapshot == one._since_snapshot
+    assert 0 < by_many.count(Snapshot()) <= by_one.count(Snapshot()) or by_one.count(Snapshot()) == 0

@@ -248,6 +248,7 @@ def test_forged_replication_frames_without_the_cluster_key_change_nothing(cluste
 def test_clients_of_one_process_read_the_stream_once_per_interface(tmp_path):
     from tape.ops.config import default_toml, load
     from tape.protocol import messages as M
+    from tape.protocol.listener import Deliver
     from tape.protocol.packets import PacketBuilder
     from tape.sequencer.client import sharing_listeners
 
@@ -260,7 +261,7 @@ def test_clients_of_one_process_read_the_stream_once_per_interface(tmp_path):
     entries = [M.stamp(trade, 1, moldudp64.session_bytes(n), cseq) for n, cseq in (("load0", 4), ("load1", 7))]
     for c in clients:
         c.core.next_cseq = 10  # as if they had sent that much
-    listeners[0].deliver(1, PacketBuilder(b"TAPE      ", 1).add_sequenced(entries)[0], 0)
+    listeners[0].deliver([Deliver(1, PacketBuilder(b"TAPE      ", 1).add_sequenced(entries)[0], 0)])
     assert [c.acked for c in clients] == [4, 7, 0]  # each found its own in the one packet
 
 
