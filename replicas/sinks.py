@@ -40,8 +40,22 @@ def forget_oldest(kept: dict, limit: int) -> None:
         del kept[key]
 
 
+# An alert's record (Alert.to_dict: these keys in this order, ints and strings) as json.dumps writes
+# it, by one format and json's own string escaping: 2.7 -> 0.8 us an alert (profiling), a third of
+# the emitter's Python per alert at 250,000 msg/s.
+_ALERT_KEYS = ("alert_id", "emit_seq", "purchase_seq", "purchase_id", "order_id", "client", "stock", "requested",
+               "cumulative", "stamp_ns")
+_ALERT_LINE = "{" + ",".join(f'"{k}":' + ("%s" if k in ("alert_id", "client", "stock") else "%d")
+                             for k in _ALERT_KEYS) + "}"
+_STRING = json.encoder.encode_basestring_ascii  # (what json.dumps quotes and escapes a string with)
+
+
 def _line(record: dict) -> str:
-    return _ENCODE(record)
+    if tuple(record) != _ALERT_KEYS:
+        return _ENCODE(record)
+    r = record
+    return _ALERT_LINE % (_STRING(r["alert_id"]), r["emit_seq"], r["purchase_seq"], r["purchase_id"], r["order_id"],
+                          _STRING(r["client"]), _STRING(r["stock"]), r["requested"], r["cumulative"], r["stamp_ns"])
 
 
 def _lines(records: list[dict]) -> bytes:

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import lmdb
 import pytest
 from conftest import connect, wait_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from linkclient import LinkSocket
 
 from tape.ops.config import load
@@ -359,3 +361,18 @@ def test_a_batch_is_recorded_done_alone_when_no_next_batch_comes_and_at_a_clean_
         assert "in doubt" not in cluster.logs["emitter"].read_text()
     finally:
         cluster.close()
+
+
+U64, I64 = st.integers(0, 2**64 - 1), st.integers(-2**63, 2**63 - 1)
+
+
+@settings(max_examples=300)
+@given(st.text(max_size=12), U64, U64, U64, U64, st.binary(min_size=16, max_size=16), st.binary(min_size=8, max_size=8),
+       I64, I64, U64)
+def test_an_alert_line_is_what_json_dumps_writes(session, emit, pseq, pid, oid, client, stock, req, cum, stamp):
+    """Sinks write an alert's record with one format (sinks._line): byte for byte json.dumps's line,
+    for any field values and session name; any other record goes through json itself."""
+    record = Alert(emit, pseq, pid, oid, client, stock, req, cum, stamp).to_dict(session)
+    assert sinks._line(record) == json.dumps(record, separators=(",", ":"))
+    other = {"alert_id": session, "note": client.decode("latin-1")}
+    assert sinks._line(other) == json.dumps(other, separators=(",", ":"))
