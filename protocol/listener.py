@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from tape.protocol import messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import GAPS_ASKED_AT_ONCE, HINT_TRIES, MAX_GAP_TIMEOUT_NS, MAX_HINT_AHEAD
-from tape.protocol.receiver import StreamReceiver
+from tape.protocol.receiver import Deliver, StreamReceiver
 from tape.protocol.rtt import RoundTrip
 from tape.protocol.streamauth import StreamKeys
 
@@ -51,13 +51,6 @@ try:
     from tape.protocol._speedups import good_stream_packet
 except ImportError:  # built without a C compiler: every packet is checked in Python
     good_stream_packet = None
-
-
-@dataclass(slots=True)  # (not frozen: one is made for every packet, and a frozen one's __init__ costs 3x)
-class Deliver:
-    first_seq: int
-    packet: bytes
-    skip: int
 
 
 @dataclass(frozen=True)
@@ -117,7 +110,7 @@ class ListenerCore:
             return e
         if not runs and self.keys is not None and seq > self.receiver.next_seq:
             return [Ahead(data)]
-        return [Deliver(first, pkt, skip) for first, pkt, skip in runs]
+        return runs
 
     def _check(self, data: bytes) -> tuple[bytes, int, int] | list:
         """A data packet's (session, seq, count) once every check passes (`good_stream_packet` is

@@ -2,7 +2,7 @@
 
 Sans-I/O. Feed it packets (live or retransmitted, in any order) as their
 validated header fields and raw bytes; it returns what can be delivered in
-order, as (seq of the first new message, packet bytes, index of that
+order, as Deliver(seq of the first new message, packet bytes, index of that
 message in the packet), and tells the shell what is missing so that the
 shell can ask a rewinder. Packets are held whole, never split per message. With next expected seq N and
 packet (S, C): S > N is a gap (the packet is held), S + C <= N a duplicate,
@@ -11,6 +11,7 @@ otherwise the messages from N are delivered.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import islice
 
 from sortedcontainers import SortedDict
@@ -18,6 +19,14 @@ from sortedcontainers import SortedDict
 from .errors import ProtocolError
 from .limits import MAX_HELD_SCANNED, RECEIVER_MAX_HELD
 from .moldudp64 import MAX_BLOCKS
+
+
+@dataclass(slots=True)  # (not frozen: one is made for every packet, and a frozen one's __init__ costs 3x)
+class Deliver:
+    """Messages skip.. of `packet`, in order, the first of them numbered first_seq."""
+    first_seq: int
+    packet: bytes
+    skip: int
 
 
 class StreamReceiver:
@@ -39,9 +48,8 @@ class StreamReceiver:
     def held(self) -> int:
         return self._held_count
 
-    def on_packet(self, session: bytes, seq: int, count: int, data) -> list[tuple[int, bytes, int]]:
-        """Returns [(first_seq, packet, skip), ...] deliverable in order now:
-        messages skip.. of each packet, the first of them numbered first_seq."""
+    def on_packet(self, session: bytes, seq: int, count: int, data) -> list[Deliver]:
+        """The runs deliverable in order now (what a listener hands on as they are)."""
         if self.session is None:
             self.session = session
         elif session != self.session:
@@ -62,8 +70,9 @@ class StreamReceiver:
         if seq > next_seq:
             self._hold(seq, count, data)
             return []
-        self._saw(seq, end)
-        out = [(next_seq, data, next_seq - seq)]
+        if end > self.high_seq:  # (_saw: no new gap starts at or before next_seq)
+            self.high_seq = end
+        out = [Deliver(next_seq, data, next_seq - seq)]
         self.next_seq = end
         if self._held:
             self._drain(out)
@@ -134,5 +143,5 @@ class StreamReceiver:
             if end <= self.next_seq:
                 self.duplicates += 1
                 continue
-            out.append((self.next_seq, data, self.next_seq - seq))
+            out.append(Deliver(self.next_seq, data, self.next_seq - seq))
             self.next_seq = end

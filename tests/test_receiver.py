@@ -17,7 +17,8 @@ def stream(n, per_packet):
 def feed(rx, pkt):
     p = m.decode_packet(pkt)
     out = []
-    for first, data, skip in rx.on_packet(p.session, p.seq, p.count, pkt):
+    for run in rx.on_packet(p.session, p.seq, p.count, pkt):
+        first, data, skip = run.first_seq, run.packet, run.skip
         blocks = m.decode_packet(data).blocks[skip:]
         assert first == m.decode_packet(data).seq + skip
         out.extend(blocks)
@@ -36,7 +37,7 @@ def test_any_order_with_duplicates_delivers_each_message_once_in_order(n, per, r
     for pkt in arrivals:
         got.extend(feed(rx, pkt))
     assert got == msgs
-    assert rx.next_seq == n + 1 and rx.missing() is None and rx.held == 0
+    assert rx.next_seq == rx.high_seq == n + 1 and rx.lag() == 0 and rx.missing() is None and rx.held == 0
 
 
 def test_gap_is_reported_then_filled():
