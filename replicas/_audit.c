@@ -740,8 +740,10 @@ static int request(Run *r, const unsigned char *m, uint64_t seq, uint64_t stamp)
     return effect(r, 'O') < 0 ? -1 : 1;
 }
 
-/* apply_fast(books, codes, book_expiry, orphans, book_ttl, now, next_expiry, packet, index, end,
- *            seq, alert_type, alerts) -> (applied, now): alerts raised are appended to `alerts`. */
+/* apply_fast(books, codes, book_expiry, orphans, book_ttl, now, orphans_due, packet, index, end,
+ *            seq, alert_type, alerts) -> (applied, now): alerts raised are appended to `alerts`.
+ * orphans_due: when the first orphan expires (2^64 - 1: none); the books' first expiry is read here
+ * from their queue (handed over from Python it built a tuple a packet). */
 static PyObject *apply_fast(PyObject *self, PyObject *args) {
     Run r = {0};
     PyObject *codes;
@@ -754,6 +756,7 @@ static PyObject *apply_fast(PyObject *self, PyObject *args) {
         return NULL;
     r.book_ttl = book_ttl;
     r.next_expiry = next_due;
+    if (r.expiry->count && due_at(r.expiry, 0)->expires < r.next_expiry) r.next_expiry = due_at(r.expiry, 0)->expires;
     PyObject *result = NULL;
     if (index < 0 || end < index || HEADER_SIZE + end * BLOCK_SIZE > pkt.len) {
         PyErr_SetString(PyExc_ValueError, "message range outside the packet");

@@ -215,6 +215,7 @@ class AuditMachine:
         if first_seq != self.last_seq + 1:
             raise InvariantViolation(f"applying seq {first_seq} after {self.last_seq}")
         out: list[Alert] = []
+        orphan_expiry = self._orphan_expiry  # (the books' first expiry the C reads from their queue)
         index, total = skip, (len(packet) - HEADER_SIZE) // messages.SEQUENCED_BLOCK_SIZE
         while index < total:
             seq = self.last_seq + 1  # runs end at fold points, where the digest chain folds
@@ -223,7 +224,8 @@ class AuditMachine:
                 raised = len(out)
                 try:
                     done, self.now_ns = apply_fast(self.books, self._codes, self._book_expiry,
-                                                   self.orphans, self.book_ttl_ns, self.now_ns, self._next_expiry(),
+                                                   self.orphans, self.book_ttl_ns, self.now_ns,
+                                                   orphan_expiry[0][0] if orphan_expiry else _NEVER,
                                                    packet, index, end, seq, Alert, out)
                 except Exception as e:  # (out of memory): what it applied of the run is not known
                     raise InvariantViolation(f"the compiled audit failed at seq {seq}: {e!r}") from e
@@ -236,11 +238,6 @@ class AuditMachine:
             if self.last_seq % DIGEST_BLOCK == 0:
                 self._fold()
         return out
-
-    def _next_expiry(self) -> int:
-        """When the first book or orphan expires (_NEVER: none)."""
-        b, o = self._book_expiry, self._orphan_expiry
-        return min(b[0][0] if b else _NEVER, o[0][0] if o else _NEVER, _NEVER)
 
     def _apply(self, first_seq: int, msgs: list, out: list) -> None:
         """The hot path: the common purchase and request cases are inlined."""
