@@ -25,10 +25,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from tape.protocol.limits import REPLAY_BEHIND
-from tape.protocol.listener import Deliver
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE, SESSION_END
 from tape.protocol.moldudp64 import HEADER_SIZE
-from tape.protocol.receiver import StreamReceiver
+from tape.protocol.receiver import Deliver, StreamReceiver
 from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
 
 
