@@ -15,7 +15,7 @@ from tape.node.process import within
 from tape.ops.config import Config
 from tape.ops.journal_tool import record_dict
 from tape.protocol import messages
-from tape.protocol.listener import Deliver
+from tape.protocol.receiver import Deliver
 
 
 async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, seed: int, summary: bool,

@@ -33,9 +33,9 @@ from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CONTROL_READ, GIL_SWITCH_S, REPLAY_CLIENT_HEARTBEAT_S, STREAM_READ
-from tape.protocol.listener import Deliver
 from tape.protocol.moldudp64 import HEADER_SIZE, MAX_BLOCKS
 from tape.protocol.packets import PacketBuilder
+from tape.protocol.receiver import Deliver
 from tape.protocol.streamauth import sealed_ranges
 from tape.replicas.audit import ALERT_SIZE, DIGEST_BLOCK, Alert, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot

@@ -26,7 +26,7 @@ from tape.node.settings import Config
 from tape.node.transport import udp_socket
 from tape.protocol import moldudp64
 from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
-from tape.protocol.listener import Deliver
+from tape.protocol.receiver import Deliver
 from tape.sequencer.client_core import ClientCore, Recovery, read_delivered
 
 log = logging.getLogger("tape.client")
@@ -133,7 +133,7 @@ class Client:
                 return False
         return True
 
-    def on_stream(self, first: int, pkt: bytes, skip: int, read: tuple | None = None) -> None:
+    def on_stream(self, first: int, pkt: bytes, skip: int, read: tuple) -> None:
         if self.core.on_delivered(pkt, skip, time.monotonic_ns(), read):
             self._progress.set()
 

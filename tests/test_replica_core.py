@@ -5,8 +5,7 @@ from hypothesis import strategies as st
 from strategies import packet_of
 
 from tape.protocol import messages as M
-from tape.protocol.listener import Deliver
-from tape.protocol.receiver import StreamReceiver
+from tape.protocol.receiver import Deliver, StreamReceiver
 from tape.replicas.audit import AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
 

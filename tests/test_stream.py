@@ -248,8 +248,8 @@ def test_forged_replication_frames_without_the_cluster_key_change_nothing(cluste
 def test_clients_of_one_process_read_the_stream_once_per_interface(tmp_path):
     from tape.ops.config import default_toml, load
     from tape.protocol import messages as M
-    from tape.protocol.listener import Deliver
     from tape.protocol.packets import PacketBuilder
+    from tape.protocol.receiver import Deliver
     from tape.sequencer.client import sharing_listeners
 
     path = tmp_path / "cluster.toml"
