@@ -60,9 +60,22 @@ class LatencySamples:
         self.max = 0
         self.count = 0
 
-    def extend(self, values_ns) -> None:
-        for v in values_ns:
-            self.add(v)
+    def extend(self, values_ns: list[int]) -> None:
+        """As `add` of each, in a few list operations (the emitter's alerts: ~1.5 us an alert one by one)."""
+        if not values_ns:
+            return
+        self.count += len(values_ns)
+        self.max = max(self.max, max(values_ns))
+        at = 0
+        while at < len(values_ns):
+            filling = self.stride - self._skip + (self.cap - len(self.samples) - 1) * self.stride  # (as in add)
+            chunk = values_ns[at:at + filling]
+            self.samples += chunk[self.stride - self._skip - 1::self.stride]
+            self._skip = (self._skip + len(chunk)) % self.stride
+            at += len(chunk)
+            if len(self.samples) >= self.cap:
+                self.samples = self.samples[::2]
+                self.stride *= 2
 
     def add(self, value_ns: int, weight: int = 1) -> None:
         """`weight` samples of one value (a packet's trades, stamped together), as if added one by

@@ -51,8 +51,9 @@ REJECT_REASONS = ("duplicate_order", "bad_shares", "client_mismatch", "stock_mis
 
 # Outcome codes fed to the digest, one byte per applied message.
 _OPENED, _FILLED, _ALERT, _HELD, _REJECT, _CONTROL = b"O", b"F", b"A", b"H", b"X", b"C"
-_ALERT_RECORD = struct.Struct(">QQQQq16s8sqqQ")
-ALERT_SIZE = _ALERT_RECORD.size  # an alert record's bytes: its emit seq first, u64 big-endian
+ALERT_RECORD = struct.Struct(">QQQQq16s8sqqQ")
+ALERT_SIZE = ALERT_RECORD.size  # an alert record's bytes: its emit seq first, u64 big-endian
+ALERT_STAMP = struct.Struct(">72xq8x")  # an alert record's stamp_ns alone
 _REJECT_RECORD = struct.Struct(">QQB")
 BOOK = struct.Struct(">qq16s8sQ?Q")  # a snapshot's book record: requested, cumulative, client, stock, opened_ns,
 # alerted, request_seq (the fields of a book, in its order)
@@ -72,12 +73,12 @@ class Alert(NamedTuple):
     stamp_ns: int  # stamp of the triggering purchase
 
     def encode(self) -> bytes:
-        return _ALERT_RECORD.pack(self.emit_seq, self.purchase_seq, self.purchase_id, self.order_id, self.requested,
+        return ALERT_RECORD.pack(self.emit_seq, self.purchase_seq, self.purchase_id, self.order_id, self.requested,
                                   self.client, self.stock, self.cumulative, self.stamp_ns, 0)
 
     @classmethod
     def decode(cls, raw: bytes) -> "Alert":
-        e, p, pid, oid, req, client, stock, cum, stamp, _ = _ALERT_RECORD.unpack(raw)
+        e, p, pid, oid, req, client, stock, cum, stamp, _ = ALERT_RECORD.unpack(raw)
         return cls(e, p, pid, oid, client, stock, req, cum, stamp)
 
     @staticmethod

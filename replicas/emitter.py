@@ -40,7 +40,7 @@ from tape.protocol import alertlink
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import ACK_EVERY_NS, CONTROL_READ, DONE_ALONE_AFTER_NS, RECENT_ALERTS
 from tape.replicas import sinks as sinklib
-from tape.replicas.audit import ALERT_SIZE, Alert
+from tape.replicas.audit import ALERT_SIZE, ALERT_STAMP, Alert
 from tape.replicas.emitter_core import (
     Crash,
     DeliverAlerts,
@@ -59,7 +59,7 @@ class IntentNotRecorded(Exception):
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
 
 
-def _deliver_each(sinks: list, records: list[dict]) -> None:
+def _deliver_each(sinks: list, records: list[sinklib.AlertLine]) -> None:
     for sink in sinks:
         sink.deliver(records)
 
@@ -286,12 +286,11 @@ class Emitter(NodeProcess):
                 keep_newest(self.recent, action.alerts, RECENT_ALERTS)  # copies are judged by these bytes
                 self._arm_done_timer()
             elif isinstance(action, DeliverAlerts):
-                alerts = [Alert.decode(raw) for raw in action.alerts]
                 self._delivering = True
-                await self._deliver([a.to_dict(self.cfg.session) for a in alerts])
+                await self._deliver(sinklib.alert_lines(action.alerts, self.cfg.session))
                 self._delivering = False
                 now = time.time_ns()
-                self.latency.extend([now - a.stamp_ns for a in alerts])
+                self.latency.extend([now - stamp for (stamp,) in ALERT_STAMP.iter_unpack(b"".join(action.alerts))])
             elif isinstance(action, Redeliver):
                 await self._redeliver(action.alerts)
             elif isinstance(action, RecordDone):
@@ -302,8 +301,8 @@ class Emitter(NodeProcess):
 
     async def _redeliver(self, doubt: list[bytes]) -> None:
         """Alerts with intent but no done: again to idempotent sinks, listed for the operator otherwise."""
-        records = [Alert.decode(raw).to_dict(self.cfg.session) for raw in doubt]
-        ids = ", ".join(r["alert_id"] for r in records[:20])
+        records = sinklib.alert_lines(doubt, self.cfg.session)
+        ids = ", ".join(r.alert_id for r in records[:20])
         log.warning("%d alerts were in doubt after a crash (intent, no done): %s", len(doubt), ids)
         for sink in self.sinks:
             if sink.idempotent:
@@ -312,13 +311,13 @@ class Emitter(NodeProcess):
                             len(records) - written)
             else:
                 with open(self.data / "in_doubt.jsonl", "a") as f:
-                    f.write("".join(json.dumps({**r, "sink": sink.name}) + "\n" for r in records))
+                    f.write("".join(json.dumps({**json.loads(r.line), "sink": sink.name}) + "\n" for r in records))
                 self.in_doubt_listed += len(records)
                 log.error("in doubt -> %s may or may not have shown %d alerts; not resent (the sink is not "
                           "idempotent); listed in %s for the operator", sink.name, len(records),
                           self.data / "in_doubt.jsonl")
 
-    async def _deliver(self, records: list[dict]) -> None:
+    async def _deliver(self, records: list[sinklib.AlertLine]) -> None:
         """To every sink: here, for one that can deliver without waiting (the JSON-lines file: a
         hand-off to a worker thread cost ~100 µs of CPU a batch); on a worker thread, so that the
         connections are still read meanwhile, for the others and for one whose try failed (a

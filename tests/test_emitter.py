@@ -70,8 +70,8 @@ def alert(seq: int, cumulative: int = 120) -> Alert:
     return Alert(seq, seq, 7000 + seq, 500 + seq, b"load0".ljust(16), b"ACME".ljust(8), 100, cumulative, seq * 10)
 
 
-def record(seq: int) -> dict:
-    return alert(seq).to_dict("TAPE")
+def record(seq: int) -> sinks.AlertLine:
+    return sinks.alert_lines([alert(seq).encode()], "TAPE")[0]
 
 
 def test_webhook_retries_with_backoff_and_sends_the_idempotency_key(endpoint):
@@ -151,7 +151,7 @@ async def test_the_file_is_written_on_the_emitters_thread_and_each_batch_reaches
     webhook = WebhookSink("http://127.0.0.1:9/")
     posted = []
     monkeypatch.setattr(webhook, "deliver", lambda records: posted.append(
-        (threading.current_thread() is on_main(), [r["alert_id"] for r in records])))
+        (threading.current_thread() is on_main(), [r.alert_id for r in records])))
     emitter = SimpleNamespace(sinks=[jsonl, sinks.StdoutSink(out), webhook])
     await Emitter._deliver(emitter, [record(1), record(2)])
     await Emitter._deliver(emitter, [record(3)])
@@ -370,9 +370,9 @@ U64, I64 = st.integers(0, 2**64 - 1), st.integers(-2**63, 2**63 - 1)
 @given(st.text(max_size=12), U64, U64, U64, U64, st.binary(min_size=16, max_size=16), st.binary(min_size=8, max_size=8),
        I64, I64, U64)
 def test_an_alert_line_is_what_json_dumps_writes(session, emit, pseq, pid, oid, client, stock, req, cum, stamp):
-    """Sinks write an alert's record with one format (sinks._line): byte for byte json.dumps's line,
-    for any field values and session name; any other record goes through json itself."""
-    record = Alert(emit, pseq, pid, oid, client, stock, req, cum, stamp).to_dict(session)
-    assert sinks._line(record) == json.dumps(record, separators=(",", ":"))
-    other = {"alert_id": session, "note": client.decode("latin-1")}
-    assert sinks._line(other) == json.dumps(other, separators=(",", ":"))
+    """Sinks write an alert's line straight from its record's bytes (sinks.alert_lines): byte for byte
+    json.dumps's line of its record as a dict, for any field values and session name, next to others."""
+    records = [Alert(emit, pseq, pid, oid, client, stock, req, cum, stamp).encode(), alert(3).encode()]
+    for raw, got in zip(records, sinks.alert_lines(records, session), strict=True):
+        as_dict = Alert.decode(raw).to_dict(session)
+        assert got == (as_dict["alert_id"], json.dumps(as_dict, separators=(",", ":")))

@@ -17,6 +17,18 @@ def test_a_weighted_sample_equals_that_many_single_ones(packets, cap):
     assert sorted(weighted.samples) == sorted(single.samples) and len(weighted.samples) < cap
 
 
+@given(st.lists(st.lists(st.integers(0, 10**9), max_size=300), max_size=40), st.integers(2, 64))
+def test_a_list_of_samples_equals_them_one_by_one(lists, cap):
+    """The emitter adds a delivery's latencies at once."""
+    listed, single = LatencySamples(cap), LatencySamples(cap)
+    for values in lists:
+        listed.extend(values)
+        for v in values:
+            single.add(v)
+    assert (listed.count, listed.max, listed.stride, listed.samples) == (single.count, single.max, single.stride,
+                                                                         single.samples)
+
+
 @given(st.lists(st.integers(0, 40), max_size=30), st.integers(1, 9))
 def test_every_nth_picks_the_same_items_however_the_stream_is_cut(cuts, n):
     """A replica measures one delivered packet in LATENCY_SAMPLE_PACKETS, whatever each drain holds."""
