@@ -259,8 +259,8 @@ class Emitter(NodeProcess):
             if self.stopping.is_set():
                 raise sinklib.SinkStopped("stopping")
             new, copies, alarms = self.core.on_alerts(replica, alerts)
-            for a in copies:
-                self._judge(a)
+            if copies:
+                self._judge(copies)
             await self._settled(new, alarms)
 
     async def _settled(self, new: list[bytes], alarms: list[bytes]) -> None:
@@ -361,15 +361,14 @@ class Emitter(NodeProcess):
             if not self.stopping.is_set():
                 await self._carry_out(self.core.done_due())
 
-    def _judge(self, raw: bytes) -> None:
-        key = raw[:8]  # its emit seq
-        recorded = self.recent.get(key)
-        if recorded is None:  # older than the recent ones, or recorded before this process started
+    def _judge(self, copies: list[bytes]) -> None:
+        recent = self.recent
+        recorded = [recent.get(raw[:8]) for raw in copies]  # (a record's first 8 bytes: its emit seq, its key)
+        if None in recorded:  # older than the recent ones, or recorded before this process started
             with self.env.begin() as txn:
-                recorded = txn.get(key, db=self.delivered_db)
-                if recorded is None:
-                    recorded = txn.get(key, db=self.outbox)
-        if not self.core.judge_copy(raw, recorded):
-            what = "was raised by no other replica" if recorded is None else "differs from the one delivered"
-            a = Alert.decode(raw)
+                recorded = [kept if kept is not None else txn.get(raw[:8], db=self.delivered_db)
+                            or txn.get(raw[:8], db=self.outbox) for raw, kept in zip(copies, recorded)]
+        for i in self.core.judge_copies(copies, recorded):
+            what = "was raised by no other replica" if recorded[i] is None else "differs from the one delivered"
+            a = Alert.decode(copies[i])
             log.error("DIVERGENCE: alert at emit seq %d %s: %s", a.emit_seq, what, a)

@@ -368,7 +368,7 @@ U64, I64 = st.integers(0, 2**64 - 1), st.integers(-2**63, 2**63 - 1)
 
 @settings(max_examples=300)
 @given(st.text(max_size=12), U64, U64, U64, U64, st.binary(min_size=16, max_size=16), st.binary(min_size=8, max_size=8),
-       I64, I64, U64)
+       I64, I64, I64)
 def test_an_alert_line_is_what_json_dumps_writes(session, emit, pseq, pid, oid, client, stock, req, cum, stamp):
     """Sinks write an alert's line straight from its record's bytes (sinks.alert_lines): byte for byte
     json.dumps's line of its record as a dict, for any field values and session name, next to others."""

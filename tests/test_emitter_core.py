@@ -1,6 +1,8 @@
 """EmitterCore (replicas/emitter_core.py): which alerts are new, the delivery steps, copies, crash points."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tape.replicas.audit import Alert
 from tape.replicas.emitter_core import (
@@ -60,6 +62,18 @@ def seqs(alerts):
     return [Alert.emit_seq_of(a) for a in alerts]
 
 
+@given(st.lists(st.integers(1, 40), max_size=24), st.integers(0, 40))
+def test_first_delivery_splits_any_batch_as_its_alerts_one_by_one(emit_seqs, mark):
+    """Under `first` a batch's alert is new if its emit seq is above the mark and every new one before
+    it, else a copy, in whatever order a (faulty) replica sends them: the fast paths agree."""
+    alerts = [alert(seq, cumulative=i) for i, seq in enumerate(emit_seqs)]
+    new, copies, last = [], [], mark
+    for a, seq in zip(alerts, emit_seqs):
+        (copies if seq <= last else new).append(a)
+        last = max(last, seq)
+    assert EmitterCore({A}, mark=mark).on_alerts(A, alerts) == (new, copies, [])
+
+
 def test_first_delivery_takes_a_forged_alert_quorum_does_not():
     forged = alert(4, cumulative=10**9)  # a compromised replica's alert, sent first
     first = EmitterCore({A, B, C})
@@ -113,9 +127,9 @@ def test_a_replica_votes_once_per_emit_seq():
 
 def test_a_copy_with_other_bytes_or_none_recorded_is_a_divergence():
     core = EmitterCore({A})
-    assert core.judge_copy(alert(5), alert(5)) and core.duplicates == 1
-    assert not core.judge_copy(alert(5, cumulative=999), alert(5))
-    assert not core.judge_copy(alert(6), None) and core.divergences == 2
+    assert core.judge_copies([alert(5), alert(5, cumulative=999), alert(6), alert(7)],
+                             [alert(5), alert(5), None, alert(7)]) == [1, 2]
+    assert (core.duplicates, core.divergences) == (2, 2)
 
 
 @pytest.mark.parametrize("point, index", [("before_intent", 0), ("after_intent", 1), ("after_deliver", 2)])
