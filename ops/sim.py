@@ -560,8 +560,9 @@ class Emitter:
                 raise Violation(f"divergence: alerts at emit seqs {[emit_seq_of(a) for a in alarms]} reached no "
                                 "quorum")
             recorded = [self.recorded.get(seq, self.outbox.get(seq)) for seq in map(emit_seq_of, copies)]
-            for i in self.core.judge_copies(copies, recorded):
-                raise Violation(f"divergence: {src}'s alert at emit seq {emit_seq_of(copies[i])} differs")
+            differ = self.core.judge_copies(copies, recorded)
+            if differ:
+                raise Violation(f"divergence: {src}'s alert at emit seq {emit_seq_of(copies[differ[0]])} differs")
             if new and not self.carry_out(self.core.deliver(new)):
                 return  # crashed on the way
             links = {r: frozenset((EMITTER, r)) for r in REPLICAS}

@@ -82,6 +82,14 @@ class Alert(NamedTuple):
         return cls(e, p, pid, oid, client, stock, req, cum, stamp)
 
     @staticmethod
+    def joined(records: list[bytes]) -> bytes:
+        """Alert records end to end, for one unpack of a field of each (ValueError if one is not a
+        whole record: a shorter and a longer one would misalign all that follow)."""
+        if any(len(record) != ALERT_SIZE for record in records):
+            raise ValueError(f"an alert record is not {ALERT_SIZE} bytes")
+        return b"".join(records)
+
+    @staticmethod
     def emit_seq_of(record: bytes) -> int:
         """An alert record's emit seq, read without decoding the rest."""
         return int.from_bytes(record[:8], "big")

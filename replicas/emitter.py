@@ -290,7 +290,7 @@ class Emitter(NodeProcess):
                 await self._deliver(sinklib.alert_lines(action.alerts, self.cfg.session))
                 self._delivering = False
                 now = time.time_ns()
-                self.latency.extend([now - stamp for (stamp,) in ALERT_STAMP.iter_unpack(b"".join(action.alerts))])
+                self.latency.extend([now - stamp for (stamp,) in ALERT_STAMP.iter_unpack(Alert.joined(action.alerts))])
             elif isinstance(action, Redeliver):
                 await self._redeliver(action.alerts)
             elif isinstance(action, RecordDone):

@@ -72,8 +72,8 @@ _EMIT_SEQ = struct.Struct(f">Q{ALERT_SIZE - 8}x")  # a record's emit seq alone
 
 
 def emit_seqs(alerts: list[bytes]) -> list[int]:
-    """The emit seq of each alert record, in one call (a batch's records are ALERT_SIZE bytes each)."""
-    return [seq for (seq,) in _EMIT_SEQ.iter_unpack(b"".join(alerts))]
+    """The emit seq of each alert record, in one call."""
+    return [seq for (seq,) in _EMIT_SEQ.iter_unpack(Alert.joined(alerts))]
 
 CRASH_POINTS = ("before_intent", "after_intent", "after_deliver", "after_done")
 DELIVERY = ("first", "quorum")

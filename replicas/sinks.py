@@ -25,7 +25,7 @@ import urllib.parse
 from pathlib import Path
 from typing import NamedTuple
 
-from tape.replicas.audit import ALERT_RECORD
+from tape.replicas.audit import ALERT_RECORD, Alert
 
 log = logging.getLogger("tape.emitter")
 TAIL_BYTES = 4 << 20  # how much of the JSON-lines file's tail is checked for ids on start
@@ -63,7 +63,7 @@ def alert_lines(records: list[bytes], session: str) -> list[AlertLine]:
     json.dumps(Alert.decode(record).to_dict(session), separators=(",", ":"))."""
     out = []
     prefix = session + ":"
-    for e, p, pid, oid, req, client, stock, cum, stamp, _ in ALERT_RECORD.iter_unpack(b"".join(records)):
+    for e, p, pid, oid, req, client, stock, cum, stamp, _ in ALERT_RECORD.iter_unpack(Alert.joined(records)):
         alert_id = prefix + str(p)
         out.append(AlertLine(alert_id, _ALERT_LINE % (
             _STRING(alert_id), e, p, pid, oid, _STRING(client.decode("ascii", "replace").rstrip()),

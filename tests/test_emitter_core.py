@@ -74,6 +74,12 @@ def test_first_delivery_splits_any_batch_as_its_alerts_one_by_one(emit_seqs, mar
     assert EmitterCore({A}, mark=mark).on_alerts(A, alerts) == (new, copies, [])
 
 
+def test_a_record_of_another_size_is_refused_not_misread():
+    """Records are read end to end: a shorter one next to a longer one would shift every field after it."""
+    with pytest.raises(ValueError):
+        EmitterCore({A}).on_alerts(A, [alert(1)[:-1], alert(2) + b"\0"])
+
+
 def test_first_delivery_takes_a_forged_alert_quorum_does_not():
     forged = alert(4, cumulative=10**9)  # a compromised replica's alert, sent first
     first = EmitterCore({A, B, C})
