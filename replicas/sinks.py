@@ -49,8 +49,8 @@ class AlertLine(NamedTuple):
 
 
 # An alert's line: json.dumps of its Alert.to_dict (these keys in this order), written straight from
-# the record's bytes by one format and json's own string escaping: decoding, the dict and the line
-# by json cost ~4.5 us an alert, this ~1.3 (profiling).
+# the record's bytes by one format and json's own string escaping: 3.3 -> 2.4 us an alert against
+# decoding it, making the dict and formatting that (profiling, a slow host).
 _ALERT_KEYS = ("alert_id", "emit_seq", "purchase_seq", "purchase_id", "order_id", "client", "stock", "requested",
                "cumulative", "stamp_ns")
 _ALERT_LINE = "{" + ",".join(f'"{k}":' + ("%s" if k in ("alert_id", "client", "stock") else "%d")
@@ -71,8 +71,12 @@ def alert_lines(records: list[bytes], session: str) -> list[AlertLine]:
     return out
 
 
+def _text(records: list[AlertLine]) -> str:
+    return "".join([r.line + "\n" for r in records])
+
+
 def _lines(records: list[AlertLine]) -> bytes:
-    return "".join([r.line + "\n" for r in records]).encode()
+    return _text(records).encode()
 
 
 class JsonLinesSink:
@@ -161,7 +165,7 @@ class StdoutSink:
         self.stream = stream or sys.stdout
 
     def deliver(self, records: list[AlertLine]) -> int:
-        self.stream.write(_lines(records).decode())
+        self.stream.write(_text(records))
         self.stream.flush()
         return len(records)
 
