@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 
 from tape.node.ratelog import RateLimitedLog
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import SOCKET_RECV
+from tape.protocol.limits import BEHIND_RECV, SOCKET_RECV
 from tape.protocol.linkauth import HELLO, NONCE_SIZE, LinkKeys, Opener, Sealer, record_digests
 
 HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
@@ -33,10 +33,13 @@ class SealedReader:
         self._reader = reader
         self._opener = opener
         self._refused = refused
+        self.last_read = 0  # sealed bytes the last read took off the socket
 
     async def read(self, n: int = -1) -> bytes:
+        self.last_read = 0
         while True:
             data = await self._reader.read(n)
+            self.last_read += len(data)
             if not data:
                 return b""
             try:
@@ -123,6 +126,14 @@ def small_reads(writer: asyncio.StreamWriter) -> None:
     socket transports; another loop's keep their own size)."""
     if hasattr(type(writer.transport), "max_size"):
         writer.transport.max_size = SOCKET_RECV
+
+
+def reads_to_keep_up(reader, writer: asyncio.StreamWriter, data: bytes) -> None:
+    """After a read of the link's traffic: up to BEHIND_RECV bytes a recv() while the reads come
+    full (the peer is ahead: one read, one fsync and one reply for it all), SOCKET_RECV when not."""
+    if hasattr(type(writer.transport), "max_size"):
+        got = getattr(reader, "last_read", len(data))
+        writer.transport.max_size = BEHIND_RECV if got >= SOCKET_RECV else SOCKET_RECV
 
 
 def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refused: dict[str, int]):

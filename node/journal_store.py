@@ -210,9 +210,10 @@ class Journal:
 
     # --- appending -------------------------------------------------------------
 
-    def append(self, records) -> None:
+    def append(self, records, sync: bool = True) -> None:
         """Append [(seq, term, message), ...] (a list, or a protocol.journal.RecordRun) in one
-        write (group commit).
+        write (group commit). With sync=False the caller calls maybe_sync() before it tells
+        anyone the records are held (several appends, one fsync).
         Seqs must continue the journal with no gap. A write refused for want of
         space leaves the journal as it was and raises DiskFull."""
         if self.readonly:
@@ -229,7 +230,8 @@ class Journal:
             if not no_space(e):
                 raise
             raise DiskFull(self.segments[-1].path if self.segments else self.dir, "journal append to") from None
-        self.maybe_sync()
+        if sync:
+            self.maybe_sync()
 
     def _append(self, records: list) -> None:
         """The write of append(); a write that fails leaves the journal as it was."""

@@ -138,17 +138,18 @@ class Voter:
     def term_at(self, seq: int) -> int:
         return self.core.term_at(seq)
 
-    def act(self, actions: list) -> None:
+    def act(self, actions: list, sync: bool = True) -> None:
         """Carry out a core's actions in order: the journal and the vote are durable before any
-        reply. A write refused for want of space stops this voter taking part (DiskFull is raised
-        on: the reply must not be sent)."""
+        reply (sync=False: the caller syncs the journal before it replies). A write refused for
+        want of space stops this voter taking part (DiskFull is raised on: the reply must not be
+        sent)."""
         try:
-            self._carry_out(actions)
+            self._carry_out(actions, sync)
         except DiskFull as e:
             self.disk_full(e)
             raise
 
-    def _carry_out(self, actions: list) -> None:
+    def _carry_out(self, actions: list, sync: bool) -> None:
         truncated = False
         for action in actions:
             if isinstance(action, Persist):
@@ -159,7 +160,7 @@ class Voter:
                 self.journal.truncate_after(action.after_seq)
                 truncated = True
             elif isinstance(action, AppendRecords):
-                self.journal.append(action.records)  # durable before the ack, per the fsync policy
+                self.journal.append(action.records, sync)  # durable before the ack, per the fsync policy
             elif isinstance(action, Refused):
                 self.refused[action.reason] = self.refused.get(action.reason, 0) + 1
                 self.refusal_log.warn(action.reason, "refused: %s", action.detail)
@@ -263,8 +264,8 @@ class Voter:
                 if not data:
                     closed_by_peer = True
                     break
-                for fr in frames.feed(data):
-                    writer.write(self._on_frame(fr, writer))
+                writer.write(self._on_read(frames.feed(data), writer))
+                authlink.reads_to_keep_up(reader, writer, data)
         except ProtocolError as e:
             self.bad_frames += 1
             log.warning("bad replication frame, closing: %s", e)
@@ -282,13 +283,22 @@ class Voter:
             if self.core.on_closed(writer, closed_by_peer and not self.partitioned, time.monotonic_ns()):
                 log.warning("the leader's connection closed in term %d: taking it for gone", self.election.term)
 
+    def _on_read(self, frames, conn) -> bytes:
+        """The replies to one read's frames, sent after one fsync covers all their appends: a
+        leader ahead of this voter has sent many by the time it reads (group commit)."""
+        try:
+            return b"".join([self._on_frame(fr, conn) for fr in frames])
+        finally:  # before the loop runs anything else: no hello or reply counts unsynced records
+            self.journal.maybe_sync()
+
     def _on_frame(self, fr, conn) -> bytes:
-        """The reply to one frame, after its actions are carried out."""
+        """The reply to one frame, after its actions are carried out (its appends written, not
+        yet synced: _on_read)."""
         now = time.monotonic_ns()
         if isinstance(fr, rep.Append):
             before = self.core.commit_seq
             reply, actions = self.core.on_append(fr, conn, now)
-            self.act(actions)  # a leader seeing a higher term steps down here, before following
+            self.act(actions, sync=False)  # a leader seeing a higher term steps down here, before following
             if self.core.commit_seq != before:
                 self.committed.set()
                 self.committed.clear()

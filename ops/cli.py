@@ -79,6 +79,13 @@ def _bench_rewinder(args) -> int:
     rate = bench_rewinder(args.messages, args.batch, args.fsync)
     print(f"rewinder on one core: {rate:,.0f} msg/s journaled (fsync {args.fsync}) and acknowledged, "
           f"appends of {args.batch}" + (", in CPU time" if args.clock == "cpu" else ""))
+    if args.endpoint:
+        from tape.ops.bench_follower import bench_endpoint
+
+        run = bench_endpoint(args.messages, args.batch, args.fsync)
+        print(f"rewinder's endpoint over TCP, a leader ahead of it: {run.rate:,.0f} msg/s journaled (fsync "
+              f"{args.fsync}) and acknowledged, {run.cpu_us:.2f} us of CPU a message, {run.fsyncs:,} fsyncs for "
+              f"{-(-args.messages // args.batch):,} appends of {args.batch}")
     return 0
 
 
@@ -606,7 +613,10 @@ def _add_bench(sub) -> None:
     bw = bsub.add_parser("rewinder", help="journal-and-acknowledge rate of one follower on one core",
                          description="Feed pre-built authenticated append frames through what a rewinder runs: open "
                                      "the record, decode, VoterCore, journal (fsync per append by default), seal "
-                                     "the ack. Prints msg/s.")
+                                     "the ack. Prints msg/s. With --endpoint, also the rewinder's replication "
+                                     "endpoint as it runs (over TCP, on one core, a leader process on the other "
+                                     "sending every append at once): msg/s, CPU a message and fsyncs.")
+    bw.add_argument("--endpoint", action="store_true", help="also time the real endpoint over TCP (above)")
     bw.add_argument("--messages", type=int, default=1_000_000, help="messages (default 1000000)")
     bw.add_argument("--batch", type=int, default=500, help="messages per append frame (default 500)")
     bw.add_argument("--fsync", default="batch", help="journal fsync policy: batch, never or milliseconds "

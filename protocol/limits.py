@@ -78,6 +78,10 @@ CONTROL_READ = 65536  # bytes per read() on a low-rate connection (hellos, acks,
 # frame, cost an mmap, an mremap, a munmap and a page fault (~15 µs against ~3 µs here,
 # docs/performance.md); a larger frame takes more reads.
 SOCKET_RECV = 64 << 10
+# What one recv() asks for on a voter's inbound link while the voter is behind (its last read took
+# a whole SOCKET_RECV): a leader ahead has sent that much already, and each read costs the voter
+# one fsync and one acknowledgement for all of it (group commit), ~15 µs of allocation besides.
+BEHIND_RECV = 1 << 20
 REPLICATION_FRAME = replication.MAX_FRAME
 REPLAY_CHUNK = 1_000  # committed messages per replay write
 REPLAY_LOGIN_FRAME = 1024  # largest frame a replay server accepts before the login

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tape.node import authlink
-from tape.protocol.limits import SOCKET_RECV
+from tape.protocol.limits import BEHIND_RECV, SOCKET_RECV
 from tape.protocol.linkauth import LinkKeys
 
 
@@ -37,3 +37,43 @@ async def test_both_ends_of_a_link_read_small_and_a_large_payload_arrives_whole(
     finally:
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
+async def test_a_reader_behind_reads_large_until_it_has_caught_up(keys):
+    """A voter's link (authlink.reads_to_keep_up): after a read that came full the next recv()
+    takes up to BEHIND_RECV, so what is pending comes in few reads; a short read sets it back."""
+    payload = os.urandom(12 * SOCKET_RECV)
+    reads, sizes = [], []
+    caught_up = asyncio.Event()
+
+    async def handler(reader, writer):
+        await asyncio.sleep(0.3)  # the whole payload is pending when the reads begin
+        got = 0
+        while got < len(payload):
+            data = await reader.read(1 << 20)
+            got += len(data)
+            reads.append(len(data))
+            authlink.reads_to_keep_up(reader, writer, data)
+            sizes.append(writer.transport.max_size)
+        small = await reader.read(1 << 20)
+        authlink.reads_to_keep_up(reader, writer, small)
+        sizes.append(writer.transport.max_size)
+        caught_up.set()
+        writer.close()
+
+    server = await asyncio.start_server(authlink.serving(handler, keys, {}), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await authlink.connect("127.0.0.1", port, keys, {}, timeout=5)
+        writer.write(payload)
+        await asyncio.sleep(0.6)
+        writer.write(b"a short frame")
+        async with asyncio.timeout(10):
+            await caught_up.wait()
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert sum(reads) == len(payload) and len(reads) <= 4, reads  # 12 at SOCKET_RECV a recv()
+    assert sizes[0] == BEHIND_RECV and sizes[-1] == SOCKET_RECV, sizes

@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -69,11 +70,25 @@ def test_a_failed_run_keeps_its_files_and_names_the_failed_checks(tmp_path, monk
 
 
 def test_bench_rewinder_journals_and_acknowledges_every_message():
-    """The follower's path on one core: the benchmark raises (exit 1) unless every message reached the journal."""
-    out = subprocess.run(TAPE + ["bench", "rewinder", "--messages", "5000", "--batch", "100"],
+    """The follower's path on one core, and its real endpoint over TCP: the benchmark raises
+    (exit 1) unless every message reached the journal and the last was acknowledged."""
+    out = subprocess.run(TAPE + ["bench", "rewinder", "--messages", "5000", "--batch", "100", "--endpoint"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "msg/s journaled (fsync batch) and acknowledged" in out.stdout, out.stderr
     assert "CPU time" not in out.stdout
+    endpoint = re.search(r"endpoint over TCP.* ([\d,]+) fsyncs for 50 appends of 100", out.stdout)
+    assert endpoint and 1 <= int(endpoint[1].replace(",", "")) <= 50, out.stdout
+
+
+def test_the_endpoint_bench_fails_when_the_last_message_is_not_journaled(monkeypatch):
+    """The endpoint's figure counts only a run in which the follower journaled every message."""
+    from tape.ops import bench_follower
+
+    real = bench_follower._appends
+    monkeypatch.setattr(bench_follower, "_appends", lambda n, batch, leader: real(n, batch, leader)[:-1])
+    monkeypatch.setattr(bench_follower, "LEADER_TIMEOUT_S", 2)
+    with pytest.raises(RuntimeError, match="the leader failed|journaled"):
+        bench_follower.bench_endpoint(n=1_000, batch=100)
 
 
 @pytest.mark.parametrize("keys", [False, True])

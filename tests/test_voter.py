@@ -9,6 +9,7 @@ from pathlib import Path
 from tape.node.voter import Voter, VoteStore
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
+from tape.protocol import replication as rep
 
 
 def records(first: int, last: int, term: int = 1) -> list:
@@ -45,3 +46,69 @@ async def test_a_sequencer_behind_a_rewinder_fetches_what_it_lacks(tmp_path):
         assert await stranger.fetch_from(rw_1) == 0 and other.last_seq == 55
     finally:
         server.close()
+
+
+class DurableSeqs:
+    """The journal as the voter uses it, noting the last seq on disk at each sync."""
+
+    def __init__(self, journal):
+        self.journal, self.durable, self.syncs = journal, 0, 0
+
+    def maybe_sync(self):
+        self.journal.maybe_sync()
+        self.durable, self.syncs = self.journal.last_seq, self.syncs + 1
+
+    def __getattr__(self, name):
+        return getattr(self.journal, name)
+
+
+class AcksAfterSync:
+    """The voter's side of the link: every ack it writes must acknowledge only synced seqs."""
+
+    def __init__(self, writer, journal: DurableSeqs):
+        self.writer, self.journal, self.frames, self.acked = writer, journal, rep.FrameReader(), []
+
+    def write(self, data: bytes) -> None:
+        for fr in self.frames.feed(data):
+            if isinstance(fr, rep.Ack):
+                assert fr.success and fr.last_seq <= self.journal.durable, (fr, self.journal.durable)
+                self.acked.append(fr.last_seq)
+        self.writer.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.writer, name)
+
+
+async def test_appends_read_together_share_one_fsync_and_are_acked_after_it(tmp_path):
+    """A leader ahead of a voter has sent several appends by the time it reads: one fsync covers
+    them all (group commit), and no ack leaves before it."""
+    cfg = parse(tomllib.loads(default_toml(tmp_path, free=True)))
+    rw_1 = cfg.node("rw-1")
+    Path(rw_1.data).mkdir(parents=True)
+    VoteStore(Path(rw_1.data) / "election.json").save(1, None)
+    journal = DurableSeqs(cfg.open_journal(rw_1))
+    voter = Voter(cfg, rw_1, journal, can_lead=False)
+    spies = []
+
+    async def serve(reader, writer):
+        spies.append(AcksAfterSync(writer, journal))
+        await voter.serve(reader, spies[-1])
+
+    server = await asyncio.start_server(serve, rw_1.host, rw_1.replication_port)
+    try:
+        reader, writer = await asyncio.open_connection(rw_1.host, rw_1.replication_port)
+        frames = rep.FrameReader()
+        assert isinstance(frames.feed(await reader.read(1024))[0], rep.Hello)
+        leader = cfg.node("seq-a").wire_name
+        appends = [rep.encode_append(1, leader, s - 1, 1 if s > 1 else 0, 0, 1, [m for _, _, m in records(s, s + 9)])
+                   for s in range(1, 51, 10)]
+        writer.write(b"".join(appends))  # five appends, one write: the voter reads them at once
+        acks = []
+        async with asyncio.timeout(10):
+            while len(acks) < 5 and (data := await reader.read(1024)):
+                acks += [fr.last_seq for fr in frames.feed(data)]
+        writer.close()
+    finally:
+        server.close()
+    assert acks == [10, 20, 30, 40, 50] == spies[0].acked
+    assert journal.last_seq == 50 and journal.syncs == 1 and journal.fsyncs == 1
