@@ -2,6 +2,7 @@
 `tape bench rewinder`, one follower on one core."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -49,7 +50,11 @@ def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
     [row] = json.loads((tmp_path / "figures.json").read_text())
     assert row["verdict"] == "pass" and row["rate_offered"] == 3000 and row["rate_achieved"] > 0
     assert set(row["us_per_msg"]) == {*PROCESSES, "whole cluster"}
-    assert all(row["us_per_msg"][p] > 0 for p in ("leader", "rw-1", "replica-A", "load"))
+    # Each figure is a difference of two runs' /proc CPU (10 ms ticks) over 6,000 messages: a quiet
+    # process's start-up varies by more than its marginal cost, so it may come out at zero or below
+    # (seen: make test, 2026-11-27); the whole cluster's and the leader's do not.
+    assert row["us_per_msg"]["whole cluster"] > 0 and row["us_per_msg"]["leader"] > 0, row["us_per_msg"]
+    assert all(math.isfinite(row["us_per_msg"][p]) for p in PROCESSES), row["us_per_msg"]
     assert set(row["wait_us_per_msg"]) == {*PROCESSES, "whole cluster"}
     assert "whole cluster" in out.stdout and "waiting for a core" in out.stdout
 
