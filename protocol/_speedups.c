@@ -6,8 +6,10 @@
  *   encode_records     journal records (protocol/journal.py): CRC-32 u32 |
  *                      length u32 | seq u64 | term u64 | message, big-endian,
  *                      the CRC (CRC-32/IEEE, as zlib.crc32) over everything
- *                      after it, slicing-by-8 (39 ns for a 95-byte record
- *                      where this host's zlib takes 104)
+ *                      after it: folded by carry-less multiplication where
+ *                      the processor has PCLMULQDQ, else slicing-by-8 (39 ns
+ *                      for a 95-byte record where this host's zlib takes 104)
+ *   crc32              that CRC of any bytes, either way (for the tests)
  *   record_offsets     where some of those records start in their buffer (the
  *                      journal's sparse index)
  *   encode_run         the same records of a run (consecutive seqs, one term,
@@ -32,13 +34,23 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_FOLDED_CRC 1
+#endif
 
 #define RECORD_HEADER 24
 #define MAX_MESSAGE 0xFFFF
 
 static uint32_t crc_table[8][256];
 
+static int crc_folds;  /* the processor multiplies without carries (PCLMULQDQ and SSE4.1) */
+
 static void crc_init(void) {
+#ifdef HAVE_FOLDED_CRC
+    __builtin_cpu_init();
+    crc_folds = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+#endif
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
         for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
@@ -48,8 +60,8 @@ static void crc_init(void) {
         for (int t = 1; t < 8; t++) crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
 }
 
-static uint32_t crc32_ieee(const unsigned char *p, size_t n) {
-    uint32_t c = 0xFFFFFFFFu;
+/* The CRC register after `n` more bytes from `c`, eight bytes a step. */
+static uint32_t crc32_sliced(uint32_t c, const unsigned char *p, size_t n) {
     for (; n >= 8; p += 8, n -= 8) {  /* eight bytes a step; the table is little-endian */
         uint32_t a = (p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24) ^ c;
         uint32_t b = p[4] | p[5] << 8 | p[6] << 16 | (uint32_t)p[7] << 24;
@@ -58,7 +70,61 @@ static uint32_t crc32_ieee(const unsigned char *p, size_t n) {
             crc_table[1][(b >> 16) & 0xff] ^ crc_table[0][b >> 24];
     }
     while (n--) c = crc_table[0][(c ^ *p++) & 0xff] ^ (c >> 8);
-    return c ^ 0xFFFFFFFFu;
+    return c;
+}
+
+#ifdef HAVE_FOLDED_CRC
+/* The CRC register after the whole 16-byte blocks of p[0:n] (n >= 16) from `c`, by carry-less
+ * multiplication: each block folded into the next, the last 128 bits reduced to 32 (Intel's
+ * "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", bit-reflected, with the
+ * constants of Linux's and zlib-ng's CRC-32). ~4x fewer instructions than slicing for a
+ * 95-byte record. */
+__attribute__((target("pclmul,sse4.1")))
+static uint32_t crc32_folded(uint32_t c, const unsigned char *p, size_t n) {
+    const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);  /* x^(128-32), x^(128+32) mod P */
+    const __m128i k5 = _mm_set_epi64x(0, 0x163cd6124);               /* x^64 mod P */
+    const __m128i pu = _mm_set_epi64x(0x1f7011641, 0x1db710641);     /* Barrett's u', P' */
+    const __m128i low32 = _mm_set_epi32(0, 0, 0, -1);
+    __m128i x = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128((int)c));
+    for (p += 16, n -= 16; n >= 16; p += 16, n -= 16)
+        x = _mm_xor_si128(_mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_clmulepi64_si128(x, k3k4, 0x00)),
+                          _mm_clmulepi64_si128(x, k3k4, 0x11));
+    x = _mm_xor_si128(_mm_clmulepi64_si128(x, k3k4, 0x10), _mm_srli_si128(x, 8));               /* 128 -> 96 */
+    x = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x, low32), k5, 0x00), _mm_srli_si128(x, 4)); /* -> 64 */
+    __m128i t1 = _mm_clmulepi64_si128(_mm_and_si128(x, low32), pu, 0x10);
+    __m128i t2 = _mm_clmulepi64_si128(_mm_and_si128(t1, low32), pu, 0x00);
+    return (uint32_t)_mm_extract_epi32(_mm_xor_si128(x, t2), 1);
+}
+#endif
+
+static uint32_t crc32_with(const unsigned char *p, size_t n, int folded) {
+    uint32_t c = 0xFFFFFFFFu;
+#ifdef HAVE_FOLDED_CRC
+    if (folded && n >= 16) {
+        c = crc32_folded(c, p, n);
+        p += n & ~(size_t)15;
+        n &= 15;
+    }
+#else
+    (void)folded;
+#endif
+    return crc32_sliced(c, p, n) ^ 0xFFFFFFFFu;
+}
+
+/* CRC-32/IEEE, as zlib.crc32. */
+static uint32_t crc32_ieee(const unsigned char *p, size_t n) {
+    return crc32_with(p, n, crc_folds);
+}
+
+/* crc32(data, folded): the CRC of `data` by the folded path (where the processor has it) or
+ * the sliced one: tests hold both to zlib's. */
+static PyObject *crc32_either(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    int folded;
+    if (!PyArg_ParseTuple(args, "y*p:crc32", &data, &folded)) return NULL;
+    uint32_t c = crc32_with(data.buf, (size_t)data.len, folded && crc_folds);
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(c);
 }
 
 static void put_u32(unsigned char *p, uint32_t v) {
@@ -669,6 +735,8 @@ static PyMethodDef methods[] = {
      "Where records start in encode_records' buffer (protocol/journal.py's record_offsets_pure)."},
     {"encode_run", encode_run, METH_VARARGS,
      "encode_records of a run of one term's fixed-size messages (protocol/journal.py's encode_run_pure)."},
+    {"crc32", crc32_either, METH_VARARGS,
+     "CRC-32/IEEE of bytes (as zlib.crc32), folded by carry-less multiplication if asked and able."},
     {"encode_records", encode_records, METH_O,
      "Many (seq, term, message) records as one contiguous buffer (docs/journal-format.md)."},
     {NULL, NULL, 0, NULL},

@@ -78,6 +78,26 @@ def test_the_c_crc_is_zlibs_at_every_length(message):
 
 
 @compiled
+@given(st.binary(max_size=600))
+def test_both_ways_of_the_c_crc_are_zlibs(data):
+    """Folded by carry-less multiplication (where the processor can: the records' path) and sliced
+    by eight (the others', and every block's tail), at every length and for any bytes."""
+    from tape.protocol import _speedups
+
+    assert _speedups.crc32(data, True) == _speedups.crc32(data, False) == zlib.crc32(data)
+
+
+@compiled
+def test_the_folded_crc_is_zlibs_for_every_length_of_tail():
+    """Each count of whole blocks (1 to 8) with each tail (0 to 15 bytes) after it."""
+    from tape.protocol import _speedups
+
+    data = bytes(range(256)) * 2
+    for n in range(16, 16 * 9 + 16):
+        assert _speedups.crc32(data[:n], True) == zlib.crc32(data[:n]), n
+
+
+@compiled
 @pytest.mark.parametrize("bad, c_error, pure_error", [
     ((1, 1, bytes(fmt.MAX_MESSAGE + 1)), ValueError, ValueError),  # longer than a length field allows
     ((-1, 1, b"x"), OverflowError, struct.error),  # seqs and terms are unsigned 64-bit
