@@ -68,15 +68,22 @@ def _leader(cfg, node, frames: list[bytes], n: int, out) -> None:
                     writer.close()
                     return time.perf_counter() - t0
 
+    async def within_limit() -> float:
+        async with asyncio.timeout(LEADER_TIMEOUT_S):  # not wait_for (node/process.py `within`)
+            return await run()
+
     try:
-        out.send(asyncio.run(asyncio.wait_for(run(), LEADER_TIMEOUT_S)))
+        out.send(asyncio.run(within_limit()))
     except BaseException as e:  # the parent reports it
         out.send(e)
 
 
 def bench_endpoint(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -> EndpointRun:
+    """`n` messages in appends of `batch` through the endpoint (module docstring); raises unless
+    the follower journaled them all and acknowledged the last."""
     root = Path(tempfile.mkdtemp(prefix="tape-bench-endpoint-"))
     cores = os.sched_getaffinity(0)
+    journal = None
     try:
         cfg = parse(tomllib.loads(default_toml(root, sequencers=1, rewinders=1, clients=1, free=True,
                                                 keys=new_keys(1))))
@@ -93,6 +100,8 @@ def bench_endpoint(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -
         return asyncio.run(_serve_while(cfg, follower, voter, frames, n, ours, theirs))
     finally:
         os.sched_setaffinity(0, cores)
+        if journal is not None:
+            journal.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -103,6 +112,7 @@ async def _serve_while(cfg, node, voter: Voter, frames, n, ours, theirs) -> Endp
                                                         daemon=True)
     before, fsyncs = resource.getrusage(resource.RUSAGE_SELF), voter.journal.fsyncs
     child.start()
+    theirs.close()  # the child's end is the child's alone: its death ends our recv (EOFError)
     try:
         got = await asyncio.get_running_loop().run_in_executor(None, ours.recv)
     finally:
