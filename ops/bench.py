@@ -210,19 +210,28 @@ def bench_rewinder(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -
     return n / secs
 
 
-def bench_stream(rates: list[float], seconds: float, sequencer_only: bool = False, standby: bool = False) -> None:
+def bench_stream(rates: list[float], seconds: float, sequencer_only: bool = False, standby: bool = False,
+                 n: int = 1_000_000, endpoint: bool = False) -> None:
     import json as _json
 
     from tape.ops.local import LocalCluster
 
     console = Console()
-    table = Table(title=f"tape bench stream: sequencer alone, one core, 1,000,000 messages{_timed_by()}")
+    table = Table(title=f"tape bench stream: sequencer alone, one core, {n:,} messages{_timed_by()}")
     table.add_column("journal fsync")
     table.add_column("msg/s stamped, journaled, published", justify="right")
     for policy in ("never", "batch"):
-        table.add_row(policy, f"{bench_sequencer(fsync=policy):,.0f}")
-    table.add_row("batch, with keys (as tape up runs)", f"{bench_sequencer(fsync='batch', keys=True):,.0f}")
+        table.add_row(policy, f"{bench_sequencer(n, fsync=policy):,.0f}")
+    table.add_row("batch, with keys (as tape up runs)", f"{bench_sequencer(n, fsync='batch', keys=True):,.0f}")
+    if endpoint:
+        from tape.ops.bench_leader import bench_leader
+
+        run = bench_leader(n)
+        table.add_row("batch, with keys: the process as it runs", f"{run.rate:,.0f}")
     console.print(table)
+    if endpoint:
+        console.print(f"the sequencer process: {run.cpu_us:.2f} us of CPU a message, {run.fsyncs:,} fsyncs, "
+                      f"told its client to back off {run.backoffs:,} times")
     if sequencer_only:
         return
     who = "leader + standby" if standby else "sequencer"

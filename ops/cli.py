@@ -47,7 +47,8 @@ def _bench_stream(args) -> int:
     from tape.ops.bench import bench_stream, set_clock
 
     set_clock(args.clock)
-    bench_stream([float(r) for r in args.rates.split(",")], args.seconds, args.sequencer_only, args.standby)
+    bench_stream([float(r) for r in args.rates.split(",")], args.seconds, args.sequencer_only, args.standby,
+                 args.messages, args.endpoint)
     return 0
 
 
@@ -594,12 +595,18 @@ def _add_bench(sub) -> None:
     _add_clock(bp)
     bp.set_defaults(func=_bench_protocol)
     bs = bsub.add_parser("stream", help="sequencer alone, then the local cluster at several rates",
-                         description="Messages/s of the sequencer alone on one core, then achieved rate and "
-                                     "submit-to-sequenced latency of sequencer + 2 rewinders + load on loopback.")
+                         description="Messages/s of the sequencer's work alone on one core (a loop over its core, "
+                                     "journal and sends), with --endpoint also of the sequencer process as it runs; "
+                                     "then achieved rate and submit-to-sequenced latency of sequencer + 2 rewinders + "
+                                     "load on loopback.")
     bs.add_argument("--rates", default="25000,50000,100000,150000", help="comma-separated target rates")
     bs.add_argument("--seconds", type=float, default=5.0, help="seconds per rate (default 5)")
     bs.add_argument("--sequencer-only", action="store_true", help="only the single-core sequencer measurement")
     bs.add_argument("--standby", action="store_true", help="run a standby sequencer too (4 voters, majority 3)")
+    bs.add_argument("--messages", type=int, default=1_000_000, help="messages of each single-core measurement "
+                    "(default 1000000)")
+    bs.add_argument("--endpoint", action="store_true", help="also time the real sequencer process on one core, "
+                    "leading alone (with keys, fsync a batch), its client and listener on the other core")
     _add_clock(bs)
     bs.set_defaults(func=_bench_stream)
     br = bsub.add_parser("replica", help="decode + apply rate of one replica on one core",

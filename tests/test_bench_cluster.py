@@ -96,6 +96,29 @@ def test_the_endpoint_bench_fails_when_the_last_message_is_not_journaled(monkeyp
         bench_follower.bench_endpoint(n=1_000, batch=100)
 
 
+def test_bench_stream_times_the_sequencer_process_as_it_runs():
+    """--endpoint: the real sequencer leading alone, its client on the other core; the figure
+    counts from the first batch sent to the last message published."""
+    out = subprocess.run(TAPE + ["bench", "stream", "--sequencer-only", "--endpoint", "--messages", "5000"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = re.search(r"the sequencer process: ([\d.]+) us of CPU a message, ([\d,]+) fsyncs",
+                     " ".join(out.stdout.split()))
+    assert said and float(said[1]) > 0 and int(said[2].replace(",", "")) >= 1, out.stdout
+
+
+def test_the_sequencer_process_bench_fails_when_a_batch_never_arrives(monkeypatch):
+    """A batch lost on the way holds every later one (the client seqs have a gap): the run
+    raises rather than time the messages before it."""
+    from tape.ops import bench_leader
+
+    real = bench_leader._batches
+    monkeypatch.setattr(bench_leader, "_batches", lambda *args: (lambda b: b[:3] + b[4:])(real(*args)))
+    monkeypatch.setattr(bench_leader, "STALL_S", 2.0)
+    with pytest.raises(RuntimeError, match="nothing sequenced for 2 s at client seq"):
+        bench_leader.bench_leader(n=5_000)
+
+
 @pytest.mark.parametrize("keys", [False, True])
 def test_bench_sequencer_sequences_every_message_with_keys_or_without(keys):
     """The leader's path on one core, also as `tape up` runs it (client MACs checked, packets
