@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from tape.node.batchio import recv_datagrams, send_datagrams
 from tape.node.transport import multicast_receiver, udp_socket
-from tape.ops.local import LocalCluster, parse_metrics
+from tape.ops.local import LocalCluster, parse_metrics, task_cpu_seconds
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages, moldudp64
 from tape.sequencer.client_core import ClientCore
@@ -38,17 +38,6 @@ class LeaderRun(NamedTuple):
     cpu_us: float  # the leader process's CPU (all its threads) a message
     fsyncs: int  # the leader journal's fsyncs in the run
     backoffs: int  # times the leader told the client to back off (it was sent more than it took)
-
-
-def task_cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of `pid` so far (/proc/PID/task/*/schedstat, its first field)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except FileNotFoundError:
-            continue  # a thread that ended meanwhile
-    return total / 1e9
 
 
 def bench_leader(n: int = 1_000_000) -> LeaderRun:

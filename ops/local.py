@@ -215,11 +215,21 @@ def run_delay_seconds(pid: int | str = "self") -> float | None:
     """Seconds the threads of process `pid` have waited on a run queue, ready but without a core
     (/proc/PID/task/*/schedstat, its second field); None if the process is gone or the kernel
     does not keep it."""
+    return _schedstat_seconds(pid, 1)
+
+
+def task_cpu_seconds(pid: int | str = "self") -> float | None:
+    """Seconds the threads of process `pid` have run, in nanoseconds' precision
+    (/proc/PID/task/*/schedstat, its first field); None as for run_delay_seconds."""
+    return _schedstat_seconds(pid, 0)
+
+
+def _schedstat_seconds(pid: int | str, field: int) -> float | None:
     total = 0
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
-                total += int((task / "schedstat").read_text().split()[1])
+                total += int((task / "schedstat").read_text().split()[field])
             except FileNotFoundError:
                 continue  # a thread that ended meanwhile
     except OSError:
