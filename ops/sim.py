@@ -528,7 +528,7 @@ class Listener:
 
     def send_alerts(self, action: SendAlerts) -> None:
         if action.alerts and self.replica.linked:
-            self.sim.send_ordered(self.name, EMITTER, ("alerts", [a.encode() for a in action.alerts]))
+            self.sim.send_ordered(self.name, EMITTER, ("alerts", list(action.alerts)))
 
 
 class Emitter:
@@ -916,7 +916,7 @@ class Sim:
             raise Violation("replicas that applied the same log have different digests")
         decoded = [(i + 1, M.SEQUENCED.unpack(m)) for i, m in enumerate(replicas[0].delivered)]
         want, _ = expected_alerts(decoded, 2000 * MS, 500 * MS)
-        got = [(a.emit_seq, a.purchase_seq, a.cumulative) for a in replicas[0].alerts]
+        got = [(a.emit_seq, a.purchase_seq, a.cumulative) for a in map(Alert.decode, replicas[0].alerts)]
         if got != [(a["emit_seq"], a["purchase_seq"], a["cumulative"]) for a in want]:
             raise Violation("the replicas' alerts differ from those recomputed from the log")
         delivered = [(r["emit_seq"], r["purchase_seq"], r["cumulative"]) for r in self.emitter.sink]

@@ -623,7 +623,7 @@ static PyTypeObject ExpiryQueueType = {
 
 typedef struct {  /* one apply_fast call's context */
     BookTable *t;
-    PyObject *orphans, *alert_type, *alerts;
+    PyObject *orphans, *alerts;
     ExpiryQueue *expiry;
     uint64_t book_ttl, next_expiry;
     int expiry_empty;
@@ -653,41 +653,15 @@ static int effect(Run *r, char code) {
     return at == NULL ? -1 : 0;
 }
 
-#define ALERT_FIELDS 9
-
-/* An Alert (a NamedTuple: a tuple subclass without a __dict__) made as tuple.__new__ makes one, without
- * the Python-level __new__ a call of the class runs; any other alert_type is called. */
-static PyObject *new_alert(PyObject *alert_type, const PyObject *const *fields) {
-    PyTypeObject *tp = (PyTypeObject *)alert_type;
-    if (!PyType_Check(alert_type) || !PyType_IsSubtype(tp, &PyTuple_Type) || tp->tp_dictoffset != 0)
-        return PyObject_CallFunctionObjArgs(alert_type, fields[0], fields[1], fields[2], fields[3], fields[4],
-                                            fields[5], fields[6], fields[7], fields[8], NULL);
-    PyObject *a = tp->tp_alloc(tp, ALERT_FIELDS);
-    for (int i = 0; a != NULL && i < ALERT_FIELDS; i++) PyTuple_SET_ITEM(a, i, Py_NewRef((PyObject *)fields[i]));
-    return a;
-}
-
-/* The purchase that first crosses its book: the Alert, and its effect ('A' + its record). */
+/* The purchase that first crosses its book: its alert record (audit.py's Alert.encode, byte for
+ * byte), appended to the alerts, and its effect ('A' + the record). */
 static int alert(Run *r, const Book *b, const unsigned char *m, uint64_t seq, uint64_t stamp) {
-    uint64_t purchase_id = get_be64(m + AT_PURCHASE_ID);
-    PyObject *fields[ALERT_FIELDS] = {  /* Alert's order: emit seq, purchase seq, ..., stamp */
-        PyLong_FromUnsignedLongLong(seq), PyLong_FromUnsignedLongLong(seq),
-        PyLong_FromUnsignedLongLong(purchase_id), PyLong_FromUnsignedLongLong(b->order_id),
-        PyBytes_FromStringAndSize(b->client, CLIENT_LEN), PyBytes_FromStringAndSize(b->stock, STOCK_LEN),
-        PyLong_FromLongLong(b->requested), PyLong_FromLongLong(b->cumulative), PyLong_FromUnsignedLongLong(stamp)};
-    PyObject *a = NULL;
-    int made = 1;
-    for (int i = 0; i < ALERT_FIELDS; i++) made &= fields[i] != NULL;
-    if (made) a = new_alert(r->alert_type, (const PyObject *const *)fields);
-    for (int i = 0; i < ALERT_FIELDS; i++) Py_XDECREF(fields[i]);
-    int rc = a == NULL ? -1 : PyList_Append(r->alerts, a);
-    Py_XDECREF(a);
-    unsigned char *rec = rc < 0 ? NULL : (unsigned char *)effect_space(r, 1 + ALERT_RECORD);
+    unsigned char *rec = (unsigned char *)effect_space(r, 1 + ALERT_RECORD);
     if (rec == NULL) return -1;
     rec[0] = 'A';
-    put_be64(rec + 1, seq);
-    put_be64(rec + 9, seq);
-    put_be64(rec + 17, purchase_id);
+    put_be64(rec + 1, seq);  /* emit seq */
+    put_be64(rec + 9, seq);  /* purchase seq */
+    put_be64(rec + 17, get_be64(m + AT_PURCHASE_ID));
     put_be64(rec + 25, b->order_id);
     put_be64(rec + 33, (uint64_t)b->requested);
     memcpy(rec + 41, b->client, CLIENT_LEN);
@@ -695,7 +669,10 @@ static int alert(Run *r, const Book *b, const unsigned char *m, uint64_t seq, ui
     put_be64(rec + 65, (uint64_t)b->cumulative);
     put_be64(rec + 73, stamp);
     put_be64(rec + 81, 0);
-    return 0;
+    PyObject *record = PyBytes_FromStringAndSize((const char *)rec + 1, ALERT_RECORD);
+    int rc = record == NULL ? -1 : PyList_Append(r->alerts, record);
+    Py_XDECREF(record);
+    return rc;
 }
 
 /* A purchase that fills its open book (crossing it or not); 1 if applied, 0 if the rules must take it
@@ -741,26 +718,26 @@ static int request(Run *r, const unsigned char *m, uint64_t seq, uint64_t stamp)
 }
 
 /* apply_fast(books, codes, book_expiry, orphans, book_ttl, now, orphans_due, packet, index, end,
- *            seq, alert_type, alerts) -> (applied, now): alerts raised are appended to `alerts`.
+ *            seq, alerts) -> (applied, now): the records of the alerts raised are appended to `alerts`.
  * orphans_due: when the first orphan expires (2^64 - 1: none); the books' first expiry is read here
  * from their queue (handed over from Python it built a tuple a packet). */
 static PyObject *apply_fast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     /* (Its arguments read one by one, not by a format: a replica calls it at least once a packet, and
-     * PyArg_ParseTuple's thirteen conversions were ~3,000 of the ~55,000 instructions of a packet's
+     * PyArg_ParseTuple's conversions were ~3,000 of the ~55,000 instructions of a packet's
      * way through a replica, callgrind.) */
     Run r = {0};
     PyObject *codes;
     unsigned long long book_ttl, now, next_due, seq;
     Py_buffer pkt;
     Py_ssize_t index, end, n = 0;
-    if (nargs != 13) return PyErr_Format(PyExc_TypeError, "apply_fast takes 13 arguments (%zd given)", nargs);
+    if (nargs != 12) return PyErr_Format(PyExc_TypeError, "apply_fast takes 12 arguments (%zd given)", nargs);
     if (!Py_IS_TYPE(args[0], &BookTableType) || !PyByteArray_Check(args[1]) || !Py_IS_TYPE(args[2], &ExpiryQueueType)
-        || !PyDict_Check(args[3]) || !PyList_Check(args[12])) {
+        || !PyDict_Check(args[3]) || !PyList_Check(args[11])) {
         PyErr_SetString(PyExc_TypeError, "apply_fast: books, codes, book_expiry, orphans or alerts of another type");
         return NULL;
     }
     r.t = (BookTable *)args[0], codes = args[1], r.expiry = (ExpiryQueue *)args[2], r.orphans = args[3];
-    r.alert_type = args[11], r.alerts = args[12];
+    r.alerts = args[11];
     book_ttl = PyLong_AsUnsignedLongLong(args[4]), now = PyLong_AsUnsignedLongLong(args[5]);
     next_due = PyLong_AsUnsignedLongLong(args[6]), seq = PyLong_AsUnsignedLongLong(args[10]);
     index = PyLong_AsSsize_t(args[8]), end = PyLong_AsSsize_t(args[9]);

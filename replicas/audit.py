@@ -193,17 +193,18 @@ class AuditMachine:
 
     # --- applying ---------------------------------------------------------------------
 
-    def apply(self, seq: int, msg: tuple) -> list[Alert]:
-        """Apply one decoded sequenced message; returns the alerts it raised."""
+    def apply(self, seq: int, msg: tuple) -> list[bytes]:
+        """Apply one decoded sequenced message; returns the records of the alerts it raised
+        (`Alert.encode`: what the alert link carries, the outbox holds and a snapshot keeps)."""
         if seq != self.last_seq + 1:
             raise InvariantViolation(f"applying seq {seq} after {self.last_seq}")
         return self.apply_run(seq, [msg])
 
-    def apply_run(self, first_seq: int, msgs: list) -> list[Alert]:
+    def apply_run(self, first_seq: int, msgs: list) -> list[bytes]:
         """Apply consecutive decoded messages from first_seq."""
         if first_seq != self.last_seq + 1:
             raise InvariantViolation(f"applying seq {first_seq} after {self.last_seq}")
-        out: list[Alert] = []
+        out: list[bytes] = []
         start = 0
         while start < len(msgs):
             # Runs end at fold points (seq multiples of DIGEST_BLOCK), where the digest chain folds.
@@ -215,7 +216,7 @@ class AuditMachine:
             start = end
         return out
 
-    def apply_packet(self, first_seq: int, packet: bytes, skip: int = 0) -> list[Alert]:
+    def apply_packet(self, first_seq: int, packet: bytes, skip: int = 0) -> list[bytes]:
         """Apply a delivered packet's messages from number `skip` (at first_seq) on: the replica's
         path. Compiled, most of them never become Python objects: the C applies the common cases
         and hands each other message to the rules here (`_apply`), then goes on."""
@@ -223,7 +224,7 @@ class AuditMachine:
             return self.apply_run(first_seq, messages.decode_delivered(packet, skip))
         if first_seq != self.last_seq + 1:
             raise InvariantViolation(f"applying seq {first_seq} after {self.last_seq}")
-        out: list[Alert] = []
+        out: list[bytes] = []
         orphan_expiry = self._orphan_expiry  # (the books' first expiry the C reads from their queue)
         index, total = skip, (len(packet) - HEADER_SIZE) // messages.SEQUENCED_BLOCK_SIZE
         while index < total:
@@ -235,7 +236,7 @@ class AuditMachine:
                     done, self.now_ns = apply_fast(self.books, self._codes, self._book_expiry,
                                                    self.orphans, self.book_ttl_ns, self.now_ns,
                                                    orphan_expiry[0][0] if orphan_expiry else _NEVER,
-                                                   packet, index, end, seq, Alert, out)
+                                                   packet, index, end, seq, out)
                 except Exception as e:  # (out of memory): what it applied of the run is not known
                     raise InvariantViolation(f"the compiled audit failed at seq {seq}: {e!r}") from e
                 index, seq = index + done, seq + done
@@ -322,10 +323,10 @@ class AuditMachine:
     def _alert(self, seq: int, m: tuple, book: list, emit_seq: int, out: list) -> None:
         book[5] = True
         self.books[m[1]] = book
-        alert = Alert(emit_seq, seq, m[5], m[1], m[3], m[4], book[0], book[1], m[6])
+        record = Alert(emit_seq, seq, m[5], m[1], m[3], m[4], book[0], book[1], m[6]).encode()
         self.alerts_raised += 1
-        self._effect(_ALERT + alert.encode())
-        out.append(alert)
+        self._effect(_ALERT + record)
+        out.append(record)
 
     def _request(self, seq: int, m: tuple, out: list) -> None:
         order_id, shares = m[1], m[2]

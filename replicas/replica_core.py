@@ -4,7 +4,8 @@ Events in: in-order runs of committed messages (a listener's Deliver), the emitt
 acks on the alert channel, the channel's loss, the time, the stream's state.
 Actions out, carried out by the shell (replicas/runtime.py):
 
-    SendAlerts(alerts)   write them to the alert channel, in emit-seq order
+    SendAlerts(alerts)   write them (their records, `Alert.encode`) to the alert channel, in
+                         emit-seq order
     SendDigest(fold_seq, chain)  the digest chain at the last fold point crossed,
                          to the alert channel (the emitter compares replicas)
     Snapshot()           save the machine and the outbox to LMDB, atomically
@@ -28,7 +29,7 @@ from tape.protocol.limits import REPLAY_BEHIND
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE, SESSION_END
 from tape.protocol.moldudp64 import HEADER_SIZE
 from tape.protocol.receiver import Deliver, StreamReceiver
-from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine
+from tape.replicas.audit import ALERT_SIZE, DIGEST_BLOCK, AuditMachine
 
 
 @dataclass(slots=True)  # (not frozen: made for most packets, and a frozen one's __init__ costs 3x)
@@ -56,10 +57,10 @@ ReplicaAction = SendAlerts | SendDigest | Snapshot | Exit
 
 
 class ReplicaCore:
-    def __init__(self, machine: AuditMachine, outbox: list[Alert], snapshot_every: int, snapshot_ns: int,
+    def __init__(self, machine: AuditMachine, outbox: list[bytes], snapshot_every: int, snapshot_ns: int,
                  exit_on_end: bool, now_ns: int):
         self.machine = machine
-        self.outbox: deque[Alert] = deque(outbox)
+        self.outbox: deque[bytes] = deque(outbox)  # alert records
         self.snapshot_every = snapshot_every
         self.snapshot_ns = snapshot_ns
         self.exit_on_end = exit_on_end
@@ -77,7 +78,7 @@ class ReplicaCore:
         sent together up to each fold point's digest."""
         machine = self.machine
         out: list[ReplicaAction] = []
-        alerts: list[Alert] = []
+        alerts: list[bytes] = []
         before = machine.last_seq
         for run in runs:
             first_seq, packet, skip = run.first_seq, run.packet, run.skip
@@ -101,7 +102,7 @@ class ReplicaCore:
             out.append(Snapshot())
         return out
 
-    def _raised(self, alerts: list[Alert], out: list[ReplicaAction]) -> None:
+    def _raised(self, alerts: list[bytes], out: list[ReplicaAction]) -> None:
         if alerts:
             self.outbox.extend(alerts)
             if self.linked:
@@ -115,8 +116,11 @@ class ReplicaCore:
 
     def on_ack(self, mark: int) -> None:
         self.acked = max(self.acked, mark)
+        # A record starts with its emit seq, u64 big-endian: it sorts at or below this bound exactly
+        # when its emit seq is at or below the mark (one comparison a record, nothing decoded).
+        bound = mark.to_bytes(8, "big") + b"\xff" * (ALERT_SIZE - 8)
         q = self.outbox
-        while q and q[0].emit_seq <= mark:
+        while q and q[0] <= bound:
             q.popleft()
 
     def on_link_lost(self) -> None:

@@ -37,7 +37,7 @@ from tape.protocol.moldudp64 import HEADER_SIZE, MAX_BLOCKS
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.receiver import Deliver
 from tape.protocol.streamauth import sealed_ranges
-from tape.replicas.audit import ALERT_SIZE, DIGEST_BLOCK, Alert, AuditMachine
+from tape.replicas.audit import ALERT_SIZE, DIGEST_BLOCK, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
 from tape.replicas.snapshot import SaveJob, move_aside, open_verified
 
@@ -79,7 +79,7 @@ class Replica(NodeProcess):
             self.data / "lmdb", lambda: AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9)), log)
         self.discarded = self.discarded or discarded
         self.resumed_from = self.machine.last_seq
-        outbox = [Alert.decode(raw[i:i + ALERT_SIZE]) for i in range(0, len(raw), ALERT_SIZE)]
+        outbox = [raw[i:i + ALERT_SIZE] for i in range(0, len(raw), ALERT_SIZE)]
         self.core = ReplicaCore(self.machine, outbox, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000,
                                 self.exit_on_end, time.monotonic_ns())
         self.listener = StreamListener(cfg, cfg.interface_of(self.node), self._deliver, self.drop, self.seed,
@@ -200,7 +200,7 @@ class Replica(NodeProcess):
         for a in actions:
             if isinstance(a, SendAlerts):
                 if self._writer is not None and a.alerts:
-                    self._send(b"".join(alertlink.alert(x.encode()) for x in a.alerts))
+                    self._send(b"".join(map(alertlink.alert, a.alerts)))
             elif isinstance(a, SendDigest):
                 if self._writer is not None:
                     self._send(alertlink.digest(a.fold_seq, a.chain))
@@ -230,7 +230,7 @@ class Replica(NodeProcess):
         if self._saving is not None:
             return
         job = self.store.prepare(self.machine, {"node": self.node.name},
-                                 outbox=b"".join(a.encode() for a in self.core.outbox))
+                                 outbox=b"".join(self.core.outbox))
         self.core.snapshot_taken(time.monotonic_ns())
         self._saving = self.spawn(self._save(job))
 

@@ -6,7 +6,7 @@ from strategies import packet_of
 
 from tape.protocol import messages as M
 from tape.protocol.receiver import Deliver, StreamReceiver
-from tape.replicas.audit import AuditMachine
+from tape.replicas.audit import Alert, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
 
 MS = 1_000_000
@@ -40,13 +40,28 @@ def test_alerts_wait_in_the_outbox_until_the_channel_is_up_and_acknowledged():
     assert applied(c, 1, overfill(1, 2)) == []  # no channel yet: kept, not sent
     assert len(c.outbox) == 2
     sent, = c.on_welcome(0)  # no fold point crossed yet: no digest
-    assert [a.emit_seq for a in sent.alerts] == [2, 4]
+    assert [Alert.emit_seq_of(a) for a in sent.alerts] == [2, 4]
     actions = applied(c, 5, overfill(3, 1))
     assert actions == [SendAlerts([c.outbox[-1]])]
     c.on_ack(4)
-    assert [a.emit_seq for a in c.outbox] == [6]
+    assert [Alert.emit_seq_of(a) for a in c.outbox] == [6]
     c.on_link_lost()
     assert c.on_welcome(4)[0].alerts == list(c.outbox)  # what the emitter has not recorded goes again
+
+
+SEQS = st.integers(0, 40) | st.sampled_from([2**64 - 2, 2**64 - 1])  # marks equal to emit seqs, often
+
+
+@given(st.lists(SEQS, unique=True, max_size=20), SEQS,
+       st.sampled_from([b"\x00" * 80, b"\xff" * 80]) | st.binary(min_size=80, max_size=80))
+def test_an_ack_takes_out_exactly_the_alerts_at_or_below_its_mark(emit_seqs, mark, rest):
+    """The outbox holds records in emit-seq order; an ack removes those with an emit seq at or
+    below the mark, whatever the rest of their bytes (all 0xff included)."""
+    c = core()
+    records = [seq.to_bytes(8, "big") + rest for seq in sorted(emit_seqs)]
+    c.outbox.extend(records)
+    c.on_ack(mark)
+    assert list(c.outbox) == [r for r in records if Alert.emit_seq_of(r) > mark]
 
 
 def test_snapshots_every_n_messages_or_t_nanoseconds():
@@ -126,7 +141,7 @@ def test_a_drain_of_packets_at_once_acts_as_the_packets_one_by_one(sizes, cuts, 
             break
 
     def sent(actions):  # the alerts' emit seqs, a digest as its fold seq (negative)
-        return [x for a in actions for x in ([e.emit_seq for e in a.alerts] if isinstance(a, SendAlerts) else
+        return [x for a in actions for x in ([Alert.emit_seq_of(e) for e in a.alerts] if isinstance(a, SendAlerts) else
                                               [-a.fold_seq] if isinstance(a, SendDigest) else [])]
 
     assert sent(by_many) == sent(by_one) and (not linked or sent(by_one))
