@@ -119,6 +119,29 @@ def test_the_sequencer_process_bench_fails_when_a_batch_never_arrives(monkeypatc
         bench_leader.bench_leader(n=5_000)
 
 
+def test_bench_replica_times_the_replica_process_as_it_runs():
+    """--endpoint: the real replica on one core, a leader publishing a sealed stream and the
+    emitter on the other; the figure counts up to the last message applied."""
+    out = subprocess.run(TAPE + ["bench", "replica", "--messages", "5000", "--open-orders", "1000", "--endpoint"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    said = re.search(r"the replica process.*: ([\d,]+) msg/s checked, ordered and applied, ([\d.]+) us of CPU a "
+                     r"message, ([\d,]+) alerts sent", " ".join(out.stdout.split()))
+    assert said and float(said[2]) > 0 and int(said[3].replace(",", "")) > 0, out.stdout
+
+
+def test_the_replica_process_bench_fails_when_a_packet_never_arrives(monkeypatch):
+    """A packet lost on the way (no rewinder here to fill the gap) stops the replica short of the
+    last message: the run raises rather than time what came before it."""
+    from tape.ops import bench_replica
+
+    real = bench_replica._stream
+    monkeypatch.setattr(bench_replica, "_stream", lambda *args: (lambda p, last: (p[:5] + p[6:], last))(*real(*args)))
+    monkeypatch.setattr(bench_replica, "STALL_S", 2.0)
+    with pytest.raises(RuntimeError, match="nothing applied for 2 s at seq"):
+        bench_replica.bench_replica_endpoint(n=5_000)
+
+
 @pytest.mark.parametrize("keys", [False, True])
 def test_bench_sequencer_sequences_every_message_with_keys_or_without(keys):
     """The leader's path on one core, also as `tape up` runs it (client MACs checked, packets
