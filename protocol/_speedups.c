@@ -18,6 +18,7 @@
  *   client_seq_maxima  the highest client seq of each origin in a run of
  *                      sequenced messages (protocol/messages.py)
  *   stamp_run          a client's inbound messages stamped (messages.py)
+ *   stamp_blocks       the same, read straight from a client batch's blocks
  *   invalid_inbound    what the ingress checks reject (messages.py)
  *   verify_sealed      a stream packet's seal checked, its keyed BLAKE2b tag
  *                      recomputed (protocol/streamauth.py)
@@ -357,6 +358,40 @@ static PyObject *stamp_run(PyObject *self, PyObject *args) {
     }
 done:
     Py_XDECREF(seq_of);
+    PyBuffer_Release(&head);
+    return out;
+}
+
+/* stamp_blocks(data, first, stride, size, count, head, first_cseq): stamp_run of the `count`
+ * messages of `size` bytes that start `first` bytes into `data`, `stride` apart (a client batch's
+ * blocks), read straight from it; protocol/messages.py's stamp_blocks_pure is the definition. */
+static PyObject *stamp_blocks(PyObject *self, PyObject *args) {
+    Py_buffer data, head;
+    Py_ssize_t first, stride, size, count;
+    PyObject *first_cseq, *out = NULL;
+    if (!PyArg_ParseTuple(args, "y*nnnny*O", &data, &first, &stride, &size, &count, &head, &first_cseq)) return NULL;
+    unsigned long long cseq = PyLong_AsUnsignedLongLong(first_cseq);
+    if (cseq == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+    if (count < 0 || first < 0 || size < 0 || stride < size || (count > 0 && first + (count - 1) * stride + size > data.len)) {
+        PyErr_SetString(PyExc_ValueError, "the blocks run past the data");
+        goto done;
+    }
+    if (count > 0 && cseq > UINT64_MAX - (unsigned long long)(count - 1)) {  /* as int.to_bytes(8) would refuse */
+        PyErr_SetString(PyExc_OverflowError, "a client seq beyond 64 bits");
+        goto done;
+    }
+    out = PyList_New(count);
+    for (Py_ssize_t i = 0; out != NULL && i < count; i++, cseq++) {
+        PyObject *m = PyBytes_FromStringAndSize(NULL, size + head.len + 8);
+        if (m == NULL) { Py_CLEAR(out); break; }
+        unsigned char *p = (unsigned char *)PyBytes_AS_STRING(m);
+        memcpy(p, (const unsigned char *)data.buf + first + i * stride, (size_t)size);
+        memcpy(p + size, head.buf, (size_t)head.len);
+        put_u64(p + size + head.len, cseq);
+        PyList_SET_ITEM(out, i, m);
+    }
+done:
+    PyBuffer_Release(&data);
     PyBuffer_Release(&head);
     return out;
 }
@@ -729,6 +764,8 @@ static PyMethodDef methods[] = {
      "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
     {"invalid_inbound", invalid_inbound, METH_VARARGS, "What ingress rejects (protocol/messages.py)."},
     {"stamp_run", stamp_run, METH_VARARGS, "Inbound messages stamped (protocol/messages.py's stamp_run_pure)."},
+    {"stamp_blocks", stamp_blocks, METH_VARARGS,
+     "A batch's inbound messages stamped, read from its blocks (protocol/messages.py's stamp_blocks_pure)."},
     {"client_seq_maxima", client_seq_maxima, METH_VARARGS,
      "The highest client seq of each origin in a run of sequenced messages (protocol/messages.py)."},
     {"record_offsets", record_offsets, METH_VARARGS,

@@ -98,7 +98,9 @@ class LeaderCore:
             raise InvariantViolation(f"the log ends with {last_seq - open_range[0] + 1:,} unsealed entries (a packet "
                                      "holds fewer): keys apply from a new session (docs/security.md)")
         self._held: dict[bytes, dict[int, tuple[int, bytes]]] = {}  # client -> first cseq -> (count, batch)
-        self._pending: list = []  # (origin, first client seq, [inbound messages]) accepted, not stamped
+        # Accepted, not stamped: (origin, first client seq, (batch, skip, count)) a client batch's messages
+        # skip..count-1, or (None, 0, [sequenced message]) a control message.
+        self._pending: list = []
         self._pending_count = 0
         self._unpublished: deque = deque()  # (last seq, [packets]) stamped, not committed
         self._last_stamp_ns = last_stamp_ns  # the log's last stamp: stamps never go backwards across terms
@@ -195,16 +197,17 @@ class LeaderCore:
 
     def _accept(self, client: bytes, cseq: int, count: int, data: bytes, last: int) -> None:
         skip = last + 1 - cseq
-        msgs = messages.inbound_messages(data, skip, count)
         bad = messages.invalid_inbound(data, count)
         if bad:  # sequenced as rejects in their place: the client sees why, and its seqs go on
-            msgs = list(msgs)
+            blocks = bytearray(data)
             for i, code in bad:
                 if i >= skip:
-                    msgs[i - skip] = messages.rejected(msgs[i - skip], code)
+                    at = messages.HEADER_SIZE + i * messages.INBOUND_BLOCK_SIZE + 2
+                    blocks[at:at + messages.INBOUND_SIZE] = messages.rejected(data[at:at + messages.INBOUND_SIZE], code)
                     reason = messages.INGRESS_REJECTS[code - 1]
                     self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        self._pending.append((client, last + 1, msgs))
+            data = bytes(blocks)
+        self._pending.append((client, last + 1, (data, skip, count)))  # stamped from the batch's bytes
         self._pending_count += count - skip
         self.client_last[client] = cseq + count - 1
         self.accepted += count - skip
@@ -269,11 +272,11 @@ class LeaderCore:
         stamp = self._stamp(now_ns)
         out = []
         stamp_bytes = stamp.to_bytes(8, "big")
-        for origin, first_cseq, msgs in self._pending:
+        for origin, first_cseq, run in self._pending:
             if origin is None:
-                out.extend(msgs)  # control messages come stamped
+                out.extend(run)  # control messages come stamped
             else:
-                out.extend(messages.stamp_run(msgs, stamp_bytes + origin, first_cseq))  # stamp, origin, cseq
+                out.extend(messages.stamp_blocks(*run, stamp_bytes + origin, first_cseq))  # stamp, origin, cseq
         self._pending = []
         self._pending_count = 0
         if self.keys is not None:

@@ -161,6 +161,29 @@ def test_c_and_pure_stamp_the_same_messages(msgs, head, first_cseq):
     assert M.stamp_run(msgs, head, first_cseq) == want
 
 
+@compiled
+@given(st.lists(st.binary(min_size=49, max_size=49), max_size=30), st.data(), st.binary(min_size=18, max_size=18),
+       st.one_of(st.integers(0, 2**20), st.integers(2**64 - 40, 2**64 - 1)))
+def test_c_and_pure_stamp_a_batchs_messages_from_its_blocks(msgs, data, head, first_cseq):
+    batch = moldudp64.encode_packet(b"client1   ", 1, msgs) if msgs else bytes(moldudp64.HEADER_SIZE)
+    skip = data.draw(st.integers(0, len(msgs)))
+    try:
+        want = M.stamp_blocks_pure(batch, skip, len(msgs), head, first_cseq)
+    except OverflowError:  # client seqs past 64 bits: both refuse
+        with pytest.raises(OverflowError):
+            M.stamp_blocks(batch, skip, len(msgs), head, first_cseq)
+        return
+    assert M.stamp_blocks(batch, skip, len(msgs), head, first_cseq) == want
+    assert want == M.stamp_run_pure(msgs[skip:], head, first_cseq)
+
+
+@compiled
+def test_stamping_from_blocks_refuses_blocks_past_the_batch():
+    batch = moldudp64.encode_packet(b"client1   ", 1, [bytes(49)] * 3)
+    with pytest.raises(ValueError, match="past the data"):
+        M.stamp_blocks(batch[:-1], 0, 3, bytes(18), 1)
+
+
 INBOUND = st.builds(lambda kind, order, shares, text, pid: M.INBOUND.pack(kind, order, shares, text[:16], text[16:],
                                                                            pid),
                     st.sampled_from(M.CLIENT_TYPES), st.integers(0, 2**64 - 1),
