@@ -2,6 +2,8 @@ import hashlib
 import hmac
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
@@ -257,6 +259,28 @@ def test_clients_sharing_one_read_of_each_packet_see_what_each_sees_reading_alon
         assert not theirs.unacked
     assert shared[A].acked == 2 and shared[A].rejected == [(2, "shares_out_of_range")] and shared[B].acked == 3
     assert shared[A].leader == shared[B].leader == b"seq-a     "
+
+
+INBOUND_MSGS = st.lists(st.builds(
+    lambda kind, shares, text: msg.INBOUND.pack(kind, 7, shares, text[:16], text[16:], 9),
+    st.sampled_from(msg.CLIENT_TYPES), st.sampled_from([1, -5, 2**62, -2**62, msg.SHARES_LIMIT - 1]),
+    st.sampled_from([b"X".ljust(24), b"X\xff".ljust(24), bytes(24)])), min_size=1, max_size=20)
+
+
+@given(INBOUND_MSGS, st.data())
+def test_a_batch_is_stamped_from_its_bytes_as_its_messages_one_by_one(msgs, data):
+    """Whatever part of a batch an earlier one overlapped (a resend) and whichever of its messages
+    ingress rejects: the entries are the messages after the overlap, each rejected in its place
+    or as sent, stamped with the batch's stamp, origin and client seq (the definitions)."""
+    seen = data.draw(st.integers(0, len(msgs) - 1))  # client seqs 1..seen arrived before
+    core, _ = leader()
+    if seen:
+        assert core.on_inbound(m.encode_packet(A, 1, msgs[:seen]), 1) is None
+        core.flush(1)
+    assert core.on_inbound(m.encode_packet(A, 1, msgs), 2) is None
+    bad = dict(msg.invalid_inbound_pure(m.encode_packet(A, 1, msgs), len(msgs)))
+    want = [msg.rejected(x, bad[i]) if i in bad else x for i, x in enumerate(msgs)][seen:]
+    assert core.flush(200).messages == msg.stamp_run_pure(want, (200).to_bytes(8, "big") + A, seen + 1)
 
 
 def test_what_the_rules_cannot_apply_is_sequenced_as_a_reject_the_client_sees():
