@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from tape.node.batchio import recv_datagrams, send_datagrams
 from tape.node.transport import multicast_receiver, udp_socket
-from tape.ops.local import LocalCluster, parse_metrics, task_cpu_seconds
+from tape.ops.local import LocalCluster, Stall, parse_metrics, task_cpu_seconds
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages, moldudp64
 from tape.sequencer.client_core import ClientCore
@@ -85,21 +85,15 @@ def _run(cluster: LocalCluster, n: int) -> LeaderRun:
     before = _counters(cluster)
     try:
         cpu0, t0 = task_cpu_seconds(pid), time.perf_counter()
-        sent = acked = 0
-        progress = t0
-        while acked < n:
-            while sent < len(batches) and ends[sent] - acked <= WINDOW_MESSAGES:
+        sent, acked = 0, Stall(cluster, STALL_S, "sequenced", "client seq")
+        while acked.value < n:
+            while sent < len(batches) and ends[sent] - acked.value <= WINDOW_MESSAGES:
                 chunk = batches[sent:sent + SEND_CHUNK]
                 send_datagrams(out, chunk, inbound)
                 sent += len(chunk)
             select.select([stream], [], [], 0.1)
-            for packet in recv_datagrams(stream, 256):
-                top = messages.client_seq_maxima(memoryview(packet)[moldudp64.HEADER_SIZE:], 2).get(origin, 0)
-                if top > acked:
-                    acked, progress = top, time.perf_counter()
-            if time.perf_counter() - progress > STALL_S:
-                cluster.check_running()
-                raise RuntimeError(f"nothing sequenced for {STALL_S:.0f} s at client seq {acked:,} of {n:,}")
+            acked.saw(max((messages.client_seq_maxima(memoryview(packet)[moldudp64.HEADER_SIZE:], 2).get(origin, 0)
+                           for packet in recv_datagrams(stream, 256)), default=0), n)
         seconds, cpu = time.perf_counter() - t0, task_cpu_seconds(pid) - cpu0
     finally:
         stream.close()

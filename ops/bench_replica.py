@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from tape.node.batchio import send_datagrams
 from tape.node.transport import multicast_sender
-from tape.ops.local import LocalCluster, parse_metrics, task_cpu_seconds
+from tape.ops.local import LocalCluster, Stall, parse_metrics, task_cpu_seconds
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import moldudp64
 from tape.protocol.streamauth import StreamKeys
@@ -96,15 +96,10 @@ def _run(cluster: LocalCluster, packets: list[bytes], last_seq: int, n: int) -> 
                 sent += SEND_CHUNK
             else:
                 time.sleep(0.0005)
-        applied, progress = 0, time.perf_counter()
-        while applied < last_seq:
+        applied = Stall(cluster, STALL_S, "applied", "seq")
+        while applied.value < last_seq:
             time.sleep(POLL_S)
-            now_applied = int(_applied(cluster))
-            if now_applied > applied:
-                applied, progress = now_applied, time.perf_counter()
-            elif time.perf_counter() - progress > STALL_S:
-                cluster.check_running()
-                raise RuntimeError(f"nothing applied for {STALL_S:.0f} s at seq {applied:,} of {last_seq:,}")
+            applied.saw(int(_applied(cluster)), last_seq)
         seconds, cpu = time.perf_counter() - t0, task_cpu_seconds(pid) - cpu0
     finally:
         sock.close()

@@ -202,6 +202,23 @@ class LocalCluster:
         return self.logs[name].with_suffix(".out").read_text()
 
 
+class Stall:
+    """A bench's guard: the highest count seen so far, and a RuntimeError once it has not risen for
+    `limit` seconds (a run that cannot finish stops by itself, saying where it stood)."""
+
+    def __init__(self, cluster: LocalCluster, limit: float, what: str, unit: str):
+        self.cluster, self.limit, self.what, self.unit = cluster, limit, what, unit
+        self.value, self.at = 0, time.monotonic()
+
+    def saw(self, value: int, of: int) -> None:
+        now = time.monotonic()
+        if value > self.value:
+            self.value, self.at = value, now
+        elif now - self.at > self.limit:
+            self.cluster.check_running()
+            raise RuntimeError(f"nothing {self.what} for {self.limit:.0f} s at {self.unit} {self.value:,} of {of:,}")
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
