@@ -591,15 +591,8 @@ def _add_clock(parser) -> None:
                              "time, for a busy host: what the code costs, not what the host gives")
 
 
-def _add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="measure throughput", description="Benchmarks (figures, not pass/fail).")
-    bsub = bench.add_subparsers(dest="bench_command", metavar="TARGET", required=True)
-    bp = bsub.add_parser("protocol", help="encode, decode and journal-append rates on one core",
-                         description="Messages/s for packing, decoding and journaling trade messages.")
-    bp.add_argument("--messages", type=int, default=1_000_000, help="messages per measurement (default 1000000)")
-    bp.add_argument("--batch", type=int, default=1000, help="messages per journal append (default 1000)")
-    _add_clock(bp)
-    bp.set_defaults(func=_bench_protocol)
+def _add_bench_roles(bsub) -> None:
+    """Each role's benchmark: its work on one core, and with --endpoint its process as it runs."""
     bs = bsub.add_parser("stream", help="sequencer alone, then the local cluster at several rates",
                          description="Messages/s of the sequencer's work alone on one core (a loop over its core, "
                                      "journal and sends), with --endpoint also of the sequencer process as it runs; "
@@ -639,6 +632,18 @@ def _add_bench(sub) -> None:
                     "(default batch)")
     _add_clock(bw)
     bw.set_defaults(func=_bench_rewinder)
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="measure throughput", description="Benchmarks (figures, not pass/fail).")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="TARGET", required=True)
+    bp = bsub.add_parser("protocol", help="encode, decode and journal-append rates on one core",
+                         description="Messages/s for packing, decoding and journaling trade messages.")
+    bp.add_argument("--messages", type=int, default=1_000_000, help="messages per measurement (default 1000000)")
+    bp.add_argument("--batch", type=int, default=1000, help="messages per journal append (default 1000)")
+    _add_clock(bp)
+    bp.set_defaults(func=_bench_protocol)
+    _add_bench_roles(bsub)
     bf = bsub.add_parser("failover", help="failover time over repeated kill-leader drills",
                          description="Run --runs kill-leader drills and report the failover time (the old leader's "
                                      "last stamp to the new leader's term start): p50, min and max.")
