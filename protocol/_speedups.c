@@ -17,8 +17,8 @@
  *                      object per record
  *   client_seq_maxima  the highest client seq of each origin in a run of
  *                      sequenced messages (protocol/messages.py)
- *   stamp_run          a client's inbound messages stamped (messages.py)
- *   stamp_blocks       the same, read straight from a client batch's blocks
+ *   stamp_blocks       a client batch's messages stamped, read straight from
+ *                      its blocks (messages.py)
  *   invalid_inbound    what the ingress checks reject (messages.py)
  *   verify_sealed      a stream packet's seal checked, its keyed BLAKE2b tag
  *                      recomputed (protocol/streamauth.py)
@@ -323,48 +323,10 @@ done:
     return out;
 }
 
-/* stamp_run(msgs, head, first_cseq): each inbound message + head (stamp, origin) + its client
- * seq, big-endian; protocol/messages.py's stamp_run_pure is the definition. */
-static PyObject *stamp_run(PyObject *self, PyObject *args) {
-    PyObject *msgs, *first;
-    Py_buffer head;
-    if (!PyArg_ParseTuple(args, "Oy*O", &msgs, &head, &first)) return NULL;
-    PyObject *seq_of = PySequence_Fast(msgs, "msgs must be a sequence of bytes"), *out = NULL;
-    if (seq_of == NULL) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq_of);
-    unsigned long long cseq = PyLong_AsUnsignedLongLong(first);
-    if (cseq == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-    if (n > 0 && cseq > UINT64_MAX - (unsigned long long)(n - 1)) {  /* as int.to_bytes(8) would refuse */
-        PyErr_SetString(PyExc_OverflowError, "a client seq beyond 64 bits");
-        goto done;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(seq_of);
-    out = PyList_New(n);
-    if (out == NULL) goto done;
-    for (Py_ssize_t i = 0; i < n; i++, cseq++) {
-        if (!PyBytes_Check(items[i])) {
-            PyErr_SetString(PyExc_TypeError, "an inbound message is bytes");
-            Py_CLEAR(out);
-            goto done;
-        }
-        Py_ssize_t len = PyBytes_GET_SIZE(items[i]);
-        PyObject *m = PyBytes_FromStringAndSize(NULL, len + head.len + 8);
-        if (m == NULL) { Py_CLEAR(out); goto done; }
-        unsigned char *p = (unsigned char *)PyBytes_AS_STRING(m);
-        memcpy(p, PyBytes_AS_STRING(items[i]), (size_t)len);
-        memcpy(p + len, head.buf, (size_t)head.len);
-        put_u64(p + len + head.len, cseq);
-        PyList_SET_ITEM(out, i, m);
-    }
-done:
-    Py_XDECREF(seq_of);
-    PyBuffer_Release(&head);
-    return out;
-}
-
-/* stamp_blocks(data, first, stride, size, count, head, first_cseq): stamp_run of the `count`
- * messages of `size` bytes that start `first` bytes into `data`, `stride` apart (a client batch's
- * blocks), read straight from it; protocol/messages.py's stamp_blocks_pure is the definition. */
+/* stamp_blocks(data, first, stride, size, count, head, first_cseq): the `count` messages of `size`
+ * bytes that start `first` bytes into `data`, `stride` apart (a client batch's blocks), each + head
+ * (stamp, origin) + its client seq, big-endian; protocol/messages.py's stamp_blocks_pure is the
+ * definition. */
 static PyObject *stamp_blocks(PyObject *self, PyObject *args) {
     Py_buffer data, head;
     Py_ssize_t first, stride, size, count;
@@ -763,7 +725,6 @@ static PyMethodDef methods[] = {
     {"records_sum", records_sum, METH_VARARGS,
      "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
     {"invalid_inbound", invalid_inbound, METH_VARARGS, "What ingress rejects (protocol/messages.py)."},
-    {"stamp_run", stamp_run, METH_VARARGS, "Inbound messages stamped (protocol/messages.py's stamp_run_pure)."},
     {"stamp_blocks", stamp_blocks, METH_VARARGS,
      "A batch's inbound messages stamped, read from its blocks (protocol/messages.py's stamp_blocks_pure)."},
     {"client_seq_maxima", client_seq_maxima, METH_VARARGS,

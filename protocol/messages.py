@@ -277,26 +277,19 @@ def client_seq_maxima_pure(blob, prefix: int = 0) -> dict[bytes, int]:
     return out
 
 
-def stamp_run_pure(msgs, head: bytes, first_cseq: int) -> list[bytes]:
-    """Consecutive inbound messages of one client as sequenced messages: each followed by
-    `head` (its stamp and origin, ENVELOPE's first fields) and its client seq. The definition
-    of `stamp_run`, which is this in C (`_speedups.c`) where Tape was built with a compiler."""
-    return [m + head + cseq.to_bytes(8, "big") for cseq, m in enumerate(msgs, first_cseq)]
-
-
 def stamp_blocks_pure(data, skip: int, count: int, head: bytes, first_cseq: int) -> list[bytes]:
-    """Messages skip..count-1 of a checked inbound batch, stamped (stamp_run_pure): the leader
-    stamps a batch it accepted whole from the batch's own bytes. The definition of
-    `stamp_blocks`, which reads them straight from the blocks in C where Tape was built with
-    a compiler."""
-    return stamp_run_pure(inbound_messages(data, skip, count), head, first_cseq)
+    """Messages skip..count-1 of a checked inbound batch as sequenced messages: each followed by
+    `head` (its stamp and origin, ENVELOPE's first fields) and its client seq, from first_cseq.
+    The definition of `stamp_blocks`, which reads them straight from the blocks in C where Tape
+    was built with a compiler."""
+    msgs = inbound_messages(data, skip, count)
+    return [m + head + cseq.to_bytes(8, "big") for cseq, m in enumerate(msgs, first_cseq)]
 
 
 try:
     from tape.protocol._speedups import client_seq_maxima as _maxima
     from tape.protocol._speedups import invalid_inbound as _invalid
     from tape.protocol._speedups import stamp_blocks as _stamp_blocks
-    from tape.protocol._speedups import stamp_run
 
     def stamp_blocks(data, skip: int, count: int, head: bytes, first_cseq: int) -> list[bytes]:
         return _stamp_blocks(data, HEADER_SIZE + skip * INBOUND_BLOCK_SIZE + 2, INBOUND_BLOCK_SIZE, INBOUND_SIZE,
@@ -309,5 +302,5 @@ try:
         return _maxima(blob, prefix + SEQUENCED_SIZE, prefix, prefix + ORIGIN_AT, 10, prefix + CLIENT_SEQ_AT,
                        _CLIENT_SEQ_TYPES)
 except ImportError:  # installed without a C compiler
-    client_seq_maxima, stamp_run, invalid_inbound = client_seq_maxima_pure, stamp_run_pure, invalid_inbound_pure
+    client_seq_maxima, invalid_inbound = client_seq_maxima_pure, invalid_inbound_pure
     stamp_blocks = stamp_blocks_pure

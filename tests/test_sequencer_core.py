@@ -280,7 +280,8 @@ def test_a_batch_is_stamped_from_its_bytes_as_its_messages_one_by_one(msgs, data
     assert core.on_inbound(m.encode_packet(A, 1, msgs), 2) is None
     bad = dict(msg.invalid_inbound_pure(m.encode_packet(A, 1, msgs), len(msgs)))
     want = [msg.rejected(x, bad[i]) if i in bad else x for i, x in enumerate(msgs)][seen:]
-    assert core.flush(200).messages == msg.stamp_run_pure(want, (200).to_bytes(8, "big") + A, seen + 1)
+    assert core.flush(200).messages == [x + (200).to_bytes(8, "big") + A + cseq.to_bytes(8, "big")
+                                         for cseq, x in enumerate(want, seen + 1)]
 
 
 def test_what_the_rules_cannot_apply_is_sequenced_as_a_reject_the_client_sees():
