@@ -24,7 +24,7 @@ from tape.node.settings import Config
 from tape.node.transport import LossInjector, multicast_receiver, udp_socket
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import DRAIN_DATAGRAMS, GAP_TICK_MS
-from tape.protocol.listener import Ahead, Deliver, ListenerCore
+from tape.protocol.listener import Ahead, Deliver, ListenerCore, Undecodable
 
 log = logging.getLogger("tape.listener")
 
@@ -93,19 +93,15 @@ class StreamListener:
     def _drain(self, sock) -> None:
         """The multicast stream, or the rewinders' answers (the committed log again, checked as any
         stream packet): then ask at once for what is still missing, not at the next tick."""
-        loss, take = self.loss, self._take
         try:
             datagrams = recv_datagrams(sock, DRAIN_DATAGRAMS)
         except OSError as e:  # an ICMP error reported for a request: asked again after the timeout
             self.badlog.warn("recv_error", "receive failed: %s", e)
             datagrams = []
         self.datagrams += len(datagrams)
-        runs: list[Deliver] = []
-        for data in datagrams:
-            if not loss.drop():
-                take(data, runs)
-        if runs:
-            self.deliver(runs)
+        if self.loss.fraction:
+            datagrams = [data for data in datagrams if not self.loss.drop()]
+        self._carry_out(self.core.on_datagrams(datagrams))
         missing = self.receiver.missing() is not None
         if missing != (self._gap_since is not None):
             self._time_gap(missing)
@@ -124,30 +120,29 @@ class StreamListener:
 
     def on_datagram(self, data: bytes) -> None:
         """One datagram, delivered at once (a TCP replay's packets, tests)."""
-        runs: list[Deliver] = []
-        self._take(data, runs)
-        if runs:
-            self.deliver(runs)
+        self._carry_out(self.core.on_datagrams([data]))
 
-    def _take(self, data: bytes, runs: list[Deliver]) -> None:
-        """What a datagram delivers joins `runs`; anything else is carried out after the runs
-        before it."""
-        actions = self.core.on_datagram(data)
-        if isinstance(actions, ProtocolError):
-            self.badlog.warn(actions.reason, "dropped datagram of %d bytes: %s", len(data), actions)
-            return
-        if actions and type(actions[0]) is Deliver:  # (a list of runs is all Deliver)
-            runs += actions
-            return
-        if runs:
-            self.deliver(runs[:])
-            runs.clear()
+    def _carry_out(self, actions: list) -> None:
+        """The runs delivered together; anything else carried out after the runs before it."""
+        runs: list[Deliver] = []
         for a in actions:
-            if isinstance(a, Ahead):
+            kind = type(a)
+            if kind is Deliver:
+                runs.append(a)
+                continue
+            if runs:
+                self.deliver(runs)
+                runs = []
+            if kind is Ahead:
                 if self.on_ahead is not None:
                     self.on_ahead(a.packet)
-            elif self.on_undecodable is not None:
-                self.on_undecodable(a.seq, a.error)
+            elif kind is Undecodable:
+                if self.on_undecodable is not None:
+                    self.on_undecodable(a.seq, a.error)
+            else:
+                self.badlog.warn(a.reason, "dropped datagram: %s", a)
+        if runs:
+            self.deliver(runs)
 
     async def _tick(self) -> None:
         """Ask again what stays unanswered, and for what a hint says is missing, at a steady tick."""

@@ -96,21 +96,33 @@ class ListenerCore:
 
     def on_datagram(self, data: bytes) -> list[Deliver | Ahead | Undecodable] | ProtocolError:
         """What to deliver, or the error for which the datagram was dropped (counted in `bad`)."""
-        try:
-            header = good_stream_packet(data, moldudp64.MAX_UDP_PAYLOAD, messages.ALL_TYPES, self._key_ids) \
-                if good_stream_packet else None
-            if header is None:  # not a good data packet, or no C: the checks in Python say what it is
-                header = self._check(data)
-                if isinstance(header, list):
-                    return header
-            session, seq, count = header
-            runs = self.receiver.on_packet(session, seq, count, data)
-        except ProtocolError as e:
-            self.bad[e.reason] = self.bad.get(e.reason, 0) + 1
-            return e
-        if not runs and self.keys is not None and seq > self.receiver.next_seq:
-            return [Ahead(data)]
-        return runs
+        actions = self.on_datagrams([data])
+        return actions[0] if len(actions) == 1 and isinstance(actions[0], ProtocolError) else actions
+
+    def on_datagrams(self, datagrams: list[bytes]) -> list[Deliver | Ahead | Undecodable | ProtocolError]:
+        """`on_datagram` of each in turn, their actions in one list in order (a dropped one's
+        ProtocolError in its place): a drain's datagrams in one call."""
+        out: list = []
+        receiver, key_ids, keyed = self.receiver, self._key_ids, self.keys is not None
+        for data in datagrams:
+            try:
+                header = good_stream_packet(data, moldudp64.MAX_UDP_PAYLOAD, messages.ALL_TYPES, key_ids) \
+                    if good_stream_packet else None
+                if header is None:  # not a good data packet, or no C: the checks in Python say what it is
+                    header = self._check(data)
+                    if isinstance(header, list):
+                        out += header
+                        continue
+                runs = receiver.on_packet(header[0], header[1], header[2], data)
+            except ProtocolError as e:
+                self.bad[e.reason] = self.bad.get(e.reason, 0) + 1
+                out.append(e)
+                continue
+            if runs:
+                out += runs
+            elif keyed and header[1] > receiver.next_seq:
+                out.append(Ahead(data))
+        return out
 
     def _check(self, data: bytes) -> tuple[bytes, int, int] | list:
         """A data packet's (session, seq, count) once every check passes (`good_stream_packet` is

@@ -263,3 +263,40 @@ def test_entries_after_the_last_seal_wait_for_the_rest_of_their_range():
     ranges, used = sealed_ranges(log[:6], 1)  # the first range (3 + seal), then 2 of the next 3
     assert [(first, len(entries)) for first, entries in ranges] == [(1, 4)] and used == 4
     assert sealed_ranges(log[4:6], 5) == ([], 0)
+
+
+@given(order=st.permutations(range(5)), again=st.lists(st.integers(0, 4), max_size=4),
+       forged_at=st.integers(0, 9), cuts=st.lists(st.integers(1, 5), min_size=1, max_size=12))
+def test_a_drain_in_one_call_gives_each_datagram_its_actions_in_order(order, again, forged_at, cuts):
+    """`on_datagrams`, however the datagrams are cut into drains, gives what the stream's rules
+    give each datagram in turn: a forged one its error in its place, a packet ahead of the next
+    seq an Ahead, a duplicate nothing, the next one its run and every held one it frees."""
+    keys = StreamKeys([K1])
+    packets = [keys.seal_packet(S, 1 + 3 * i, trades(2, first=1 + 3 * i), 1, LEADER)[1] for i in range(5)]
+    forged = packets[0][:-1] + bytes([packets[0][-1] ^ 1])
+    arriving = [packets[i] for i in [*order, *again]]
+    arriving.insert(forged_at % (len(arriving) + 1), forged)
+    expected, next_seq, held = [], 1, {}
+    for data in arriving:  # the rules, one datagram at a time
+        if data is forged:
+            expected.append("bad_tag")
+            continue
+        seq = moldudp64.HEADER.unpack_from(data)[1]
+        if seq > next_seq:
+            held[seq] = data
+            expected.append(Ahead(data))
+            continue
+        if seq == next_seq:
+            expected.append(Deliver(seq, data, 0))
+            next_seq += 3
+            while next_seq in held:
+                expected.append(Deliver(next_seq, held.pop(next_seq), 0))
+                next_seq += 3
+    lc, got, at = ListenerCore(S, 2, 10**9, keys=keys), [], 0
+    for cut in cuts * len(arriving):
+        if at >= len(arriving):
+            break
+        got += lc.on_datagrams(arriving[at:at + cut])
+        at += cut
+    assert [a.reason if isinstance(a, Exception) else a for a in got] == expected
+    assert lc.bad == {"bad_tag": 1} and lc.receiver.next_seq == 16
