@@ -19,7 +19,10 @@
  *                      sequenced messages (protocol/messages.py)
  *   stamp_blocks       a client batch's messages stamped, read straight from
  *                      its blocks (messages.py)
- *   invalid_inbound    what the ingress checks reject (messages.py)
+ *   header             a MoldUDP64 packet's header, once its checks pass
+ *                      (moldudp64.py)
+ *   inbound_rejects    a client batch's blocks checked and what the ingress
+ *                      checks reject (messages.py)
  *   verify_sealed      a stream packet's seal checked, its keyed BLAKE2b tag
  *                      recomputed (protocol/streamauth.py)
  *   good_stream_packet every check a listener makes of a data packet, in one
@@ -358,22 +361,59 @@ done:
     return out;
 }
 
-/* invalid_inbound(data, count, first, stride, limit): protocol/messages.py's invalid_inbound_pure
- * (the definition), for messages whose shares (i64 at +9) and text (24 bytes at +17) start `first`
- * bytes into `data`, `stride` apart. */
-static PyObject *invalid_inbound(PyObject *self, PyObject *args) {
+/* header(data, max_size) -> (session, seq, count) of a MoldUDP64 packet whose size and header pass
+ * protocol/moldudp64.py's decode_header_pure (the definition: it names what is wrong with the
+ * others), else None. */
+static PyObject *header(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer data;
-    Py_ssize_t count, first, stride;
-    long long limit;
-    if (!PyArg_ParseTuple(args, "y*nnnL", &data, &count, &first, &stride, &limit)) return NULL;
-    PyObject *out = NULL;
-    if (count < 0 || first < 0 || stride < 41 || (count > 0 && first + (count - 1) * stride + 41 > data.len)) {
-        PyErr_SetString(PyExc_ValueError, "the batch is shorter than its messages");
-        goto done;
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "header takes 2 arguments (%zd given)", nargs);
+    Py_ssize_t max_size = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred() || PyObject_GetBuffer(args[0], &data, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *p = data.buf;
+    PyObject *out = Py_None;
+    int good = data.len >= 20 && data.len <= max_size && p[0] != ' ';
+    for (int i = 0; good && i < 10; i++)
+        if (p[i] < 0x20 || p[i] > 0x7E) good = 0;
+    if (good) {
+        PyObject *session = PyBytes_FromStringAndSize((const char *)p, 10);
+        PyObject *seq = PyLong_FromUnsignedLongLong(get_u64(p + 10)), *count = PyLong_FromLong(p[18] << 8 | p[19]);
+        out = session && seq && count ? PyTuple_Pack(3, session, seq, count) : NULL;
+        Py_XDECREF(session);
+        Py_XDECREF(seq);
+        Py_XDECREF(count);
+    } else {
+        Py_INCREF(out);
     }
+    PyBuffer_Release(&data);
+    return out;
+}
+
+#define INBOUND_SIZE 49     /* a client's message */
+#define INBOUND_BLOCK 51    /* u16 length + a client's message */
+
+/* inbound_rejects(data, count, types, limit) -> protocol/messages.py's inbound_rejects_pure (the
+ * definition) for a batch whose blocks check, else None (the definition names what is wrong):
+ * `count` blocks of a client's message filling the batch after its header, each of one of `types`;
+ * then (index, code) of each message the ingress checks reject: |shares| (i64 at +9) not below
+ * `limit` (code 1), or its text (24 bytes at +17) not printable ASCII (code 2). */
+static PyObject *inbound_rejects(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer data, types;
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "inbound_rejects takes 4 arguments (%zd given)", nargs);
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    long long limit = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred() || PyObject_GetBuffer(args[0], &data, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[2], &types, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    const unsigned char *p = data.buf;
+    PyObject *out = Py_None;
+    if (count < 0 || count > data.len / INBOUND_BLOCK || data.len != 20 + count * INBOUND_BLOCK) goto done;
+    for (const unsigned char *b = p + 20; b < p + data.len; b += INBOUND_BLOCK)
+        if (b[0] != 0 || b[1] != INBOUND_SIZE || memchr(types.buf, b[2], (size_t)types.len) == NULL) goto done;
     out = PyList_New(0);
     for (Py_ssize_t i = 0; out != NULL && i < count; i++) {
-        const unsigned char *m = (const unsigned char *)data.buf + first + i * stride;
+        const unsigned char *m = p + 22 + i * INBOUND_BLOCK;
         long long shares = (long long)get_u64(m + 9);
         int code = 0;
         if (!(-limit < shares && shares < limit)) code = 1;
@@ -386,9 +426,13 @@ static PyObject *invalid_inbound(PyObject *self, PyObject *args) {
             Py_XDECREF(item);
         }
     }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&types);
+    return out;
 done:
     PyBuffer_Release(&data);
-    return out;
+    PyBuffer_Release(&types);
+    return Py_NewRef(out);
 }
 
 
@@ -724,7 +768,10 @@ static PyMethodDef methods[] = {
      "Entries cut into packets, each ended by its seal (protocol/streamauth.py's StreamKeys.seal_run_pure)."},
     {"records_sum", records_sum, METH_VARARGS,
      "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
-    {"invalid_inbound", invalid_inbound, METH_VARARGS, "What ingress rejects (protocol/messages.py)."},
+    {"header", (PyCFunction)(void (*)(void))header, METH_FASTCALL,
+     "(session, seq, count) of a packet whose header checks, else None (protocol/moldudp64.py)."},
+    {"inbound_rejects", (PyCFunction)(void (*)(void))inbound_rejects, METH_FASTCALL,
+     "What ingress rejects in a batch whose blocks check, else None (protocol/messages.py)."},
     {"stamp_blocks", stamp_blocks, METH_VARARGS,
      "A batch's inbound messages stamped, read from its blocks (protocol/messages.py's stamp_blocks_pure)."},
     {"client_seq_maxima", client_seq_maxima, METH_VARARGS,

@@ -176,11 +176,19 @@ def check_inbound_batch(data, count: int) -> None:
     _check_blocks(data, count, INBOUND_BLOCK_SIZE, INBOUND_SIZE, CLIENT_TYPES)
 
 
+def inbound_rejects_pure(data, count: int) -> list[tuple[int, int]]:
+    """An inbound batch's blocks checked (ProtocolError if they are malformed: `check_inbound_batch`),
+    then (index, reject code) of its messages the rules cannot apply (`invalid_inbound_pure`). The
+    definition of `inbound_rejects`, which is both in one C call (`_speedups.c`) where Tape was
+    built with a compiler."""
+    check_inbound_batch(data, count)
+    return invalid_inbound_pure(data, count)
+
+
 def invalid_inbound_pure(data, count: int) -> list[tuple[int, int]]:
     """(index, reject code) of the messages of a checked inbound batch that the rules cannot
     apply: |shares| >= SHARES_LIMIT, or client or stock not printable ASCII. Stride slices: the
-    common batch (small non-negative shares, plain text) costs a few C calls. The definition of
-    `invalid_inbound`, which is this in C (`_speedups.c`) where Tape was built with a compiler."""
+    common batch (small non-negative shares, plain text) costs a few C calls."""
     base = HEADER_SIZE + 2  # the first message's type byte
     high = b"".join(data[base + k::INBOUND_BLOCK_SIZE] for k in range(9, 14))  # shares' top 5 bytes
     text = b"".join(data[base + k::INBOUND_BLOCK_SIZE] for k in range(17, 41))  # client and stock
@@ -288,19 +296,20 @@ def stamp_blocks_pure(data, skip: int, count: int, head: bytes, first_cseq: int)
 
 try:
     from tape.protocol._speedups import client_seq_maxima as _maxima
-    from tape.protocol._speedups import invalid_inbound as _invalid
+    from tape.protocol._speedups import inbound_rejects as _inbound_rejects
     from tape.protocol._speedups import stamp_blocks as _stamp_blocks
 
     def stamp_blocks(data, skip: int, count: int, head: bytes, first_cseq: int) -> list[bytes]:
         return _stamp_blocks(data, HEADER_SIZE + skip * INBOUND_BLOCK_SIZE + 2, INBOUND_BLOCK_SIZE, INBOUND_SIZE,
                              count - skip, head, first_cseq)
 
-    def invalid_inbound(data, count: int) -> list[tuple[int, int]]:
-        return _invalid(data, count, HEADER_SIZE + 2, INBOUND_BLOCK_SIZE, SHARES_LIMIT)
+    def inbound_rejects(data, count: int) -> list[tuple[int, int]]:
+        rejects = _inbound_rejects(data, count, CLIENT_TYPES, SHARES_LIMIT)
+        return inbound_rejects_pure(data, count) if rejects is None else rejects  # (None: malformed, named)
 
     def client_seq_maxima(blob, prefix: int = 0) -> dict[bytes, int]:
         return _maxima(blob, prefix + SEQUENCED_SIZE, prefix, prefix + ORIGIN_AT, 10, prefix + CLIENT_SEQ_AT,
                        _CLIENT_SEQ_TYPES)
 except ImportError:  # installed without a C compiler
-    client_seq_maxima, invalid_inbound = client_seq_maxima_pure, invalid_inbound_pure
+    client_seq_maxima, inbound_rejects = client_seq_maxima_pure, inbound_rejects_pure
     stamp_blocks = stamp_blocks_pure

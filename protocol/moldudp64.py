@@ -18,6 +18,11 @@ from typing import Iterable, NamedTuple
 
 from .errors import ProtocolError
 
+try:
+    from ._speedups import header as _header
+except ImportError:  # built without a C compiler
+    _header = None
+
 HEADER = struct.Struct(">10sQH")
 HEADER_SIZE = HEADER.size  # 20
 BLOCK_LEN = struct.Struct(">H")
@@ -98,6 +103,13 @@ def encode_request(session: bytes, seq: int, count: int) -> bytes:
 
 def decode_header(data, max_size: int = MAX_UDP_PAYLOAD) -> tuple[bytes, int, int]:
     """Validate the 20-byte header and size; return (session, seq, count)."""
+    header = _header(data, max_size) if _header else None
+    return decode_header_pure(data, max_size) if header is None else header
+
+
+def decode_header_pure(data, max_size: int = MAX_UDP_PAYLOAD) -> tuple[bytes, int, int]:
+    """decode_header's definition, which names what is wrong (ProtocolError); `_speedups.header`
+    is the same checks in C for the headers that pass them."""
     size = len(data)
     if size > max_size:
         raise ProtocolError("oversized", f"{size} bytes exceed the limit of {max_size}", max_size)

@@ -97,7 +97,7 @@ class LeaderCore:
                                        or open_range[0] + len(open_range[1]) != last_seq + 1):
             raise InvariantViolation(f"the log ends with {last_seq - open_range[0] + 1:,} unsealed entries (a packet "
                                      "holds fewer): keys apply from a new session (docs/security.md)")
-        self._held: dict[bytes, dict[int, tuple[int, bytes]]] = {}  # client -> first cseq -> (count, batch)
+        self._held: dict[bytes, dict[int, tuple]] = {}  # client -> first cseq -> (count, batch, its rejects)
         # Accepted, not stamped: (origin, first client seq, (batch, skip, count)) a client batch's messages
         # skip..count-1, or (None, 0, [sequenced message]) a control message.
         self._pending: list = []
@@ -162,7 +162,7 @@ class LeaderCore:
         if source is not None and self.overloaded(now_ns):
             self._back_off(client, cseq, key, source, now_ns)
         try:
-            messages.check_inbound_batch(data, count)
+            rejects = messages.inbound_rejects(data, count)
         except ProtocolError as e:
             return self._drop(e.reason)
         last = self.client_last.get(client, 0)
@@ -173,11 +173,11 @@ class LeaderCore:
             held = self._held.setdefault(client, {})
             if cseq not in held and len(held) >= MAX_HELD_BATCHES:
                 return self._drop("client_seq_gap")
-            held[cseq] = (count, data)
+            held[cseq] = (count, data, rejects)
             if source is not None:
                 self._ask_resend(client, last + 1, key, source, now_ns)
             return None
-        self._accept(client, cseq, count, data, last)
+        self._accept(client, cseq, count, data, rejects, last)
         held = self._held.get(client)
         while held:
             last = self.client_last[client]
@@ -190,14 +190,14 @@ class LeaderCore:
                 if not overlap:
                     break
                 nxt = held.pop(overlap[0])
-                self._accept(client, overlap[0], nxt[0], nxt[1], last)
+                self._accept(client, overlap[0], *nxt, last)
             else:
-                self._accept(client, last + 1, nxt[0], nxt[1], last)
+                self._accept(client, last + 1, *nxt, last)
         return None
 
-    def _accept(self, client: bytes, cseq: int, count: int, data: bytes, last: int) -> None:
+    def _accept(self, client: bytes, cseq: int, count: int, data: bytes, bad: list, last: int) -> None:
+        """`bad`: the batch's `inbound_rejects`."""
         skip = last + 1 - cseq
-        bad = messages.invalid_inbound(data, count)
         if bad:  # sequenced as rejects in their place: the client sees why, and its seqs go on
             blocks = bytearray(data)
             for i, code in bad:

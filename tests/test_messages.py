@@ -109,4 +109,4 @@ def test_ingress_validation_equals_the_rule_message_by_message(cases):
     want = [(i, 1) if not -(2**24) < shares < 2**24 else (i, 2)
             for i, (shares, client) in enumerate(cases)
             if not -(2**24) < shares < 2**24 or any(b < 0x20 or b > 0x7E for b in client)]
-    assert msg.invalid_inbound(m.encode_packet(b"c" * 10, 1, msgs), len(msgs)) == want
+    assert msg.inbound_rejects(m.encode_packet(b"c" * 10, 1, msgs), len(msgs)) == want

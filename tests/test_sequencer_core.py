@@ -303,4 +303,4 @@ def test_what_the_rules_cannot_apply_is_sequenced_as_a_reject_the_client_sees():
         client.on_delivered(p, 0, 3)
     assert client.acked == 5 and not client.unacked  # answered, not lost
     assert client.rejected == [(2, "shares_out_of_range"), (3, "bad_text"), (5, "shares_out_of_range")]
-    assert msg.invalid_inbound(m.encode_packet(A, 1, [ok, negative]), 2) == []
+    assert msg.inbound_rejects(m.encode_packet(A, 1, [ok, negative]), 2) == []

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tape.protocol import journal as fmt
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
+from tape.protocol.errors import ProtocolError
 from tape.replicas import snapshot
 
 compiled = pytest.mark.skipif(fmt.encode_records is fmt.encode_records_pure, reason="built without a C compiler")
@@ -179,11 +180,42 @@ INBOUND = st.builds(lambda kind, order, shares, text, pid: M.INBOUND.pack(kind, 
                     st.one_of(st.binary(min_size=24, max_size=24), st.just(b"A" * 24)), st.integers(0, 2**64 - 1))
 
 
+def outcome(f, *args):
+    """What f gives, or the reason of the ProtocolError it raises."""
+    try:
+        return f(*args)
+    except ProtocolError as e:
+        return e.reason
+
+
 @compiled
-@given(st.lists(INBOUND, max_size=30), st.booleans())
-def test_c_and_pure_reject_the_same_inbound_messages(msgs, with_mac):
-    batch = moldudp64.encode_packet(b"client1   ", 1, msgs) + (bytes(M.INBOUND_MAC_SIZE) if with_mac else b"")
-    assert M.invalid_inbound(batch, len(msgs)) == M.invalid_inbound_pure(batch, len(msgs))
+@given(st.lists(INBOUND, max_size=30), st.binary(max_size=3),
+       st.one_of(st.integers(0, 1600), st.integers(0, 29).map(lambda i: 22 + 51 * i)),  # any byte, or a type
+       st.one_of(st.integers(0, 255), st.sampled_from(M.ALL_TYPES)), st.integers(-2, 2))
+def test_c_and_pure_check_and_reject_the_same_inbound_batches(msgs, trailer, at, byte, count_off):
+    """Any batch (well formed, a byte changed, bytes after it, a count that does not match): one C
+    call gives what the definition gives, the same rejects or the same error."""
+    batch = bytearray(moldudp64.encode_packet(b"client1   ", 1, msgs) + trailer)
+    if at < len(batch):
+        batch[at] = byte
+    count = max(0, len(msgs) + count_off)
+    assert outcome(M.inbound_rejects, bytes(batch), count) == outcome(M.inbound_rejects_pure, bytes(batch), count)
+
+
+SESSIONS = st.one_of(st.binary(min_size=10, max_size=10),
+                     st.sampled_from([b"client1   ", b" client1  ", b"client\x7f1  ", b"~~~~~~~~~~", b"          "]))
+
+
+@compiled
+@given(SESSIONS, st.integers(0, 2**64 - 1), st.integers(0, 0xFFFF), st.binary(max_size=30), st.integers(0, 60))
+def test_c_and_pure_read_the_same_headers(session, seq, count, tail, max_size):
+    from tape.protocol import _speedups
+
+    data = moldudp64.HEADER.pack(session, seq, count) + tail
+    for d in (data, data[:max_size]):
+        pure = outcome(moldudp64.decode_header_pure, d, max_size)
+        assert outcome(moldudp64.decode_header, d, max_size) == pure
+        assert (_speedups.header(d, max_size) is None) == isinstance(pure, str)
 
 
 @compiled
