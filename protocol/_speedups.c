@@ -19,6 +19,7 @@
  *                      sequenced messages (protocol/messages.py)
  *   stamp_blocks       a client batch's messages stamped, read straight from
  *                      its blocks (messages.py)
+ *   frames             a link's complete frames (framing.py)
  *   header             a MoldUDP64 packet's header, once its checks pass
  *                      (moldudp64.py)
  *   inbound_rejects    a client batch's blocks checked and what the ingress
@@ -436,6 +437,41 @@ done:
 }
 
 
+/* frames(buf, max_frame, kinds, consumed) -> ([(type, payload, stream offset)], end): the complete
+ * frames (length u32 of what follows | type u8 | payload) from the start of `buf`, stopping at the
+ * first that is not whole or that protocol/framing.py's FrameReader._frames_pure (the definition)
+ * refuses: a length outside 1..max_frame, or a type not in `kinds` (None: any). `end` is where
+ * that frame starts; `consumed` is the stream offset of buf[0]. */
+static PyObject *frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer buf, kinds = {0};
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "frames takes 4 arguments (%zd given)", nargs);
+    long long max_frame = PyLong_AsLongLong(args[1]), consumed = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred() || PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
+    if (args[2] != Py_None && PyObject_GetBuffer(args[2], &kinds, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    const unsigned char *p = buf.buf;
+    Py_ssize_t pos = 0;
+    PyObject *out = PyList_New(0), *result = NULL;
+    while (out != NULL && buf.len - pos >= 5) {
+        long long length = (long long)((uint32_t)p[pos] << 24 | p[pos + 1] << 16 | p[pos + 2] << 8 | p[pos + 3]);
+        unsigned char kind = p[pos + 4];
+        if (length < 1 || length > max_frame || buf.len - pos - 4 < length) break;
+        if (args[2] != Py_None && memchr(kinds.buf, kind, (size_t)kinds.len) == NULL) break;
+        PyObject *item = Py_BuildValue("(By#L)", kind, (const char *)p + pos + 5, (Py_ssize_t)(length - 1),
+                                       consumed + (long long)pos);
+        if (item == NULL || PyList_Append(out, item) < 0) Py_CLEAR(out);
+        Py_XDECREF(item);
+        pos += 4 + (Py_ssize_t)length;
+    }
+    if (out != NULL) result = Py_BuildValue("(Nn)", out, pos);
+    if (kinds.obj != NULL) PyBuffer_Release(&kinds);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+
 /* --- BLAKE2b (RFC 7693), unkeyed, any digest size up to 64 bytes ------------------------- */
 
 static const uint64_t B2_IV[8] = {
@@ -768,6 +804,8 @@ static PyMethodDef methods[] = {
      "Entries cut into packets, each ended by its seal (protocol/streamauth.py's StreamKeys.seal_run_pure)."},
     {"records_sum", records_sum, METH_VARARGS,
      "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
+    {"frames", (PyCFunction)(void (*)(void))frames, METH_FASTCALL,
+     "The complete frames of a link's buffer (protocol/framing.py's FrameReader._frames_pure)."},
     {"header", (PyCFunction)(void (*)(void))header, METH_FASTCALL,
      "(session, seq, count) of a packet whose header checks, else None (protocol/moldudp64.py)."},
     {"inbound_rejects", (PyCFunction)(void (*)(void))inbound_rejects, METH_FASTCALL,

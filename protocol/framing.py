@@ -7,6 +7,11 @@ import struct
 
 from .errors import ProtocolError
 
+try:
+    from ._speedups import frames as _frames
+except ImportError:  # built without a C compiler
+    _frames = None
+
 FRAME = struct.Struct(">IB")
 
 
@@ -21,8 +26,17 @@ class FrameReader:
         """[(type, payload, stream offset), ...] of the complete frames so far."""
         buf = self._buf
         buf += data
-        out = []
-        pos = 0
+        out, pos = _frames(buf, self.max_frame, self.kinds, self._consumed) if _frames else ([], 0)
+        pos = self._frames_pure(buf, pos, out)  # what C left: a frame that is bad (named here) or not whole
+        if pos:
+            del buf[:pos]
+            self._consumed += pos
+        return out
+
+    def _frames_pure(self, buf: bytearray, pos: int, out: list) -> int:
+        """The definition: the complete frames of `buf` from `pos` appended to `out`; returns where
+        the first incomplete one starts. `_speedups.frames` is the same loop in C, which stops at a
+        frame this one refuses (ProtocolError)."""
         while len(buf) - pos >= FRAME.size:
             length, kind = FRAME.unpack_from(buf, pos)
             where = self._consumed + pos
@@ -34,7 +48,4 @@ class FrameReader:
                 break
             out.append((kind, bytes(buf[pos + 5:pos + 4 + length]), where))
             pos += 4 + length
-        if pos:
-            del buf[:pos]
-            self._consumed += pos
-        return out
+        return pos

@@ -347,3 +347,37 @@ def test_the_c_check_of_a_stream_packet_refuses_random_datagrams(data, keyed):
 
     keys = {b"id" * 4: b"k" * 32} if keyed else None
     assert good_stream_packet(data, moldudp64.MAX_UDP_PAYLOAD, M.ALL_TYPES, keys) is None
+
+
+FRAMES = st.lists(st.tuples(st.sampled_from([-1, 0, 1, 2, 3, 5, 9]), st.sampled_from(b"AKHZ"), st.binary(max_size=12)),
+                  max_size=12)  # (length - payload's, type, payload): some lengths and types refused
+
+
+def read_frames(stream: bytes, cuts: list[int]) -> tuple[list, str | None]:
+    """The frames a reader gives the stream fed in these cuts, and the error that stopped it."""
+    from tape.protocol.framing import FrameReader
+
+    reader, out, at = FrameReader(8, b"AKH"), [], 0
+    for cut in [*cuts, len(stream)]:
+        try:
+            out += reader.frames(stream[at:at + cut])
+        except ProtocolError as e:
+            return out, f"{e.reason} at {e.offset}"
+        at += cut
+    return out, None
+
+
+@compiled
+@given(FRAMES, st.lists(st.integers(0, 20), max_size=10))
+def test_c_and_pure_read_the_same_frames(frames, cuts):
+    """Any stream of frames, whole or not, well formed or not, however it arrives: the reader with
+    C gives the frames, and stops with the error, that the definition does."""
+    from unittest import mock
+
+    from tape.protocol import framing
+
+    stream = b"".join(struct.pack(">IB", len(payload) + 1 + extra, kind) + payload
+                      for extra, kind, payload in frames)
+    with mock.patch.object(framing, "_frames", None):
+        pure = read_frames(stream, cuts)
+    assert read_frames(stream, cuts) == pure
