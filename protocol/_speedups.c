@@ -362,6 +362,15 @@ done:
     return out;
 }
 
+/* Whether a packet of n bytes at p fits max_size and has a MoldUDP64 header whose session is
+ * left-justified printable ASCII: moldudp64.py's decode_header_pure accepts it. */
+static int good_header(const unsigned char *p, Py_ssize_t n, Py_ssize_t max_size) {
+    if (n < 20 || n > max_size || p[0] == ' ') return 0;
+    for (int i = 0; i < 10; i++)
+        if (p[i] < 0x20 || p[i] > 0x7E) return 0;
+    return 1;
+}
+
 /* header(data, max_size) -> (session, seq, count) of a MoldUDP64 packet whose size and header pass
  * protocol/moldudp64.py's decode_header_pure (the definition: it names what is wrong with the
  * others), else None. */
@@ -372,10 +381,7 @@ static PyObject *header(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred() || PyObject_GetBuffer(args[0], &data, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *p = data.buf;
     PyObject *out = Py_None;
-    int good = data.len >= 20 && data.len <= max_size && p[0] != ' ';
-    for (int i = 0; good && i < 10; i++)
-        if (p[i] < 0x20 || p[i] > 0x7E) good = 0;
-    if (good) {
+    if (good_header(p, data.len, max_size)) {
         PyObject *session = PyBytes_FromStringAndSize((const char *)p, 10);
         PyObject *seq = PyLong_FromUnsignedLongLong(get_u64(p + 10)), *count = PyLong_FromLong(p[18] << 8 | p[19]);
         out = session && seq && count ? PyTuple_Pack(3, session, seq, count) : NULL;
@@ -644,9 +650,7 @@ static PyObject *good_stream_packet(PyObject *self, PyObject *const *args, Py_ss
     }
     const unsigned char *p = data.buf;
     Py_ssize_t n = data.len, count = 0;
-    if (n < 20 || n > max_size || p[0] == ' ') goto done;
-    for (int i = 0; i < 10; i++)
-        if (p[i] < 0x20 || p[i] > 0x7E) goto done;
+    if (!good_header(p, n, max_size)) goto done;
     count = p[18] << 8 | p[19];
     if (count == 0 || count == 0xFFFF || n != 20 + count * SEALED_BLOCK) goto done;
     for (const unsigned char *b = p + 20; b < p + n; b += SEALED_BLOCK)
