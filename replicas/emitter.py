@@ -66,7 +66,7 @@ def _deliver_each(sinks: list, records: list[sinklib.AlertLine]) -> None:
 
 def keep_newest(recent: dict, records: list, limit: int) -> None:
     """Add alert records (keyed by their first 8 bytes, the emit seq), in rising emit seq, and
-    forget the oldest beyond `limit`."""
+    forget the oldest beyond `limit` (sinks.forget_oldest: in bulk)."""
     recent.update((raw[:8], raw) for raw in records)
     sinklib.forget_oldest(recent, limit)
 

@@ -37,9 +37,14 @@ class SinkStopped(Exception):
 
 
 def forget_oldest(kept: dict, limit: int) -> None:
-    """Drop the oldest entries (insertion order) of `kept` beyond `limit`."""
-    for key in list(itertools.islice(kept, max(0, len(kept) - limit))):
-        del kept[key]
+    """Keep the newest `limit` entries (insertion order) of `kept` and at most an eighth more: the
+    oldest are forgotten in bulk. A dict iterated from its oldest entry steps over every entry
+    deleted before it (until the dict is next resized), so forgetting them one call at a time cost
+    ~12 us an alert at 65,536 kept (in bulk under 1; profiling, a slow host)."""
+    over = len(kept) - limit
+    if over > limit >> 3:
+        for key in list(itertools.islice(kept, over)):
+            del kept[key]
 
 
 class AlertLine(NamedTuple):
