@@ -220,12 +220,12 @@ class Journal:
             raise RuntimeError("journal opened read-only")
         if not records:
             return
-        first = records[0][0]
+        first, (last, last_term, _) = records[0][0], records[-1]  # (once: a RecordRun makes each record asked for)
         expect = self.last_seq + 1 if self.segments else first
-        if first != expect or records[-1][0] != first + len(records) - 1:
-            raise ValueError(f"append of seqs {first}..{records[-1][0]} does not continue the journal at {expect}")
+        if first != expect or last != first + len(records) - 1:
+            raise ValueError(f"append of seqs {first}..{last} does not continue the journal at {expect}")
         try:
-            self._append(records)
+            self._append(records, first, last, last_term)
         except OSError as e:
             if not no_space(e):
                 raise
@@ -233,9 +233,8 @@ class Journal:
         if sync:
             self.maybe_sync()
 
-    def _append(self, records: list) -> None:
+    def _append(self, records: list, first: int, last: int, last_term: int) -> None:
         """The write of append(); a write that fails leaves the journal as it was."""
-        first = records[0][0]
         if not self.segments or (
             self.segments[-1].size >= self.segment_bytes and self.segments[-1].last_seq >= self.segments[-1].first_seq
         ):
@@ -247,8 +246,8 @@ class Journal:
         buf = records.encoded() if run else fmt.encode_records(records)
         # The sparse index: the offsets of every index_every-th record.
         nxt = seg.idx_seqs[-1] + self.index_every if seg.idx_seqs else seg.first_seq
-        if first <= nxt <= records[-1][0]:
-            seg.idx_seqs.extend(range(nxt, records[-1][0] + 1, self.index_every))
+        if first <= nxt <= last:
+            seg.idx_seqs.extend(range(nxt, last + 1, self.index_every))
             starts = (records.offsets(nxt - first, self.index_every) if run
                       else fmt.record_offsets(records, nxt - first, self.index_every))
             seg.idx_offsets.extend(offset + at for at in starts)
@@ -259,8 +258,7 @@ class Journal:
             del seg.idx_seqs[indexed:], seg.idx_offsets[indexed:]
             raise
         seg.size = offset + len(buf)
-        seg.last_seq = records[-1][0]
-        self.last_term = records[-1][1]
+        seg.last_seq, self.last_term = last, last_term
         self._dirty = True
         self._remember(first, records if run else list(records))
 
