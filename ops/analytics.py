@@ -39,7 +39,8 @@ def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corr
     df = journal_df(spark, journal, skip_corrupt).cache()
     phase("reading the journal")
     by_type = {r["type"]: r["count"] for r in df.groupBy("type").count().collect()}
-    corrupt = [r["corrupt"] for r in df.where("type = 'corrupt'").select("corrupt").limit(20).collect()]
+    corrupt = ([r["corrupt"] for r in df.where("type = 'corrupt'").select("corrupt").limit(20).collect()]
+               if by_type.get("corrupt") else [])  # (a job saved where there is none: seconds on a cluster)
     msgs = df.where("type != 'corrupt'")
     span = msgs.agg(F.min("seq").alias("first_seq"), F.max("seq").alias("last_seq"),
                     F.min("stamp_ns").alias("first_ns"), F.max("stamp_ns").alias("last_ns")).first().asDict()

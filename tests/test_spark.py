@@ -200,6 +200,15 @@ def test_skip_mode_counts_each_corrupt_record_and_keeps_the_rest(spark, corrupte
     assert everything - good == {bad[0]["seq"], bad[1]["seq"]}
 
 
+def test_analytics_in_skip_mode_count_and_name_the_corrupt_records(spark, corrupted):
+    from tape.ops.analytics import compute
+
+    path, segs = corrupted
+    report = compute(spark, str(path), 3600 * 10**9, 10 * 10**9, skip_corrupt=True)
+    assert report["corrupt_records"] == 2
+    assert sorted(c.split(" ")[0].rsplit("/", 1)[-1] for c in report["corrupt_first"]) == [segs[2].name, segs[5].name]
+
+
 def test_analytics_agree_with_a_plain_count_of_the_journal(spark, run_dir, tmp_path):
     from collections import Counter
 
