@@ -68,12 +68,26 @@ def standalone(tmp_path_factory):
             p.wait()
 
 
-def on_cluster(master: str, python: str, *args: str) -> subprocess.CompletedProcess:
-    """A tape Spark command on `master`, its executors running `python`, with shuffle partitions
-    sized to the one two-core worker (as docs/runbook.md says to size them)."""
+def on_cluster(master: str, python: str, out: Path, *args: str) -> subprocess.Popen:
+    """A tape Spark command started on `master`, its executors running `python`, with shuffle
+    partitions sized to the one two-core worker (as docs/runbook.md says to size them) and one of
+    its cores: the commands run side by side, as several users' jobs share a cluster (one after
+    another they took three minutes of `make test`). Its output goes to `out`."""
     env = {**os.environ, "PYSPARK_PYTHON": python}
-    return subprocess.run(TAPE + list(args) + ["--master", master, "--conf", "spark.sql.shuffle.partitions=4"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    with open(out, "w") as log:
+        return subprocess.Popen(TAPE + list(args) + ["--master", master, "--conf", "spark.sql.shuffle.partitions=4",
+                                                     "--conf", "spark.cores.max=1"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop(commands: list[subprocess.Popen]) -> None:
+    """Kill what is left of the commands (each with its process group: its JVM)."""
+    for command in commands:
+        try:
+            os.killpg(command.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        command.wait()
 
 
 def without(report: dict, *keys: str) -> dict:
@@ -91,20 +105,20 @@ def test_audit_analytics_and_export_on_a_standalone_cluster_whose_workers_lack_t
     cfg = load(None)
     ttls = int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9)
     journal, alerts = str(run_dir / "journal" / "seq-a"), str(run_dir / "alerts.jsonl")
-    local = without(reconcile(spark, journal, alerts, cfg.session, *ttls))
-    assert local["findings"] == 0 and local["expected"] > 10
-    done = on_cluster(standalone, worker_python, "audit", "--journal", journal, "--alerts", alerts, "--report",
-                      str(tmp_path / "audit.json"))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    exported, out = tmp_path / "parquet", tmp_path / "analytics"
+    logs = [tmp_path / f"{name}.log" for name in ("audit", "export", "analytics")]
+    commands = [on_cluster(standalone, worker_python, logs[0], "audit", "--journal", journal, "--alerts", alerts,
+                           "--report", str(tmp_path / "audit.json")),
+                on_cluster(standalone, worker_python, logs[1], "journal", "export", journal, "--out", str(exported)),
+                on_cluster(standalone, worker_python, logs[2], "analytics", "--journal", journal, "--out", str(out))]
+    try:
+        local = without(reconcile(spark, journal, alerts, cfg.session, *ttls))  # (meanwhile, in this process)
+        assert local["findings"] == 0 and local["expected"] > 10
+        analysed = without(compute(spark, journal, *ttls))
+        for command, log in zip(commands, logs):
+            assert command.wait(600) == 0, log.read_text()[-6000:]
+    finally:
+        stop(commands)
     assert without(json.loads((tmp_path / "audit.json").read_text()), "seconds") == local
-
-    exported = tmp_path / "parquet"
-    done = on_cluster(standalone, worker_python, "journal", "export", journal, "--out", str(exported))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert without(reconcile(spark, str(exported), alerts, cfg.session, *ttls)) == local
-
-    out = tmp_path / "analytics"
-    done = on_cluster(standalone, worker_python, "analytics", "--journal", journal, "--out", str(out))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert without(json.loads((out / "analytics.json").read_text()), "seconds") == without(
-        compute(spark, journal, *ttls))
+    assert without(json.loads((out / "analytics.json").read_text()), "seconds") == analysed
