@@ -60,12 +60,7 @@ def standalone(tmp_path_factory):
                  "the worker to register", 90)
         yield f"spark://127.0.0.1:{port}"
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        stop(procs)
 
 
 def on_cluster(master: str, python: str, out: Path, *args: str) -> subprocess.Popen:
@@ -80,14 +75,15 @@ def on_cluster(master: str, python: str, out: Path, *args: str) -> subprocess.Po
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def stop(commands: list[subprocess.Popen]) -> None:
-    """Kill what is left of the commands (each with its process group: its JVM)."""
-    for command in commands:
+def stop(processes: list[subprocess.Popen]) -> None:
+    """Kill what is left of processes started in sessions of their own, with their process groups
+    (a command's JVM, the master's and the worker's children)."""
+    for process in processes:
         try:
-            os.killpg(command.pid, signal.SIGKILL)
+            os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        command.wait()
+        process.wait()
 
 
 def without(report: dict, *keys: str) -> dict:
