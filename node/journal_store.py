@@ -316,6 +316,12 @@ class Journal:
         finally:
             os.close(fd)
 
+    def sync_due_s(self) -> float | None:
+        """The monotonic time at which `maybe_sync` next syncs (None: only an append makes one due)."""
+        if not self.fsync_interval or not self._dirty:
+            return None
+        return self._last_sync + self.fsync_interval
+
     def maybe_sync(self) -> None:
         """fsync if the policy says one is due (call on a timer too)."""
         if self.fsync_interval is None or not self._dirty:

@@ -54,6 +54,7 @@ class StreamListener:
         self.gap_histogram = LatencyHistogram()  # how long something stayed missing, a gap at a time
         self._gap_since: int | None = None
         self._task = None
+        self._waiting = asyncio.Event()  # set while the core has something for its timer
 
     @property
     def bad(self) -> dict[str, int]:
@@ -107,6 +108,8 @@ class StreamListener:
             self._time_gap(missing)
         if missing or self.core.asking:  # (asking: time the answers that filled a gap now)
             self._ask()
+        if self.core.waiting:
+            self._waiting.set()
 
     def _time_gap(self, opened: bool) -> None:
         """From the drain that first sees something missing to the one that sees nothing missing
@@ -121,6 +124,8 @@ class StreamListener:
     def on_datagram(self, data: bytes) -> None:
         """One datagram, delivered at once (a TCP replay's packets, tests)."""
         self._carry_out(self.core.on_datagrams([data]))
+        if self.core.waiting:
+            self._waiting.set()
 
     def _carry_out(self, actions: list) -> None:
         """The runs delivered together; anything else carried out after the runs before it."""
@@ -145,8 +150,13 @@ class StreamListener:
             self.deliver(runs)
 
     async def _tick(self) -> None:
-        """Ask again what stays unanswered, and for what a hint says is missing, at a steady tick."""
+        """Ask again what stays unanswered, and for what a hint says is missing, at a steady tick
+        while anything is (a tick a listener with nothing missing was a hundred idle wake-ups
+        a second)."""
         while True:
+            if not self.core.waiting:
+                self._waiting.clear()
+                await self._waiting.wait()
             await asyncio.sleep(max(self.cfg.gap_request_ms, GAP_TICK_MS) / 2000)
             self._ask()
 

@@ -247,6 +247,8 @@ def _node_replace(args) -> int:
 def _load(args) -> int:
     from tape.ops.load import main
 
+    if not args.rate > 0:
+        raise SystemExit("tape load: --rate must be positive")
     cfg = _config(args)
     if args.interface:
         for c in cfg.clients:

@@ -243,6 +243,14 @@ class ElectionCore:
             return self._campaign(now_ns)
         return [RequestVotes(True, self.term + 1, last_seq, last_term)]
 
+    def next_deadline_ns(self) -> int | None:
+        """When `on_tick` next decides something if no message comes first: the campaign
+        deadline of a voter that may lead and does not (None: a leader's check-quorum and a
+        voter that never campaigns are judged at whatever ticks come)."""
+        if self.role == LEADER or not self.can_lead or self.absent:
+            return None
+        return self.deadline
+
     def _hold_over_stall(self, now_ns: int) -> None:
         gap = now_ns - self.last_tick_ns
         self.last_tick_ns = now_ns

@@ -94,6 +94,15 @@ class ListenerCore:
         """Runs were asked for that `on_timer` has not seen filled (it times those that were)."""
         return bool(self._asked)
 
+    @property
+    def waiting(self) -> bool:
+        """`on_timer` has something to do: a run is missing or asked for, or a hint is worth asking
+        about (an idle listener needs no timer)."""
+        rx = self.receiver
+        if self._asked or rx.missing() is not None:
+            return True
+        return self._hint_seq > rx.next_seq and (rx.next_seq != self._hint_from or self._hint_tries < HINT_TRIES)
+
     def on_datagram(self, data: bytes) -> list[Deliver | Ahead | Undecodable] | ProtocolError:
         """What to deliver, or the error for which the datagram was dropped (counted in `bad`)."""
         actions = self.on_datagrams([data])

@@ -52,6 +52,7 @@ class Client:
                                                    on_ahead=self.on_ahead)
         self._progress = asyncio.Event()
         self._task = None
+        self._sent = asyncio.Event()  # set while something sent waits for its acknowledgement
 
     # What the tools read.
     next_cseq = property(lambda self: self.core.next_cseq)
@@ -85,6 +86,7 @@ class Client:
         while pause := self.core.pause_left_ns(time.monotonic_ns()):
             await asyncio.sleep(pause / 1e9)
         self._send(self.core.submit(msgs, time.monotonic_ns()), self.core.leader)
+        self._sent.set()
         return self.core.next_cseq - 1
 
     def _on_advice(self) -> None:
@@ -141,7 +143,11 @@ class Client:
         self.core.on_ahead(pkt, time.monotonic_ns())
 
     async def _resend_loop(self) -> None:
+        """Resends when due, while anything waits for its acknowledgement."""
         while True:
+            if not self.core.unacked:
+                self._sent.clear()
+                await self._sent.wait()
             await asyncio.sleep(self.cfg.client_resend_ms / 4000)
             self._send(self.core.on_timer(time.monotonic_ns()))
 

@@ -360,6 +360,10 @@ class LeaderCore:
             self._last_published_ns = now_ns
         return batch, heartbeat
 
+    def timer_due_ns(self) -> int:
+        """When `on_timer` next has something to do, if nothing is sequenced or published first."""
+        return min(self._last_sequenced_ns + self.tick_ns, self._last_published_ns + self.heartbeat_ns)
+
     def sequenced_client_last(self) -> dict[bytes, int]:
         """Highest client seq per client that is in the log (accepted but not
         yet stamped messages excluded): what a follower continues from."""

@@ -104,6 +104,14 @@ class FollowerLinks:
             p.live = False
         return list(self.links)
 
+    def beat_due_ns(self, commit_seq: int) -> int:
+        """When `beat` next sends, if no append goes first."""
+        if self._beat_at is None:
+            return 0
+        if commit_seq != self._commit_sent:
+            return self._beat_at + COMMIT_BEAT_AFTER_NS
+        return self._beat_at + self.beat_ns + 1
+
     def beat(self, now_ns: int, commit_seq: int, force: bool = False) -> list[bytes]:
         """The live followers to send an empty append (the commit point) to now."""
         quiet = now_ns - self._beat_at if self._beat_at is not None else self.beat_ns + 1

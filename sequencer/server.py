@@ -54,6 +54,7 @@ from tape.sequencer.followers import FollowerLinks
 log = logging.getLogger("tape.sequencer")
 EOS_REPEATS = 5  # end-of-session packets published at shutdown, 20 ms apart
 END_COMMIT_WAIT_S = 5.0  # at shutdown, how long the session's end may take to commit (a loaded host is slow)
+TIMER_FLOOR_S = 0.001  # the leader's timer waits at least this long between runs
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Sequencer(NodeProcess):
         self._stamped: deque[tuple[int, int, int]] = deque()  # (last seq, stamped ns, messages) of unpublished batches
         self.commit_latency = LatencySamples()  # stamped to published, one weighted sample a batch
         self.commit_histogram = LatencyHistogram()
+        self._timer_woken: asyncio.Future | None = None  # the leader's timer, while it waits longer than a beat
         self._last = {"published": 0, "accepted": 0, "packets": 0, "backoffs": 0, "resends_asked": 0, "dropped": {}}
 
     # --- metrics -----------------------------------------------------------------
@@ -354,6 +356,8 @@ class Sequencer(NodeProcess):
                 first = first or int.from_bytes(pkt[10:18], "big")
         now = time.time_ns()
         self.core.note_published(len(packets), msgs, now)
+        if self._timer_woken is not None:  # the commit point moved: its beat may be due sooner
+            _resolve(self._timer_woken)
         self.published_seq = max(self.published_seq, self.core.published_seq)
         while self._stamped and self._stamped[0][0] <= self.core.published_seq:
             _, stamped, count = self._stamped.popleft()
@@ -364,9 +368,21 @@ class Sequencer(NodeProcess):
             span[1] = self.core.published_seq
 
     async def _timer(self) -> None:
-        period = COMMIT_BEAT_AFTER_NS / 1e9
+        """The stream's heartbeats and time ticks, the followers' commit beats and an interval
+        policy's syncs, each when it falls due (a steady 5 ms tick was two hundred wake-ups a
+        second of an idle leader). Waiting longer than a commit beat's delay, it is woken when
+        the commit point moves (`_publish`)."""
+        loop = asyncio.get_running_loop()
         while self.core is not None:
-            await asyncio.sleep(period)
+            wait = self._timer_wait_s()
+            woken = loop.create_future()
+            self._timer_woken = woken if wait > COMMIT_BEAT_AFTER_NS / 1e9 else None
+            handle = loop.call_later(wait, _resolve, woken)
+            try:
+                await woken
+            finally:
+                handle.cancel()
+                self._timer_woken = None
             if self.core is None:
                 return
             batch, heartbeat = self.core.on_timer(time.time_ns())
@@ -378,6 +394,16 @@ class Sequencer(NodeProcess):
                 self._publish([heartbeat])
             self._send_commit()
             self.journal.maybe_sync()  # the "every N ms" policy while idle
+
+    def _timer_wait_s(self) -> float:
+        c = self.core
+        due_ns = min(c.timer_due_ns() - time.time_ns(),
+                     self.followers_core.beat_due_ns(c.commit_seq) - time.monotonic_ns())
+        due = due_ns / 1e9
+        sync = self.journal.sync_due_s()
+        if sync is not None:
+            due = min(due, sync - time.monotonic())
+        return max(due, TIMER_FLOOR_S)
 
     def _send_commit(self, force: bool = False) -> None:
         """Empty appends, when due: the followers learn the commit point (to serve
@@ -475,3 +501,7 @@ class Sequencer(NodeProcess):
                     return  # the follower hung up: _follower_link sees the close and connects again
             await link.wake.wait()
 
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -268,3 +268,18 @@ def test_a_voter_whose_disk_is_full_steps_down_and_takes_no_part_until_space_ret
     c.on_disk_ok(far)
     assert c.on_tick(far + 299 * MS) == []  # a whole timeout to hear the leader first
     assert kinds(c.on_tick(far + 600 * MS)) == ["RequestVotes"]
+
+
+def test_the_next_deadline_is_when_a_tick_first_campaigns_and_none_while_nothing_can_time_out():
+    """The shell ticks at the deadline (and at least every few ms for the stall clock): a tick just
+    before it decides nothing, one at it campaigns; a leader and a rewinder have no such deadline."""
+    c = core()
+    due = c.next_deadline_ns()
+    assert c.on_tick(due - 1) == [] and c.role == FOLLOWER
+    assert kinds(c.on_tick(due)) == ["RequestVotes"] and c.next_deadline_ns() > due
+    c.on_append(1, B, due + MS)  # heard a leader: the deadline moves a whole timeout on
+    assert c.next_deadline_ns() >= due + MS + 300 * MS
+    assert core(R1, can_lead=False).next_deadline_ns() is None
+    leader = core()
+    elect(leader, 700 * MS)
+    assert leader.role == LEADER and leader.next_deadline_ns() is None

@@ -63,3 +63,22 @@ def test_commit_beats_go_when_the_commit_moved_and_no_append_told_it_or_the_beat
     assert links.beat(6 * after, 10) == []  # the append told it: nothing moved
     assert links.beat(14 * after + 1, 10) == [F]  # the beat is due (the leader lives)
     assert links.beat(14 * after + 2, 10, force=True) == [F]
+
+
+def test_the_next_beat_is_due_when_beat_first_sends():
+    """The leader's timer sleeps until `beat_due_ns`: a beat must go exactly then, not before."""
+    after = COMMIT_BEAT_AFTER_NS
+    links = FollowerLinks(beat_ns=10 * after)
+    links.connected(F, 0, 0)
+    links.next_chunk(F, 0)
+    assert links.beat_due_ns(0) == 0 and links.beat(0, 0) == [F]
+
+    def first_beat_at_due(commit):
+        due = links.beat_due_ns(commit)
+        assert links.beat(due - 1, commit) == [] and links.beat(due, commit) == [F]
+        return due
+
+    assert first_beat_at_due(0) == 10 * after + 1  # nothing moved: the heartbeat
+    assert first_beat_at_due(7) == 11 * after + 1  # moved: COMMIT_BEAT_AFTER_NS after the last beat
+    assert links.live_for(1, 9, 7, 12 * after) == ([F], [])  # an append carries commit 7
+    assert first_beat_at_due(9) == 13 * after  # moved since: COMMIT_BEAT_AFTER_NS after the append

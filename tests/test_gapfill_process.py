@@ -5,11 +5,13 @@ what a rewinder knows committed answered once it commits."""
 
 import json
 import socket
+import time
 from pathlib import Path
 
 import pytest
 from conftest import wait_for
 
+from tape.ops.config import load
 from tape.ops.journal_tool import digest as journal_digest
 from tape.ops.local import LocalCluster
 from tape.protocol import moldudp64
@@ -120,5 +122,29 @@ def test_a_request_ahead_of_the_commit_point_is_answered_once_it_commits(tmp_pat
         answer = requester.recv(65536)
         assert moldudp64.decode_header(answer)[1:] == (ahead, 1) and commit() >= ahead
         assert dropped(cluster, "not_committed") == 0
+    finally:
+        cluster.close()
+
+
+def test_a_rewinder_hears_each_commit_point_soon_after_it_moves_not_with_the_next_append(tmp_path):
+    """An idle leader's timer sleeps until something falls due (here the time tick, each second;
+    beats to followers and stream heartbeats are further apart): when the tick commits, the
+    commit point's beat must still go out COMMIT_BEAT_AFTER_NS after the append, else a rewinder
+    answers gap requests for it only with the next tick's append, a second later."""
+    cluster = LocalCluster(tmp_path, keys=False, extra="[timeouts]\nleader_heartbeat_ms = 1500\nelection_ms = 4500\n")
+    cluster.config_path.write_text(cluster.config_path.read_text().replace("heartbeat_ms = 200", "heartbeat_ms = 3000"))
+    cluster.cfg = load(cluster.config_path)
+    try:
+        cluster.start_all()
+        rw_commit = lambda: cluster.metrics("rw-1")['tape_rewinder_commit_seq{node="rw-1"}']  # noqa: E731
+        wait_for(lambda: rw_commit() >= 2, "rw-1 to know a tick committed")
+        lags = []
+        for _ in range(3):
+            leader = cluster.metrics("seq-a")['tape_sequencer_commit_seq{node="seq-a"}']
+            moved = wait_for(lambda: cluster.metrics("seq-a")['tape_sequencer_commit_seq{node="seq-a"}'] > leader
+                             and time.monotonic(), "the next tick to commit", every=0.005)
+            wait_for(lambda: rw_commit() > leader, "rw-1 to hear it", every=0.005)
+            lags.append(time.monotonic() - moved)
+        assert max(lags) < 0.4, lags  # ~1 s without the beat (the next tick's append tells it)
     finally:
         cluster.close()

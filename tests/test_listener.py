@@ -13,7 +13,7 @@ from tape.node.transport import udp_socket
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
-from tape.protocol.limits import DRAIN_DATAGRAMS
+from tape.protocol.limits import DRAIN_DATAGRAMS, HINT_TRIES
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
 
@@ -181,4 +181,59 @@ async def test_a_drain_delivers_its_runs_in_one_call_and_keeps_their_order_with_
     finally:
         stream.close()
         sender.close()
+        await lst.close()
+
+
+def test_the_timer_is_wanted_only_while_a_run_is_missing_or_asked_for_or_a_hint_worth_asking():
+    lst, delivered, _ = listener(keys=True)
+    core = lst.core
+    core.reply_at("127.0.0.1", 9)
+    lst.on_datagram(sealed(1, good(3)))  # 1-4
+    assert not core.waiting
+    lst.on_datagram(sealed(9, good(3, 9)))  # 9-12: 5-8 missing
+    assert core.waiting
+    assert len(core.on_timer(1)) == 1 and core.waiting  # asked for
+    lst.on_datagram(sealed(5, good(3, 5)))
+    assert delivered == [1, 5, 9] and core.waiting  # filled, its answer not yet timed
+    assert core.on_timer(2) == [] and not core.waiting
+    lst.on_datagram(moldudp64.encode_heartbeat(SESSION, 20))  # a hint: 13-19 may exist
+    assert core.waiting
+    for second in range(3, 100):  # asked about HINT_TRIES times (each after the answer timeout), then no more
+        core.on_timer(second * 10**9)
+        if not core.waiting:
+            break
+    assert not core.waiting and core.requests_sent == 1 + HINT_TRIES
+
+
+async def test_an_idle_listener_runs_no_timer_and_one_with_a_gap_asks_again_until_it_fills():
+    lst, delivered, _ = listener(keys=False)
+    rewinder = fake_rewinder(lst)
+    timers = []
+    on_timer = lst.core.on_timer
+    lst.core.on_timer = lambda now: timers.append(now) or on_timer(now)
+    stream, _ = udp_socket()
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    lst.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert timers == []  # nothing missing: not one tick
+        for first in (1, 5):  # 3-4 lost
+            sender.sendto(PacketBuilder(SESSION, first).add_sequenced(good(2, first))[0], stream.getsockname())
+        await asyncio.sleep(0.05)
+        lst._drain(stream)  # sees the gap, asks for it
+        rewinder.recvfrom(100)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if len(timers) > 3:
+                break
+        assert len(timers) > 3  # ticking while 3-4 stay missing
+        lst.on_datagram(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0])
+        assert delivered == [1, 3, 5]
+        await asyncio.sleep(0.1)
+        ticked = len(timers)
+        await asyncio.sleep(0.2)
+        assert len(timers) == ticked and not lst.core.waiting
+    finally:
+        for s in (rewinder, stream, sender):
+            s.close()
         await lst.close()

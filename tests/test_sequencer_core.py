@@ -304,3 +304,11 @@ def test_what_the_rules_cannot_apply_is_sequenced_as_a_reject_the_client_sees():
     assert client.acked == 5 and not client.unacked  # answered, not lost
     assert client.rejected == [(2, "shares_out_of_range"), (3, "bad_text"), (5, "shares_out_of_range")]
     assert msg.inbound_rejects(m.encode_packet(A, 1, [ok, negative]), 2) == []
+
+
+def test_the_timer_is_due_when_on_timer_first_has_something_to_do():
+    core, _ = leader(tick_ns=1000, heartbeat_ns=500)
+    core.on_timer(2000)
+    for _ in range(3):
+        due = core.timer_due_ns()
+        assert core.on_timer(due - 1) == (None, None) and core.on_timer(due) != (None, None)

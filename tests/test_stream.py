@@ -1,5 +1,6 @@
 """The live stream with real processes on loopback multicast (issue 3)."""
 
+import asyncio
 import json
 import random
 import socket
@@ -290,3 +291,34 @@ def test_clients_send_new_batches_to_the_leader_alone(tmp_path):
         assert got[leader] >= 20_000 // 26 and got[standby] - resends < got[leader] / 5, (got, resends)
     finally:
         c.close()
+
+
+async def test_a_client_runs_its_resend_timer_only_while_something_waits_for_its_acknowledgement(tmp_path):
+    from tape.ops.config import default_toml, load
+    from tape.protocol import messages as M
+    from tape.sequencer.client import Client
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(default_toml(tmp_path, free=True))
+    client = Client(load(path), "load0")
+    timers = []
+    on_timer = client.core.on_timer
+    client.core.on_timer = lambda now: timers.append(now) or on_timer(now)
+    await client.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert timers == []  # nothing sent: no timer
+        await client.submit([M.purchase_request(1, 10, "X", "Y")])  # no sequencer: never acknowledged
+        wait = client.cfg.client_resend_ms / 4000
+        for _ in range(100):
+            await asyncio.sleep(wait)
+            if len(timers) >= 3:
+                break
+        assert len(timers) >= 3
+        client.core.unacked.clear()  # as if acknowledged
+        await asyncio.sleep(2 * wait)
+        ticked = len(timers)
+        await asyncio.sleep(0.2)
+        assert len(timers) == ticked
+    finally:
+        await client.close()

@@ -3,6 +3,7 @@ sequencer whose log is behind a rewinder's takes the missing entries, so it
 can be elected when the leader died after replicating only to rewinders."""
 
 import asyncio
+import time
 import tomllib
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from tape.node.voter import Voter, VoteStore
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
+from tape.protocol.limits import STALL_SHARE
 
 
 def records(first: int, last: int, term: int = 1) -> list:
@@ -112,3 +114,29 @@ async def test_appends_read_together_share_one_fsync_and_are_acked_after_it(tmp_
         server.close()
     assert acks == [10, 20, 30, 40, 50] == spies[0].acked
     assert journal.last_seq == 50 and journal.syncs == 1 and journal.fsyncs == 1
+
+
+async def test_a_voter_ticks_at_its_election_deadline_and_otherwise_only_as_its_stall_clock_needs(tmp_path):
+    """No steady 10 ms tick: at most one a `tick_s` (2/5 of the stall threshold), and one at the
+    election's deadline when that comes sooner."""
+    cfg = parse(tomllib.loads(default_toml(tmp_path, sequencers=2, free=True)))
+    node = cfg.node("seq-b")
+    Path(node.data).mkdir(parents=True, exist_ok=True)
+    VoteStore(Path(node.data) / "election.json").save(1, None)
+    voter = Voter(cfg, node, cfg.open_journal(node), can_lead=True)
+    assert voter.tick_s == cfg.election_ms / 1000 * STALL_SHARE * 0.4
+    ticks = []
+
+    def tick():  # what a campaign does to the deadline, without the campaign
+        ticks.append(now := time.monotonic_ns())
+        if now >= voter.election.deadline:
+            voter.election.deadline = now + 10**10
+
+    voter.tick = tick
+    start = time.monotonic_ns()
+    deadline = voter.election.deadline = start + int(voter.tick_s * 1.25e9)  # between the first two ticks
+    task = asyncio.create_task(voter.ticks())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    assert len(ticks) <= 0.3 / voter.tick_s + 2
+    assert min(t for t in ticks if t >= deadline) - deadline < voter.tick_s * 0.5e9
