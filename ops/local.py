@@ -51,7 +51,7 @@ class LocalCluster:
         self.let_go: set[str] = set()  # stopped or killed here: their exits are expected
 
     def start(
-        self, name: str, *args: str, wait_metrics: int | None = None, env: dict | None = None
+        self, name: str, *args: str, wait_metrics: int | None = None, env: dict | None = None, wait: bool = True
     ) -> subprocess.Popen:
         log = self.root / f"{name}.log"
         self.logs[name] = log
@@ -61,29 +61,32 @@ class LocalCluster:
                                 stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "a"),
                                 env={**os.environ, **(env or {})}, preexec_fn=_dies_with(os.getpid()))
         self.procs[name] = proc
-        if wait_metrics:
+        if wait_metrics and wait:
             self.wait_http(wait_metrics, proc, name)
         return proc
 
     def start_node(
         self, name: str, drop: float = 0.0, seed: int = 0, *extra: str, env: dict | None = None, wait: bool = True
     ) -> subprocess.Popen:
-        """Start a node; with `wait`, return once it serves metrics (failing if it exits first)."""
+        """Start a node; with `wait`, return once it serves metrics (failing if it exits first). A
+        restart waits for it either way."""
         node = self.cfg.node(name)
         args = [node.role, "--node", name, *extra]
         if node.role != "emitter":
             args += ["--drop", str(drop), "--seed", str(seed)]
-        return self.start(name, *args, wait_metrics=node.metrics_port if wait else None, env=env)
+        return self.start(name, *args, wait_metrics=node.metrics_port, env=env, wait=wait)
 
     def start_all(self, drop: float = 0.0, emitter_args: tuple = ()) -> None:
-        for i, n in enumerate(self.cfg.by_role("rewinder")):
-            self.start_node(n.name, drop, seed=10 + i)
-        for n in self.cfg.by_role("sequencer"):
-            self.start_node(n.name, drop, seed=1)
-        for n in self.cfg.by_role("emitter"):
-            self.start_node(n.name, 0.0, 0, *emitter_args)
-        for i, n in enumerate(self.cfg.by_role("replica")):
-            self.start_node(n.name, drop, 20 + i, "--exit-on-end")
+        """Every node, in the order they are needed (followers, sequencers, the emitter, replicas),
+        each started without waiting for the one before to serve (their start-ups overlap: one
+        after another they took 4 s of every run here), then waited for in the same order."""
+        nodes = [(n, drop, 10 + i) for i, n in enumerate(self.cfg.by_role("rewinder"))]
+        nodes += [(n, drop, 1) for n in self.cfg.by_role("sequencer")]
+        nodes += [(n, 0.0, 0, *emitter_args) for n in self.cfg.by_role("emitter")]
+        nodes += [(n, drop, 20 + i, "--exit-on-end") for i, n in enumerate(self.cfg.by_role("replica"))]
+        started = [(n, self.start_node(n.name, *rest, wait=False)) for n, *rest in nodes]
+        for n, proc in started:
+            self.wait_http(n.metrics_port, proc, n.name)
 
     def wait_http(self, port: int, proc: subprocess.Popen, name: str, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
