@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TAPE
+from conftest import TAPE, short_lived_jvm
 
 from tape.node.journal_store import Journal
 from tape.ops.spark import reconcile
@@ -135,7 +135,8 @@ def test_audit_command_exit_codes(run_dir, tmp_path):
     bad = tmp_path / "alerts.jsonl"
     bad.write_text("\n".join(alerts.read_text().splitlines()[1:]) + "\n")  # one missing
     out = subprocess.run(TAPE + ["audit", "--journal", str(journal), "--alerts", str(bad), "--master", "local[2]",
-                                 "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+                                 "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300,
+                         env=short_lived_jvm())
     assert out.returncode == 1, out.stdout + out.stderr
     assert json.loads((tmp_path / "r.json").read_text())["missing"]["count"] == 1
     assert "Traceback" not in out.stderr
@@ -241,7 +242,7 @@ def test_analytics_agree_with_a_plain_count_of_the_journal(spark, run_dir, tmp_p
 def test_analytics_command_writes_tables_plots_and_a_page(run_dir, tmp_path):
     out = subprocess.run(TAPE + ["analytics", "--journal", str(run_dir / "journal" / "seq-a"), "--out", str(tmp_path),
                                  "--master", "local[2]", "--conf", "spark.sql.shuffle.partitions=4"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=short_lived_jvm())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "volumes per stock" in out.stdout and "fill ratio per order book" in out.stdout
     page = (tmp_path / "index.html").read_text()

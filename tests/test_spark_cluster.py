@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TAPE, wait_for
+from conftest import TAPE, short_lived_jvm, wait_for
 
 from tape.node.transport import free_port
 
@@ -41,7 +41,7 @@ def worker_python(tmp_path_factory):
 def standalone(tmp_path_factory):
     """spark://127.0.0.1:PORT: a master and a one-core worker, killed (with their process groups) after."""
     logs = tmp_path_factory.mktemp("standalone")
-    env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
+    env = {**short_lived_jvm(), "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
            "SPARK_WORKER_DIR": str(logs / "work")}
     port = free_port()
     spark_class = str(SPARK_HOME / "bin" / "spark-class")
@@ -68,7 +68,7 @@ def on_cluster(master: str, python: str, out: Path, *args: str) -> subprocess.Po
     partitions sized to the one two-core worker (as docs/runbook.md says to size them) and one of
     its cores: the commands run side by side, as several users' jobs share a cluster (one after
     another they took three minutes of `make test`). Its output goes to `out`."""
-    env = {**os.environ, "PYSPARK_PYTHON": python}
+    env = {**short_lived_jvm(), "PYSPARK_PYTHON": python}
     with open(out, "w") as log:
         return subprocess.Popen(TAPE + list(args) + ["--master", master, "--conf", "spark.sql.shuffle.partitions=4",
                                                      "--conf", "spark.cores.max=1"],
