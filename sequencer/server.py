@@ -396,6 +396,8 @@ class Sequencer(NodeProcess):
             self.journal.maybe_sync()  # the "every N ms" policy while idle
 
     def _timer_wait_s(self) -> float:
+        """Until the first of the core's tick or heartbeat, the followers' beat and a sync is due
+        (each in its own clock: stamps are wall-clock time, the rest monotonic)."""
         c = self.core
         due_ns = min(c.timer_due_ns() - time.time_ns(),
                      self.followers_core.beat_due_ns(c.commit_seq) - time.monotonic_ns())
