@@ -130,6 +130,9 @@ def _parse_stream(stream: dict, session: str) -> Config:
     )
     if not MIN_PACKET <= cfg.max_packet <= moldudp64.MAX_UDP_PAYLOAD:
         raise ConfigError(f"stream.max_packet: {cfg.max_packet} outside {MIN_PACKET}..{moldudp64.MAX_UDP_PAYLOAD}")
+    for key in ("heartbeat_ms", "tick_ms"):  # the leader's timer sleeps until they fall due
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"stream.{key}: must be positive, not {getattr(cfg, key)}")
     return cfg
 
 
