@@ -148,6 +148,9 @@ def _parse_timeouts(cfg: Config, timeouts: dict) -> None:
     cfg.gap_request_ms = _opt(timeouts, "gap_request_ms", int, "timeouts.")
     cfg.election_ms = _opt(timeouts, "election_ms", int, "timeouts.")
     cfg.leader_heartbeat_ms = _opt(timeouts, "leader_heartbeat_ms", int, "timeouts.")
+    for key in ("client_resend_ms", "gap_request_ms"):  # timers that run every fraction of them
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"timeouts.{key}: must be positive, not {getattr(cfg, key)}")
     if not 0 < cfg.leader_heartbeat_ms * 3 <= cfg.election_ms:
         raise ConfigError("timeouts.leader_heartbeat_ms: must be positive and at most a third of timeouts.election_ms")
 
