@@ -72,6 +72,13 @@ def _opt(table: dict, key: str, kind, where: str):
     return _get(table, key, kind, where, default_of(Config, key))
 
 
+def _positive(cfg: Config, where: str, *keys: str) -> None:
+    """Keys that timers wait on or run every fraction of: zero or less would spin them."""
+    for key in keys:
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{where}{key}: must be positive, not {getattr(cfg, key)}")
+
+
 def _port(table, key, where, required=False) -> int:
     value = _get(table, key, int, where, 0, required)
     if not 0 <= value <= 65535:
@@ -130,9 +137,7 @@ def _parse_stream(stream: dict, session: str) -> Config:
     )
     if not MIN_PACKET <= cfg.max_packet <= moldudp64.MAX_UDP_PAYLOAD:
         raise ConfigError(f"stream.max_packet: {cfg.max_packet} outside {MIN_PACKET}..{moldudp64.MAX_UDP_PAYLOAD}")
-    for key in ("heartbeat_ms", "tick_ms"):  # the leader's timer sleeps until they fall due
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"stream.{key}: must be positive, not {getattr(cfg, key)}")
+    _positive(cfg, "stream.", "heartbeat_ms", "tick_ms")
     return cfg
 
 
@@ -148,9 +153,7 @@ def _parse_timeouts(cfg: Config, timeouts: dict) -> None:
     cfg.gap_request_ms = _opt(timeouts, "gap_request_ms", int, "timeouts.")
     cfg.election_ms = _opt(timeouts, "election_ms", int, "timeouts.")
     cfg.leader_heartbeat_ms = _opt(timeouts, "leader_heartbeat_ms", int, "timeouts.")
-    for key in ("client_resend_ms", "gap_request_ms"):  # timers that run every fraction of them
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"timeouts.{key}: must be positive, not {getattr(cfg, key)}")
+    _positive(cfg, "timeouts.", "client_resend_ms", "gap_request_ms")
     if not 0 < cfg.leader_heartbeat_ms * 3 <= cfg.election_ms:
         raise ConfigError("timeouts.leader_heartbeat_ms: must be positive and at most a third of timeouts.election_ms")
 

@@ -26,6 +26,7 @@ def test_default_config_is_a_loopback_cluster():
     (lambda d: d["stream"].update(tick_ms=0), "stream.tick_ms: must be positive"),
     (lambda d: d["stream"].update(heartbeat_ms=-5), "stream.heartbeat_ms: must be positive"),
     (lambda d: d.setdefault("timeouts", {}).update(client_resend_ms=0), "timeouts.client_resend_ms: must be"),
+    (lambda d: d.setdefault("timeouts", {}).update(gap_request_ms=-1), "timeouts.gap_request_ms: must be"),
     (lambda d: d.pop("client"), "client: at least one"),
 ])
 def test_invalid_config_names_the_key(edit, key):

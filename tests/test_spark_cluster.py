@@ -39,7 +39,7 @@ def worker_python(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def standalone(tmp_path_factory):
-    """spark://127.0.0.1:PORT: a master and a one-core worker, killed (with their process groups) after."""
+    """spark://127.0.0.1:PORT: a master and a two-core worker, killed (with their process groups) after."""
     logs = tmp_path_factory.mktemp("standalone")
     env = {**short_lived_jvm(), "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
            "SPARK_WORKER_DIR": str(logs / "work")}

@@ -7,6 +7,8 @@ import time
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from tape.node.voter import Voter, VoteStore
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
@@ -124,7 +126,7 @@ async def test_a_voter_ticks_at_its_election_deadline_and_otherwise_only_as_its_
     Path(node.data).mkdir(parents=True, exist_ok=True)
     VoteStore(Path(node.data) / "election.json").save(1, None)
     voter = Voter(cfg, node, cfg.open_journal(node), can_lead=True)
-    assert voter.tick_s == cfg.election_ms / 1000 * STALL_SHARE * 0.4
+    assert voter.tick_s == pytest.approx(cfg.election_ms / 1000 * STALL_SHARE * 0.4)
     ticks = []
 
     def tick():  # what a campaign does to the deadline, without the campaign
