@@ -26,6 +26,92 @@ CONNECT_TIMEOUT_S = 2.0  # a connection and its handshake, where the caller has 
 log = RateLimitedLog(logging.getLogger("tape.link"))
 
 
+class LinkReader(asyncio.StreamReader):
+    """A StreamReader that can instead hand each chunk to a callback in the turn the transport
+    receives it (`hand_to`). Awaiting `read` costs two turns of the event loop a read (the
+    reader wakes the reading task, which runs in the next turn), the Python of a future and a
+    task step: on a busy link that is most of what a small read costs (asyncio's docs invite
+    copying start_server and open_connection to use another reader)."""
+
+    _arrive = None
+
+    def hand_to(self, arrive: Callable[[bytes | BaseException], None] | None) -> None:
+        """From now on each chunk goes to `arrive` as it comes (b"" at the end, or the
+        connection's exception); what was buffered goes first. None: buffer again."""
+        self._arrive = arrive
+        if arrive is None:
+            return
+        if self._buffer:
+            data = bytes(self._buffer)
+            self._buffer.clear()
+            arrive(data)
+        if self._exception is not None:
+            arrive(self._exception)
+        elif self._eof:
+            arrive(b"")
+
+    def feed_data(self, data: bytes) -> None:
+        if self._arrive is None:
+            super().feed_data(data)
+        elif data:
+            self._arrive(data)
+
+    def feed_eof(self) -> None:
+        super().feed_eof()
+        if self._arrive is not None:
+            self._arrive(b"")
+
+    def set_exception(self, exc: BaseException) -> None:
+        super().set_exception(exc)
+        if self._arrive is not None:
+            self._arrive(exc)
+
+
+async def read_each(reader, on_data: Callable[[bytes], None]) -> None:
+    """Call on_data(chunk) for each read of `reader` (a LinkReader or a SealedReader: verified
+    records), in the turn the transport receives it, until the peer closes; raises what
+    on_data raised, the connection's error, or a record's ProtocolError."""
+    done = asyncio.get_running_loop().create_future()
+
+    def arrive(data: bytes | BaseException) -> None:
+        if done.done():
+            return
+        if isinstance(data, BaseException):
+            done.set_exception(data)
+        elif not data:
+            done.set_result(None)
+        else:
+            try:
+                on_data(data)
+            except BaseException as e:  # ends the connection in the caller, as an awaited read's would
+                done.set_exception(e)
+
+    reader.hand_to(arrive)
+    try:
+        await done
+    finally:
+        reader.hand_to(None)
+
+
+async def start_server(client_connected, host: str, port: int, **kwds) -> asyncio.Server:
+    """asyncio.start_server, each connection read by a LinkReader."""
+    loop = asyncio.get_running_loop()
+
+    def factory():
+        return asyncio.StreamReaderProtocol(LinkReader(loop=loop), client_connected, loop=loop)
+
+    return await loop.create_server(factory, host, port, **kwds)
+
+
+async def _open_connection(host: str, port: int):
+    """asyncio.open_connection, read by a LinkReader."""
+    loop = asyncio.get_running_loop()
+    reader = LinkReader(loop=loop)
+    protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+    transport, _ = await loop.create_connection(lambda: protocol, host, port)
+    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+
 class SealedReader:
     """The `read` of an asyncio.StreamReader, over verified records."""
 
@@ -49,6 +135,29 @@ class SealedReader:
                 raise
             if plain:
                 return plain
+
+    def hand_to(self, arrive) -> None:
+        """LinkReader.hand_to, each chunk opened first (a record that does not verify is counted
+        and handed on as its ProtocolError)."""
+        if arrive is None:
+            self._reader.hand_to(None)
+            return
+
+        def opened(data: bytes | BaseException) -> None:
+            if isinstance(data, BaseException) or not data:
+                arrive(data)
+                return
+            self.last_read = len(data)
+            try:
+                plain = self._opener.open(data)
+            except ProtocolError as e:
+                _refuse(self._refused, e)
+                arrive(e)
+                return
+            if plain:
+                arrive(plain)
+
+        self._reader.hand_to(opened)
 
 
 class SealedWriter:
@@ -107,7 +216,7 @@ async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str
     """open_connection, then the handshake when the link has keys, both within `timeout`
     (raises OSError or asyncio.TimeoutError; ConnectionError when the handshake fails)."""
     async def open_link():
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await _open_connection(host, port)
         small_reads(writer)
         if keys is None:
             return reader, writer

@@ -55,9 +55,9 @@ class NodeProcess:
         """A TCP connection to a peer, authenticated when `keys` (node/authlink.py)."""
         return await authlink.connect(host, port, keys, self.link_refused, timeout)
 
-    def link_server(self, handler, keys):
-        """A start_server callback that hands `handler` only authenticated connections."""
-        return authlink.serving(handler, keys, self.link_refused)
+    async def serve_links(self, handler, keys, host: str, port: int) -> asyncio.Server:
+        """A TCP server that hands `handler` only authenticated connections (node/authlink.py)."""
+        return await authlink.start_server(authlink.serving(handler, keys, self.link_refused), host, port)
 
     def metrics(self):
         """The role's report and what every node reports."""

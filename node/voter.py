@@ -265,14 +265,13 @@ class Voter:
             return
         frames = rep.FrameReader()
         closed_by_peer = False
+        def on_read(data: bytes) -> None:
+            writer.write(self._on_read(frames.feed(data), writer))
+            authlink.reads_to_keep_up(reader, writer, data)
+
         try:
-            while True:
-                data = await reader.read(STREAM_READ)
-                if not data:
-                    closed_by_peer = True
-                    break
-                writer.write(self._on_read(frames.feed(data), writer))
-                authlink.reads_to_keep_up(reader, writer, data)
+            await authlink.read_each(reader, on_read)
+            closed_by_peer = True
         except ProtocolError as e:
             self.bad_frames += 1
             log.warning("bad replication frame, closing: %s", e)

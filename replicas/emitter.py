@@ -137,8 +137,8 @@ class Emitter(NodeProcess):
             with self.env.begin() as txn:
                 doubt = [v for _, v in txn.cursor(db=self.outbox)]
             await self._carry_out(self.core.recover(doubt))
-            server = await asyncio.start_server(self.link_server(self._on_replica, self.cfg.cluster_link),
-                                                self.node.host, self.node.alert_port)
+            server = await self.serve_links(self._on_replica, self.cfg.cluster_link, self.node.host,
+                                            self.node.alert_port)
             log.info("emitter at mark %d, listening on :%d, sinks: %s", self.mark, self.node.alert_port,
                      ", ".join(s.name for s in self.sinks))
             await self.stop.wait()

@@ -89,10 +89,10 @@ class Rewinder(NodeProcess):
         yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
 
     async def main(self) -> None:
-        repl = await asyncio.start_server(self.link_server(self.voter.serve, self.cfg.cluster_link),
-                                          self.node.host, self.node.replication_port)
-        replay = await asyncio.start_server(self.link_server(self._on_replay, self.cfg.replay_link),
-                                            self.node.host, self.node.replay_port)
+        repl = await self.serve_links(self.voter.serve, self.cfg.cluster_link, self.node.host,
+                                      self.node.replication_port)
+        replay = await self.serve_links(self._on_replay, self.cfg.replay_link, self.node.host,
+                                        self.node.replay_port)
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.gap_sock, self._on_gap_requests)

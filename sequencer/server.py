@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tape.node import authlink
 from tape.node.authlink import write_each
 from tape.node.batchio import send_datagrams
 from tape.node.diskspace import DiskFull
@@ -154,8 +155,8 @@ class Sequencer(NodeProcess):
         self.publisher = multicast_sender(self.cfg.interface_of(self.node))
         self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         self.dest = (self.cfg.group, self.cfg.port)
-        server = await asyncio.start_server(self.link_server(self.voter.serve, self.cfg.cluster_link),
-                                            self.node.host, self.node.replication_port)
+        server = await self.serve_links(self.voter.serve, self.cfg.cluster_link, self.node.host,
+                                        self.node.replication_port)
         log.info("%s at seq %d, term %d; replication :%d, inbound %s:%d (rcvbuf %d), publishing %s:%d; %d voters",
                  self.node.name, self.journal.last_seq, self.voter.election.term, self.node.replication_port,
                  self.node.host, self.node.inbound_port, granted, *self.dest, len(self.cfg.voters))
@@ -449,13 +450,14 @@ class Sequencer(NodeProcess):
                 self.followers_core.connected(f.wire_name, hello.last_seq, self.core.last_seq)
                 log.info("follower %s connected at seq %d", f.name, hello.last_seq)
                 sender = self.spawn(self._feed(link))
-                while True:
-                    data = await reader.read(CONTROL_READ)
-                    if not data:
-                        raise ConnectionError("closed")
+
+                def on_acks(data: bytes) -> None:
                     for fr in frames.feed(data):
                         if isinstance(fr, rep.Ack):
                             self._on_ack(link, fr)
+
+                await authlink.read_each(reader, on_acks)
+                raise ConnectionError("closed")
             except (ConnectionError, OSError, ProtocolError, DiskFull) as e:
                 log.warning("follower %s link lost: %s", f.name, e)
             finally:

@@ -25,7 +25,7 @@ async def test_both_ends_of_a_link_read_small_and_a_large_payload_arrives_whole(
         got.set_result(data)
         writer.close()
 
-    server = await asyncio.start_server(authlink.serving(handler, keys, {}), "127.0.0.1", 0)
+    server = await authlink.start_server(authlink.serving(handler, keys, {}), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
         reader, writer = await authlink.connect("127.0.0.1", port, keys, {}, timeout=5)
@@ -62,7 +62,7 @@ async def test_a_reader_behind_reads_large_until_it_has_caught_up(keys):
         caught_up.set()
         writer.close()
 
-    server = await asyncio.start_server(authlink.serving(handler, keys, {}), "127.0.0.1", 0)
+    server = await authlink.start_server(authlink.serving(handler, keys, {}), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
         reader, writer = await authlink.connect("127.0.0.1", port, keys, {}, timeout=5)
@@ -77,3 +77,81 @@ async def test_a_reader_behind_reads_large_until_it_has_caught_up(keys):
         await server.wait_closed()
     assert sum(reads) == len(payload) and len(reads) <= 4, reads  # 11 at SOCKET_RECV a recv()
     assert sizes[0] == BEHIND_RECV and sizes[-1] == SOCKET_RECV, sizes
+
+
+async def test_a_handed_read_runs_in_the_turn_its_bytes_arrive():
+    """read_each: what was buffered first, then each chunk inside the transport's own call
+    (no second loop turn), the end of the stream ends it, and after it the reader buffers."""
+    reader = authlink.LinkReader(loop=asyncio.get_running_loop())
+    reader.feed_data(b"early ")
+    chunks = []
+    reading = asyncio.ensure_future(authlink.read_each(reader, chunks.append))
+    await asyncio.sleep(0)
+    assert chunks == [b"early "]
+    reader.feed_data(b"now")
+    assert chunks == [b"early ", b"now"]  # before feed_data returned: in the transport's turn
+    reader.feed_eof()
+    async with asyncio.timeout(1):
+        await reading
+    assert reader._arrive is None
+
+
+async def test_a_handed_read_raises_what_its_callback_or_the_connection_raised():
+    loop = asyncio.get_running_loop()
+
+    def refuse(data: bytes) -> None:
+        raise ValueError(data)
+
+    reader = authlink.LinkReader(loop=loop)
+    reading = asyncio.ensure_future(authlink.read_each(reader, refuse))
+    await asyncio.sleep(0)
+    reader.feed_data(b"bad")
+    reader.feed_data(b"ignored: the caller closes")
+    with pytest.raises(ValueError, match="bad"):
+        await reading
+    reader = authlink.LinkReader(loop=loop)
+    reading = asyncio.ensure_future(authlink.read_each(reader, refuse))
+    await asyncio.sleep(0)
+    reader.set_exception(ConnectionResetError("reset"))
+    with pytest.raises(ConnectionResetError):
+        await reading
+
+
+@pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
+async def test_a_handed_read_gets_a_payload_whole_and_a_forged_record_refused(keys):
+    payload = os.urandom(5 * SOCKET_RECV + 123)
+    got, ended = bytearray(), asyncio.get_running_loop().create_future()
+    refused: dict[str, int] = {}
+
+    async def handler(reader, writer):
+        try:
+            await authlink.read_each(reader, got.extend)
+            ended.set_result("closed")
+        except Exception as e:
+            ended.set_result(e)
+        writer.close()
+
+    server = await authlink.start_server(authlink.serving(handler, keys, refused), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await authlink.connect("127.0.0.1", port, keys, {}, timeout=5)
+        writer.write(payload[:1000])
+        writer.write(payload[1000:])
+        if keys is not None:
+            async with asyncio.timeout(10):
+                while len(got) < len(payload):
+                    await asyncio.sleep(0.01)
+            writer.transport.write(b"\x00" * 64)  # not a record the key sealed
+        else:
+            writer.close()
+        async with asyncio.timeout(10):
+            outcome = await ended
+        assert bytes(got) == payload
+        if keys is None:
+            assert outcome == "closed"
+        else:
+            assert type(outcome).__name__ == "ProtocolError" and sum(refused.values()) == 1, (outcome, refused)
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tape.node import authlink
 from tape.node.voter import Voter, VoteStore
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
@@ -32,7 +33,7 @@ async def test_a_sequencer_behind_a_rewinder_fetches_what_it_lacks(tmp_path):
         VoteStore(Path(node.data) / "election.json").save(1, None)
     rewinder = Voter(cfg, rw_1, ahead, can_lead=False)
     sequencer = Voter(cfg, seq_b, behind, can_lead=True)
-    server = await asyncio.start_server(rewinder.serve, rw_1.host, rw_1.replication_port)
+    server = await authlink.start_server(rewinder.serve, rw_1.host, rw_1.replication_port)
     try:
         taken = await sequencer.fetch_from(rw_1)
     finally:
@@ -45,7 +46,7 @@ async def test_a_sequencer_behind_a_rewinder_fetches_what_it_lacks(tmp_path):
     other.append(records(1, 50, term=1) + records(51, 55, term=2))
     stranger = Voter(cfg, cfg.node("seq-a"), other, can_lead=True)
     stranger.election.term = 2
-    server = await asyncio.start_server(rewinder.serve, rw_1.host, rw_1.replication_port)
+    server = await authlink.start_server(rewinder.serve, rw_1.host, rw_1.replication_port)
     try:
         assert await stranger.fetch_from(rw_1) == 0 and other.last_seq == 55
     finally:
@@ -98,7 +99,7 @@ async def test_appends_read_together_share_one_fsync_and_are_acked_after_it(tmp_
         spies.append(AcksAfterSync(writer, journal))
         await voter.serve(reader, spies[-1])
 
-    server = await asyncio.start_server(serve, rw_1.host, rw_1.replication_port)
+    server = await authlink.start_server(serve, rw_1.host, rw_1.replication_port)
     try:
         reader, writer = await asyncio.open_connection(rw_1.host, rw_1.replication_port)
         frames = rep.FrameReader()
