@@ -102,14 +102,15 @@ class RecordRun:
     messages back to back: an append as it arrives, journaled and noted without a Python
     object per record. Reads as the list of (seq, term, message) it stands for."""
 
-    __slots__ = ("first_seq", "term", "messages", "size")
+    __slots__ = ("first_seq", "term", "messages", "size", "count")
 
     def __init__(self, first_seq: int, term: int, messages: bytes, size: int):
         assert size > 0 and len(messages) % size == 0, "a run holds whole messages"
         self.first_seq, self.term, self.messages, self.size = first_seq, term, messages, size
+        self.count = len(messages) // size  # asked for several times an append
 
     def __len__(self) -> int:
-        return len(self.messages) // self.size
+        return self.count
 
     def __iter__(self):
         size, blob = self.size, self.messages
@@ -119,9 +120,10 @@ class RecordRun:
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
+        n = self.count
+        if not -n <= i < n:
             raise IndexError("record run index out of range")
-        i %= len(self)
+        i %= n
         return self.first_seq + i, self.term, self.messages[i * self.size:(i + 1) * self.size]
 
     def __eq__(self, other) -> bool:
