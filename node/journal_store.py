@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from tape.node import preallocate
 from tape.node.diskspace import DiskFull, no_space
 from tape.node.ratelog import RateLimitedLog
 from tape.protocol import journal as fmt
@@ -28,6 +29,7 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_INDEX_EVERY = 256
 _READ_CHUNK = 1 << 18
 _MIN_READ = 4096  # bytes: the least a bounded read asks the file for
+RESERVE_AHEAD_BYTES = 1 << 20  # disk space reserved past the tail's end for its next appends
 SLOW_FSYNC_S = 0.1  # an fsync longer than this is counted and logged: a disk that stalls the node
 _RECORD_GUESS = fmt.RECORD_HEADER_SIZE + SEQUENCED_SIZE  # bytes of a typical record, to size a bounded read
 
@@ -102,6 +104,7 @@ class Journal:
         self.segments: list[Segment] = []
         self.last_term = 0
         self._fd: int | None = None
+        self._reserved_to = 0  # the tail's offset up to which disk space is reserved
         self._last_sync = 0.0
         self._dirty = False
         # The newest appends as they came, (first seq, records), for reads of the log's tail
@@ -147,7 +150,7 @@ class Journal:
             if self.readonly:
                 break
         if not self.readonly and self.segments:
-            self._fd = os.open(self.segments[-1].path, os.O_WRONLY | os.O_APPEND)
+            self._open_tail(self.segments[-1].path)
 
     def _check_header(self, seg: Segment) -> None:
         with open(seg.path, "rb") as f:
@@ -251,6 +254,8 @@ class Journal:
             starts = (records.offsets(nxt - first, self.index_every) if run
                       else fmt.record_offsets(records, nxt - first, self.index_every))
             seg.idx_offsets.extend(offset + at for at in starts)
+        if offset + len(buf) > self._reserved_to:
+            self._reserve(offset, len(buf))
         try:
             self._write(buf)
         except OSError:
@@ -296,14 +301,31 @@ class Journal:
             path.unlink(missing_ok=True)  # the next append rolls again
             raise
         self.segments.append(Segment(first_seq, path, first_seq - 1, indexed=True))
+        self._open_tail(path)
+
+    def _open_tail(self, path: Path) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._reserved_to = 0
+
+    def _close_tail(self) -> None:
+        """Close the tail segment, giving back the space reserved past its end."""
+        preallocate.release(self._fd)
+        os.close(self._fd)
+        self._fd = None
+
+    def _reserve(self, offset: int, need: int) -> None:
+        """Reserve the space of the next appends, RESERVE_AHEAD_BYTES at a time: an append's
+        fdatasync then writes its data and the file's size, not the blocks' allocation too. A
+        file system that cannot (or has no space) is asked again a reserve's worth later."""
+        length = max(need, RESERVE_AHEAD_BYTES)
+        preallocate.reserve(self._fd, offset, length)
+        self._reserved_to = offset + length
 
     def _seal(self, seg: Segment) -> None:
         """Make a finished segment durable and persist its sparse index."""
         if self._fd is not None:
             self._fsync()
-            os.close(self._fd)
-            self._fd = None
+            self._close_tail()
         idx = b"".join(fmt.INDEX_ENTRY.pack(s, o) for s, o in zip(seg.idx_seqs, seg.idx_offsets))
         tmp = seg.path.with_suffix(".idx.tmp")
         tmp.write_bytes(idx)
@@ -386,13 +408,12 @@ class Journal:
         seg.size, seg.last_seq, self.last_term = keep_offset, seq, keep_term
         cut = bisect.bisect_right(seg.idx_seqs, seq)
         del seg.idx_seqs[cut:], seg.idx_offsets[cut:]
-        self._fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+        self._open_tail(seg.path)
 
     def close(self) -> None:
         if self._fd is not None:
             self._fsync()
-            os.close(self._fd)
-            self._fd = None
+            self._close_tail()
 
     def __enter__(self):
         return self

@@ -42,10 +42,9 @@ def unmount_keeping(path: Path) -> None:
 def fill(filler: Path) -> None:
     """Write `filler` until its file system refuses: every block taken."""
     chunk = bytes(FILL_CHUNK)
-    with open(filler, "wb") as f, contextlib.suppress(OSError):
-        while True:
+    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as f:
+        while True:  # (unbuffered: the last, partial write leaves nothing for close to refuse)
             f.write(chunk)
-            f.flush()
 
 
 def flip_record_byte(segment: Path) -> tuple[int, int]:

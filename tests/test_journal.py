@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tape.node.diskspace import DiskFull
-from tape.node.journal_store import Journal, JournalCorruption
+from tape.node.journal_store import RESERVE_AHEAD_BYTES, Journal, JournalCorruption
 from tape.ops.faults import fill as fill_disk
 from tape.protocol import journal as fmt
 from tape.protocol import messages as msg
@@ -197,18 +197,47 @@ def test_a_write_refused_for_want_of_space_leaves_the_journal_as_it_was(tmp_path
     """A real full file system (a 2 MiB tmpfs): the refused append raises DiskFull and leaves no
     partial record; with space back the same seqs append, and a reopen reads every record once."""
     with small_disk(tmp_path, "2m") as filler:
-        j = Journal(tmp_path / "journal", S, segment_bytes=1 << 20)
+        j = Journal(tmp_path / "journal", S, segment_bytes=4 << 20)
         j.append(batch(1, 100))
         fill_disk(filler)
         size = j.segments[-1].path.stat().st_size
         with pytest.raises(DiskFull, match="disk full: journal append to"):
-            j.append(batch(101, 5_000))  # larger than what is left
+            j.append(batch(101, 15_000))  # larger than what is left (its reserve too)
         assert j.last_seq == 100 and j.segments[-1].path.stat().st_size == size
         filler.unlink()
-        j.append(batch(101, 5_000))
+        j.append(batch(101, 15_000))
         j.close()
         again = Journal(tmp_path / "journal", readonly=True)
-        assert [r[0] for r in again.read()] == list(range(1, 5_101)) and not again.recovery
+        assert [r[0] for r in again.read()] == list(range(1, 15_101)) and not again.recovery
+
+
+def allocated(path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def test_the_tail_has_its_next_appends_space_reserved_and_gives_it_back(tmp_path):
+    """The tail segment holds disk space past its end for the next appends (its size is still its
+    data, byte for byte); a roll, a truncation and a close give it back. On a 2 MiB tmpfs filled
+    behind it, the journal still appends into what it reserved."""
+    with small_disk(tmp_path, "2m") as filler:
+        j = Journal(tmp_path / "journal", S, segment_bytes=1 << 20)
+        j.append(batch(1, 100))
+        tail = j.segments[-1].path
+        assert tail.stat().st_size == fmt.SEGMENT_HEADER_SIZE + 100 * 99
+        assert allocated(tail) >= RESERVE_AHEAD_BYTES
+        fill_disk(filler)
+        j.append(batch(101, 5_000))  # (fits in the reserve: no DiskFull)
+        filler.unlink()
+        j.append(batch(5_101, 6_000))  # past 1 MiB: the next append rolls
+        j.append(batch(11_101, 10))  # the finished segment gave its reserve back
+        assert len(j.segments) == 2 and allocated(tail) < tail.stat().st_size + 64 * 1024
+        j.truncate_after(5_000)
+        assert len(j.segments) == 1 and allocated(tail) < tail.stat().st_size + 64 * 1024
+        j.append(batch(5_001, 10))
+        j.close()
+        assert allocated(tail) < tail.stat().st_size + 64 * 1024
+        again = Journal(tmp_path / "journal", readonly=True)
+        assert list(again.read()) == batch(1, 5_010) and not again.recovery
 
 
 def batch(first: int, n: int) -> list:
