@@ -44,6 +44,7 @@ class LinkReader(asyncio.StreamReader):
         if self._buffer:
             data = bytes(self._buffer)
             self._buffer.clear()
+            self._maybe_resume_transport()  # a full buffer had paused its reading
             arrive(data)
         if self._exception is not None:
             arrive(self._exception)
@@ -93,14 +94,14 @@ async def read_each(reader, on_data: Callable[[bytes], None]) -> None:
         reader.hand_to(None)
 
 
-async def start_server(client_connected, host: str, port: int, **kwds) -> asyncio.Server:
+async def start_server(client_connected, host: str, port: int) -> asyncio.Server:
     """asyncio.start_server, each connection read by a LinkReader."""
     loop = asyncio.get_running_loop()
 
     def factory():
         return asyncio.StreamReaderProtocol(LinkReader(loop=loop), client_connected, loop=loop)
 
-    return await loop.create_server(factory, host, port, **kwds)
+    return await loop.create_server(factory, host, port)
 
 
 async def _open_connection(host: str, port: int):
@@ -139,6 +140,7 @@ class SealedReader:
     def hand_to(self, arrive) -> None:
         """LinkReader.hand_to, each chunk opened first (a record that does not verify is counted
         and handed on as its ProtocolError)."""
+        self.last_read = 0
         if arrive is None:
             self._reader.hand_to(None)
             return
@@ -147,7 +149,7 @@ class SealedReader:
             if isinstance(data, BaseException) or not data:
                 arrive(data)
                 return
-            self.last_read = len(data)
+            self.last_read += len(data)  # (as read's: what the chunks up to a whole record took)
             try:
                 plain = self._opener.open(data)
             except ProtocolError as e:
@@ -156,6 +158,7 @@ class SealedReader:
                 return
             if plain:
                 arrive(plain)
+                self.last_read = 0
 
         self._reader.hand_to(opened)
 

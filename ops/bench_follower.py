@@ -107,7 +107,7 @@ def bench_endpoint(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -
 
 async def _serve_while(cfg, node, voter: Voter, frames, n, ours, theirs) -> EndpointRun:
     server = await authlink.start_server(authlink.serving(voter.serve, cfg.cluster_link, {}), node.host,
-                                        node.replication_port)
+                                         node.replication_port)
     child = multiprocessing.get_context("fork").Process(target=_leader, args=(cfg, node, frames, n, theirs),
                                                         daemon=True)
     before, fsyncs = resource.getrusage(resource.RUSAGE_SELF), voter.journal.fsyncs

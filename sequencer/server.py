@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tape.node import authlink
-from tape.node.authlink import write_each
 from tape.node.batchio import send_datagrams
 from tape.node.diskspace import DiskFull
 from tape.node.journal_repair import open_checked
@@ -330,7 +329,7 @@ class Sequencer(NodeProcess):
         if send:
             frame = rep.encode_append(self.core.term, self.node.wire_name, batch.prev_seq, batch.prev_term,
                                       commit, batch.term, batch.messages)
-            write_each([self.links[f].writer for f in send], frame)
+            authlink.write_each([self.links[f].writer for f in send], frame)
             for f in send:
                 if self.followers_core.backlog(f, self.links[f].writer.transport.get_write_buffer_size()):
                     wake.append(f)

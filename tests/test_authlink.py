@@ -79,6 +79,43 @@ async def test_a_reader_behind_reads_large_until_it_has_caught_up(keys):
     assert sizes[0] == BEHIND_RECV and sizes[-1] == SOCKET_RECV, sizes
 
 
+@pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
+async def test_a_handed_read_behind_reads_large_until_it_has_caught_up(keys):
+    """As above through read_each, as a voter reads: what came while nothing read (more than
+    the reader buffers before it pauses the transport) goes first, then the reads come large."""
+    payload, small = os.urandom(12 * SOCKET_RECV), b"a short frame"
+    reads, sizes = [], []
+    ended = asyncio.get_running_loop().create_future()
+
+    async def handler(reader, writer):
+        def on_data(data: bytes) -> None:
+            reads.append(len(data))
+            authlink.reads_to_keep_up(reader, writer, data)
+            sizes.append(writer.transport.max_size)
+
+        await asyncio.sleep(0.3)  # the whole payload is pending when the reads begin
+        await authlink.read_each(reader, on_data)
+        ended.set_result(None)
+        writer.close()
+
+    server = await authlink.start_server(authlink.serving(handler, keys, {}), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await authlink.connect("127.0.0.1", port, keys, {}, timeout=5)
+        writer.write(payload)
+        await asyncio.sleep(0.6)
+        writer.write(small)
+        await asyncio.sleep(0.1)
+        writer.close()
+        async with asyncio.timeout(10):
+            await ended
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert sum(reads) == len(payload) + len(small) and len(reads) <= 6, reads
+    assert BEHIND_RECV in sizes and sizes[-1] == SOCKET_RECV, sizes
+
+
 async def test_a_handed_read_runs_in_the_turn_its_bytes_arrive():
     """read_each: what was buffered first, then each chunk inside the transport's own call
     (no second loop turn), the end of the stream ends it, and after it the reader buffers."""
