@@ -3,6 +3,7 @@ SOCKET_RECV bytes a recv() (not asyncio's 256 KiB, each an mmap), and a payload 
 long still arrives whole."""
 
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -11,8 +12,29 @@ from tape.node import authlink
 from tape.protocol.limits import BEHIND_RECV, SOCKET_RECV
 from tape.protocol.linkauth import LinkKeys
 
+KEYS = pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
 
-@pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
+
+@contextlib.asynccontextmanager
+async def linked(handler, keys, refused: dict | None = None):
+    """A link server on loopback handing its connections to `handler`, and a client's (reader,
+    writer) connected to it; the server closed after."""
+    server = await authlink.start_server(authlink.serving(handler, keys, {} if refused is None else refused),
+                                         "127.0.0.1", 0)
+    try:
+        yield await authlink.connect("127.0.0.1", server.sockets[0].getsockname()[1], keys, {}, timeout=5)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def awaited_reads(reader, on_data) -> None:
+    """What read_each does, by awaiting each read."""
+    while data := await reader.read(1 << 20):
+        on_data(data)
+
+
+@KEYS
 async def test_both_ends_of_a_link_read_small_and_a_large_payload_arrives_whole(keys):
     payload = os.urandom(5 * SOCKET_RECV + 123)
     got = asyncio.get_running_loop().create_future()
@@ -25,64 +47,21 @@ async def test_both_ends_of_a_link_read_small_and_a_large_payload_arrives_whole(
         got.set_result(data)
         writer.close()
 
-    server = await authlink.start_server(authlink.serving(handler, keys, {}), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        reader, writer = await authlink.connect("127.0.0.1", port, keys, {}, timeout=5)
+    async with linked(handler, keys) as (reader, writer):
         assert writer.transport.max_size == SOCKET_RECV < 128 << 10
         writer.write(payload)
         async with asyncio.timeout(10):
             assert await got == payload
         writer.close()
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
-@pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
-async def test_a_reader_behind_reads_large_until_it_has_caught_up(keys):
+@KEYS
+@pytest.mark.parametrize("read", [awaited_reads, authlink.read_each], ids=["awaited", "handed"])
+async def test_a_reader_behind_reads_large_until_it_has_caught_up(keys, read):
     """A voter's link (authlink.reads_to_keep_up): after a read that came full the next recv()
-    takes up to BEHIND_RECV, so what is pending comes in few reads; a short read sets it back."""
-    payload = os.urandom(12 * SOCKET_RECV)
-    reads, sizes = [], []
-    caught_up = asyncio.Event()
-
-    async def handler(reader, writer):
-        await asyncio.sleep(0.3)  # the whole payload is pending when the reads begin
-        got = 0
-        while got < len(payload):
-            data = await reader.read(1 << 20)
-            got += len(data)
-            reads.append(len(data))
-            authlink.reads_to_keep_up(reader, writer, data)
-            sizes.append(writer.transport.max_size)
-        small = await reader.read(1 << 20)
-        authlink.reads_to_keep_up(reader, writer, small)
-        sizes.append(writer.transport.max_size)
-        caught_up.set()
-        writer.close()
-
-    server = await authlink.start_server(authlink.serving(handler, keys, {}), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        reader, writer = await authlink.connect("127.0.0.1", port, keys, {}, timeout=5)
-        writer.write(payload)
-        await asyncio.sleep(0.6)
-        writer.write(b"a short frame")
-        async with asyncio.timeout(10):
-            await caught_up.wait()
-        writer.close()
-    finally:
-        server.close()
-        await server.wait_closed()
-    assert sum(reads) == len(payload) and len(reads) <= 4, reads  # 11 at SOCKET_RECV a recv()
-    assert sizes[0] == BEHIND_RECV and sizes[-1] == SOCKET_RECV, sizes
-
-
-@pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
-async def test_a_handed_read_behind_reads_large_until_it_has_caught_up(keys):
-    """As above through read_each, as a voter reads: what came while nothing read (more than
-    the reader buffers before it pauses the transport) goes first, then the reads come large."""
+    takes up to BEHIND_RECV, so what is pending comes in few reads; a short read sets it back.
+    What came while nothing read (more than a reader buffers before it pauses the transport)
+    is read all the same, handed too."""
     payload, small = os.urandom(12 * SOCKET_RECV), b"a short frame"
     reads, sizes = [], []
     ended = asyncio.get_running_loop().create_future()
@@ -94,14 +73,11 @@ async def test_a_handed_read_behind_reads_large_until_it_has_caught_up(keys):
             sizes.append(writer.transport.max_size)
 
         await asyncio.sleep(0.3)  # the whole payload is pending when the reads begin
-        await authlink.read_each(reader, on_data)
+        await read(reader, on_data)
         ended.set_result(None)
         writer.close()
 
-    server = await authlink.start_server(authlink.serving(handler, keys, {}), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        reader, writer = await authlink.connect("127.0.0.1", port, keys, {}, timeout=5)
+    async with linked(handler, keys) as (reader, writer):
         writer.write(payload)
         await asyncio.sleep(0.6)
         writer.write(small)
@@ -109,11 +85,8 @@ async def test_a_handed_read_behind_reads_large_until_it_has_caught_up(keys):
         writer.close()
         async with asyncio.timeout(10):
             await ended
-    finally:
-        server.close()
-        await server.wait_closed()
-    assert sum(reads) == len(payload) + len(small) and len(reads) <= 6, reads
-    assert BEHIND_RECV in sizes and sizes[-1] == SOCKET_RECV, sizes
+    assert sum(reads) == len(payload) + len(small) and len(reads) <= 6, reads  # 13 at SOCKET_RECV a recv()
+    assert sizes[0] == BEHIND_RECV and sizes[-1] == SOCKET_RECV, sizes
 
 
 async def test_a_handed_read_runs_in_the_turn_its_bytes_arrive():
@@ -154,7 +127,7 @@ async def test_a_handed_read_raises_what_its_callback_or_the_connection_raised()
         await reading
 
 
-@pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
+@KEYS
 async def test_a_handed_read_gets_a_payload_whole_and_a_forged_record_refused(keys):
     payload = os.urandom(5 * SOCKET_RECV + 123)
     got, ended = bytearray(), asyncio.get_running_loop().create_future()
@@ -168,10 +141,7 @@ async def test_a_handed_read_gets_a_payload_whole_and_a_forged_record_refused(ke
             ended.set_result(e)
         writer.close()
 
-    server = await authlink.start_server(authlink.serving(handler, keys, refused), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        reader, writer = await authlink.connect("127.0.0.1", port, keys, {}, timeout=5)
+    async with linked(handler, keys, refused) as (reader, writer):
         writer.write(payload[:1000])
         writer.write(payload[1000:])
         if keys is not None:
@@ -189,6 +159,3 @@ async def test_a_handed_read_gets_a_payload_whole_and_a_forged_record_refused(ke
         else:
             assert type(outcome).__name__ == "ProtocolError" and sum(refused.values()) == 1, (outcome, refused)
         writer.close()
-    finally:
-        server.close()
-        await server.wait_closed()
