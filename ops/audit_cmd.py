@@ -17,7 +17,6 @@ def audit(journal: str, alerts: str, cfg: Config, master: str, report_path: str 
           skip_corrupt: bool = False) -> int:
     from tape.ops.spark import SparkProgress, reconcile, session
 
-    console = Console(stderr=False)
     err = Console(stderr=True)
     for p in (journal, alerts):
         if "://" not in p and not Path(p).exists():
@@ -33,6 +32,11 @@ def audit(journal: str, alerts: str, cfg: Config, master: str, report_path: str 
     finally:
         spark.stop()
     report["seconds"] = round(time.monotonic() - t0, 1)
+    return show(report, journal, alerts, report_path)
+
+
+def show(report: dict, journal: str, alerts: str, report_path: str | None) -> int:
+    """Print the audit's findings, write its report, and give its exit status: 1 on any finding."""
     table = Table(title=f"tape audit: {journal} against {alerts}")
     table.add_column("finding")
     table.add_column("count", justify="right")
@@ -45,7 +49,7 @@ def audit(journal: str, alerts: str, cfg: Config, master: str, report_path: str 
     if report.get("corrupt_records", {}).get("count"):
         table.add_row("[red]corrupt journal records skipped[/red]", f"{report['corrupt_records']['count']:,}",
                       "; ".join(report["corrupt_records"]["first"]))
-    console.print(table)
+    Console(stderr=False).print(table)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=1))
     return 1 if report["findings"] else 0

@@ -67,12 +67,13 @@ def on_cluster(master: str, python: str, out: Path, *args: str) -> subprocess.Po
     """A tape Spark command started on `master`, its executors running `python`, with shuffle
     partitions sized to the one two-core worker (as docs/runbook.md says to size them) and one of
     its cores: the commands run side by side, as several users' jobs share a cluster (one after
-    another they took three minutes of `make test`). Its output goes to `out`."""
+    another they took three minutes of `make test`). Its output goes to `out` and its errors to
+    `out` with the suffix .err."""
     env = {**short_lived_jvm(), "PYSPARK_PYTHON": python}
-    with open(out, "w") as log:
+    with open(out, "w") as log, open(out.with_suffix(".err"), "w") as err:
         return subprocess.Popen(TAPE + list(args) + ["--master", master, "--conf", "spark.sql.shuffle.partitions=4",
                                                      "--conf", "spark.cores.max=1"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                stdout=log, stderr=err, env=env, start_new_session=True)
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -93,7 +94,8 @@ def without(report: dict, *keys: str) -> dict:
 
 def test_audit_analytics_and_export_on_a_standalone_cluster_whose_workers_lack_tape(standalone, worker_python, run_dir,
                                                                         spark, tmp_path):
-    """The commands on the cluster give what the same functions give in this process (local[2])."""
+    """The commands on the cluster give what the same functions give in this process (local[2]):
+    the audit of alerts with one missing finds it and exits 1 (test_spark: 0 when all match)."""
     from tape.ops.analytics import compute
     from tape.ops.config import load
     from tape.ops.spark import reconcile
@@ -101,20 +103,33 @@ def test_audit_analytics_and_export_on_a_standalone_cluster_whose_workers_lack_t
     cfg = load(None)
     ttls = int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9)
     journal, alerts = str(run_dir / "journal" / "seq-a"), str(run_dir / "alerts.jsonl")
+    first, *rest = Path(alerts).read_text().splitlines()
+    one_missing = tmp_path / "one-missing.jsonl"
+    one_missing.write_text("\n".join(rest) + "\n")
     exported, out = tmp_path / "parquet", tmp_path / "analytics"
-    logs = [tmp_path / f"{name}.log" for name in ("audit", "export", "analytics")]
-    commands = [on_cluster(standalone, worker_python, logs[0], "audit", "--journal", journal, "--alerts", alerts,
-                           "--report", str(tmp_path / "audit.json")),
-                on_cluster(standalone, worker_python, logs[1], "journal", "export", journal, "--out", str(exported)),
-                on_cluster(standalone, worker_python, logs[2], "analytics", "--journal", journal, "--out", str(out))]
+    runs = {"audit": ["audit", "--journal", journal, "--alerts", str(one_missing),
+                      "--report", str(tmp_path / "audit.json")],
+            "export": ["journal", "export", journal, "--out", str(exported)],
+            "analytics": ["analytics", "--journal", journal, "--out", str(out)]}
+    logs = {name: tmp_path / f"{name}.log" for name in runs}
+    commands = {name: on_cluster(standalone, worker_python, logs[name], *args) for name, args in runs.items()}
     try:
         local = without(reconcile(spark, journal, alerts, cfg.session, *ttls))  # (meanwhile, in this process)
         assert local["findings"] == 0 and local["expected"] > 10
         analysed = without(compute(spark, journal, *ttls))
-        for command, log in zip(commands, logs):
-            assert command.wait(600) == 0, log.read_text()[-6000:]
+        codes = {name: command.wait(600) for name, command in commands.items()}
     finally:
-        stop(commands)
-    assert without(json.loads((tmp_path / "audit.json").read_text()), "seconds") == local
+        stop(list(commands.values()))
+    errors = {name: logs[name].with_suffix(".err").read_text() for name in runs}
+    assert codes == {"audit": 1, "export": 0, "analytics": 0}, errors
+    assert not any("Traceback" in text for text in errors.values()), errors
+    missing = {"count": 1, "first": [json.loads(first)["alert_id"]]}
+    assert without(json.loads((tmp_path / "audit.json").read_text()), "seconds") == \
+        {**local, "findings": 1, "delivered": local["delivered"] - 1, "missing": missing}
     assert without(reconcile(spark, str(exported), alerts, cfg.session, *ttls)) == local
     assert without(json.loads((out / "analytics.json").read_text()), "seconds") == analysed
+    printed = logs["analytics"].read_text()
+    assert "volumes per stock" in printed and "fill ratio per order book" in printed and "WARN" not in printed
+    page = (out / "index.html").read_text()
+    for png in ("rate_per_second.png", "volume_by_stock.png", "fill_ratio.png", "overfill.png", "stamp_gaps.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png in page
