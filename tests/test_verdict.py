@@ -138,3 +138,38 @@ def test_the_log_is_what_a_majority_holds():
         run.journals[v] = run.journals[v][:-1]
     checks, _, _ = judge(run)
     assert not checks["replicas applied the whole log"]
+
+
+@pytest.mark.parametrize("chunk", [7, 400, 65_536])
+def test_agreement_reads_journals_a_chunk_at_a_time(monkeypatch, chunk):
+    from tape.ops import verdict
+
+    monkeypatch.setattr(verdict, "AGREEMENT_CHUNK", chunk)
+    records = good_run().journals["seq-a"]
+    forged = M.stamp(M.purchase_request(99, 1, "X", "Y"), 5, ORIGIN, 999)
+    prefixes = {"seq-a": records, "seq-b": records[:300], "rw-1": records[:13], "rw-2": []}
+    assert verdict._agreement(prefixes) == ({v: len(j) for v, j in prefixes.items()}, True)
+    for at in (0, 12, 250, len(records) - 1):  # in the first chunk, in a later one, at the end
+        bad = records[:at] + [(at + 1, 1, forged)] + records[at + 1:]
+        # The longest journal wrong where another holds that seq too, or a short one wrong.
+        for voter, others_hold in (("seq-a", at < 300), ("rw-1", at < 13)):
+            journals = {**prefixes, voter: bad[:len(prefixes[voter])]}
+            assert verdict._agreement(journals)[1] is not others_hold, (at, voter)
+
+
+def test_client_seq_runs_find_exactly_the_seqs_held_twice():
+    import random
+
+    from tape.ops.verdict import _SeqRuns
+
+    rng = random.Random(5)
+    for _ in range(200):
+        seqs = [rng.randint(1, 60) for _ in range(rng.randint(0, 80))]
+        runs, held = _SeqRuns(), set()
+        for seq in seqs:
+            assert runs.add(seq) is (seq not in held), (seqs, seq)
+            held.add(seq)
+        assert sum(e - s + 1 for s, e in zip(runs.starts, runs.ends)) == len(held)
+        assert all(e + 1 < s for e, s in zip(runs.ends, runs.starts[1:]))  # disjoint, apart, in order
+    in_order = _SeqRuns()
+    assert all(in_order.add(seq) for seq in range(1, 10_001)) and in_order.starts == [1]
