@@ -95,6 +95,7 @@ class Sequencer(NodeProcess):
         self.commit_latency = LatencySamples()  # stamped to published, one weighted sample a batch
         self.commit_histogram = LatencyHistogram()
         self._timer_woken: asyncio.Future | None = None  # the leader's timer, while it waits longer than a beat
+        self._flush_due = False  # a batch's flush is scheduled for after this turn's other callbacks
         self._last = {"published": 0, "accepted": 0, "packets": 0, "backoffs": 0, "resends_asked": 0, "dropped": {}}
 
     # --- metrics -----------------------------------------------------------------
@@ -315,9 +316,20 @@ class Sequencer(NodeProcess):
                 sock.sendto(datagram, source)
             except OSError:
                 pass  # advice: the client's window and resend timer cover its loss
-        batch = core.flush(now)
-        if batch is not None:
-            self._process(batch)
+        if core.pending and not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush_inbound)
+
+    def _flush_inbound(self) -> None:
+        """Stamp and process what the drains read, after the other callbacks of this turn of the
+        event loop: the followers' acknowledgements that came during the last fsync (readable
+        in the same turn as the inbound socket, which became readable first) commit and publish
+        before this batch's own fsync holds the loop."""
+        self._flush_due = False
+        if self.core is not None:
+            batch = self.core.flush(time.time_ns())
+            if batch is not None:
+                self._process(batch)
 
     def _process(self, batch: Batch) -> None:
         """Replicate to live followers, journal, publish what commits.

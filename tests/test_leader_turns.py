@@ -1,0 +1,56 @@
+"""The leader's event loop (sequencer/server.py): what it does in which turn. A real Sequencer,
+leading alone with its real journal, reading a real client's signed batch from a real socket."""
+
+import asyncio
+import select
+import socket
+
+from tape.node.transport import multicast_sender
+from tape.ops.local import LocalCluster
+from tape.ops.tradegen import TradeGenerator
+from tape.protocol import moldudp64
+from tape.sequencer.client_core import ClientCore
+from tape.sequencer.server import Sequencer
+
+
+def test_acknowledgements_ready_with_the_inbound_run_before_the_batchs_fsync(tmp_path):
+    """Followers' acknowledgements that arrive while the leader's last fsync holds the loop are
+    readable in the same turn as the inbound socket (readable first): they must commit and
+    publish before the next batch's own fsync holds the loop again."""
+    cluster = LocalCluster(tmp_path)  # a config with free ports; no node is started
+    cfg = cluster.cfg
+    leader = Sequencer(cfg, cfg.node("seq-a"))
+    client = cfg.clients[0]
+    batch = ClientCore(moldudp64.session_bytes(client.name), client.key, cfg.max_packet, 10**12).submit(
+        TradeGenerator(seed=1).take(5), 0)[0]
+
+    async def one_turn() -> list[int]:
+        loop = asyncio.get_running_loop()
+        leader.inbound = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        leader.inbound.bind(("127.0.0.1", 0))
+        leader.inbound.setblocking(False)
+        leader.publisher, leader.dest = multicast_sender("127.0.0.1"), (cfg.group, cfg.port)
+        leader._lead(1)  # its term's first entries journaled; its followers never answer
+        started = leader.journal.last_seq
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+                sender.sendto(batch, leader.inbound.getsockname())
+            assert select.select([leader.inbound], [], [], 5)[0], "the batch never arrived"
+            seen = []
+            loop.call_soon(leader._on_inbound)  # the inbound socket's callback, first in the turn
+            loop.call_soon(lambda: seen.append(leader.journal.last_seq))  # an acknowledgement's, after it
+            for _ in range(3):
+                await asyncio.sleep(0)
+            return [started, *seen, leader.journal.last_seq]
+        finally:
+            for task in leader._leader_tasks:
+                task.cancel()
+            leader.inbound.close()
+            leader.publisher.close()
+
+    try:
+        started, during, after = asyncio.run(one_turn())
+    finally:
+        leader.journal.close()
+        cluster.close()
+    assert during == started and after >= started + 5  # the batch's five trades only after it
