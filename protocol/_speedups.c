@@ -12,6 +12,8 @@
  *   crc32              that CRC of any bytes, either way (for the tests)
  *   record_offsets     where some of those records start in their buffer (the
  *                      journal's sparse index)
+ *   scan_good          the records of such a buffer up to the first one the
+ *                      journal's scan refuses (protocol/journal.py)
  *   encode_run         the same records of a run (consecutive seqs, one term,
  *                      messages of one size back to back), with no Python
  *                      object per record
@@ -37,6 +39,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -266,9 +269,64 @@ static PyObject *record_offsets(PyObject *self, PyObject *args) {
     return out;
 }
 
+static uint32_t get_u32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
 static uint64_t get_u64(const unsigned char *p) {
     return (uint64_t)p[0] << 56 | (uint64_t)p[1] << 48 | (uint64_t)p[2] << 40 | (uint64_t)p[3] << 32 |
            (uint64_t)p[4] << 24 | (uint64_t)p[5] << 16 | (uint64_t)p[6] << 8 | p[7];
+}
+
+/* One journal record (seq, term, message, offset) as scan reads it; NULL on error. */
+static PyObject *record_tuple(const unsigned char *p, Py_ssize_t pos, uint32_t length) {
+    PyObject *rec = PyTuple_New(4);
+    if (rec == NULL) return NULL;
+    PyObject *items[4] = {PyLong_FromUnsignedLongLong(get_u64(p + pos + 8)),
+                          PyLong_FromUnsignedLongLong(get_u64(p + pos + 16)),
+                          PyBytes_FromStringAndSize((const char *)p + pos + RECORD_HEADER, length),
+                          PyLong_FromSsize_t(pos)};
+    for (int i = 0; i < 4; i++) {
+        if (items[i] == NULL) {
+            for (int j = 0; j < 4; j++) Py_XDECREF(items[j]);
+            Py_DECREF(rec);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(rec, i, items[i]);
+    }
+    return rec;
+}
+
+/* scan_good(data, pos, expect_seq, limit) -> (records, pos): the records protocol/journal.py's
+ * scan_pure reads from `pos`, up to the first one it would refuse (incomplete, too long, a CRC
+ * that does not match, a seq not `expect_seq`'s successor; expect_seq -1: any first seq) or
+ * `limit` of them (-1: no limit), and the offset it stopped at. scan_pure goes on from there and
+ * says why it stopped: it stays the definition of every refusal. */
+static PyObject *scan_good(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    Py_ssize_t pos, limit;
+    long long expect;
+    if (!PyArg_ParseTuple(args, "y*nLn:scan_good", &data, &pos, &expect, &limit)) return NULL;
+    const unsigned char *p = data.buf;
+    PyObject *out = PyList_New(0);
+    while (out != NULL && pos >= 0 && data.len - pos >= RECORD_HEADER && (limit < 0 || PyList_GET_SIZE(out) < limit)) {
+        uint32_t crc = get_u32(p + pos), length = get_u32(p + pos + 4);
+        uint64_t seq = get_u64(p + pos + 8);
+        if (length > MAX_MESSAGE || data.len - pos - RECORD_HEADER < (Py_ssize_t)length) break;
+        if (crc32_ieee(p + pos + 4, RECORD_HEADER - 4 + (size_t)length) != crc) break;
+        if ((expect >= 0 && seq != (uint64_t)expect) || seq >= (uint64_t)LLONG_MAX) break;
+        PyObject *rec = record_tuple(p, pos, length);
+        if (rec == NULL || PyList_Append(out, rec) < 0) Py_CLEAR(out);
+        Py_XDECREF(rec);
+        pos += RECORD_HEADER + (Py_ssize_t)length;
+        expect = (long long)seq + 1;
+    }
+    PyBuffer_Release(&data);
+    if (out == NULL) return NULL;
+    PyObject *at = PyLong_FromSsize_t(pos), *res = at ? PyTuple_Pack(2, out, at) : NULL;
+    Py_DECREF(out);
+    Py_XDECREF(at);
+    return res;
 }
 
 /* Merge one origin's highest client seq into `out` ({origin bytes: int}), as
@@ -822,6 +880,8 @@ static PyMethodDef methods[] = {
      "Where records start in encode_records' buffer (protocol/journal.py's record_offsets_pure)."},
     {"encode_run", encode_run, METH_VARARGS,
      "encode_records of a run of one term's fixed-size messages (protocol/journal.py's encode_run_pure)."},
+    {"scan_good", scan_good, METH_VARARGS,
+     "The good journal records of a buffer from pos, up to the first scan_pure refuses (protocol/journal.py)."},
     {"crc32", crc32_either, METH_VARARGS,
      "CRC-32/IEEE of bytes (as zlib.crc32), folded by carry-less multiplication if asked and able."},
     {"encode_records", encode_records, METH_O,

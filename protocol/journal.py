@@ -92,9 +92,10 @@ def encode_run_pure(first_seq: int, term: int, messages, size: int) -> bytes:
 
 
 try:
-    from tape.protocol._speedups import encode_records, encode_run, record_offsets
+    from tape.protocol._speedups import encode_records, encode_run, record_offsets, scan_good
 except ImportError:  # installed without a C compiler: the same bytes, several times slower
     encode_records, encode_run, record_offsets = encode_records_pure, encode_run_pure, record_offsets_pure
+    scan_good = None
 
 
 class RecordRun:
@@ -152,7 +153,20 @@ class ScanResult(NamedTuple):
 def scan(data, pos: int, expect_seq: int | None, limit: int | None = None) -> ScanResult:
     """Parse records from `pos` until the data ends, a record fails, or
     `limit` records were read. A record fails if incomplete, if its CRC does
-    not match, or if its seq is not the one expected."""
+    not match, or if its seq is not the one expected. Where Tape was built with
+    a compiler the good records are read in C (`scan_good`, ~6× faster here), and
+    `scan_pure` goes on from where it stopped: it alone decides every refusal."""
+    if scan_good is None or (expect_seq is not None and expect_seq >= 1 << 62):
+        return scan_pure(data, pos, expect_seq, limit)
+    good, pos = scan_good(data, pos, -1 if expect_seq is None else expect_seq, -1 if limit is None else limit)
+    if not good:
+        return scan_pure(data, pos, expect_seq, limit)
+    rest = scan_pure(data, pos, good[-1][0] + 1, None if limit is None else limit - len(good))
+    return rest._replace(records=good + rest.records)
+
+
+def scan_pure(data, pos: int, expect_seq: int | None, limit: int | None = None) -> ScanResult:
+    """The definition of `scan`, record by record."""
     end = len(data)
     out = []
     unpack = RECORD_HEADER.unpack_from

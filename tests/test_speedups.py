@@ -46,6 +46,36 @@ def test_c_and_pure_find_the_same_record_offsets(records, start, every):
     assert [fmt.scan(buf, at, None, 1).records[0][0] for at in offsets] == [r[0] for r in records[start::every]]
 
 
+@compiled
+@given(RECORDS, st.data())
+def test_c_and_pure_scan_alike_whatever_the_buffer_holds(records, data):
+    """Consecutive seqs, then one damage anywhere (a byte changed, the end cut, a seq skipped, a
+    length too long), read from any offset, expecting any seq or none, up to any limit."""
+    first = data.draw(st.integers(0, 2**64 - 1 - len(records)))
+    records = [(first + i, term, m) for i, (_, term, m) in enumerate(records)]
+    buf = bytearray(fmt.encode_records(records))
+    damage = data.draw(st.sampled_from(["none", "byte", "cut", "skip", "long"]))
+    at = data.draw(st.integers(0, max(0, len(buf) - 1)))
+    if damage == "byte" and buf:
+        buf[at] ^= data.draw(st.integers(1, 255))
+    elif damage == "cut":
+        del buf[at:]
+    elif damage in ("skip", "long") and records:
+        i = data.draw(st.integers(0, len(records) - 1))
+        offset = fmt.record_offsets(records, i, 1)[0]
+        seq, term, message = records[i]
+        record = fmt.encode_records([(seq + 1, term, message)])
+        if damage == "long":  # a length past MAX_MESSAGE, its CRC recomputed
+            body = struct.pack(">IQQ", fmt.MAX_MESSAGE + 1, seq, term) + message
+            record = struct.pack(">I", zlib.crc32(body)) + body
+        buf[offset:offset + fmt.RECORD_HEADER_SIZE + len(message)] = record
+    pos = data.draw(st.sampled_from([0, *fmt.record_offsets(records, 0, 1)[:3], at]))
+    expect = data.draw(st.sampled_from([None, first, first + 1, 2**62 + 1]))
+    limit = data.draw(st.sampled_from([None, 0, 1, 3]))
+    for whole in (bytes(buf), buf):
+        assert fmt.scan(whole, pos, expect, limit) == fmt.scan_pure(whole, pos, expect, limit)
+
+
 RECORD_RUNS = st.integers(1, 80).flatmap(lambda size: st.tuples(
     st.integers(0, 2**63), st.integers(0, 2**64 - 1), st.lists(st.binary(min_size=size, max_size=size), max_size=30),
     st.just(size)))
