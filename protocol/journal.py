@@ -154,7 +154,7 @@ def scan(data, pos: int, expect_seq: int | None, limit: int | None = None) -> Sc
     """Parse records from `pos` until the data ends, a record fails, or
     `limit` records were read. A record fails if incomplete, if its CRC does
     not match, or if its seq is not the one expected. Where Tape was built with
-    a compiler the good records are read in C (`scan_good`, ~6× faster here), and
+    a compiler the good records are read in C (`scan_good`, ~3.6× faster here), and
     `scan_pure` goes on from where it stopped: it alone decides every refusal."""
     if scan_good is None or (expect_seq is not None and expect_seq >= 1 << 62):
         return scan_pure(data, pos, expect_seq, limit)
