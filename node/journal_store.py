@@ -511,7 +511,7 @@ def iter_segment_file(path: Path, offset: int, expect_seq: int, limit: int | Non
 
 
 def segment_chunks(path: Path, offset: int, expect_seq: int, limit: int | None = None, sealed: bool = True,
-                      upto_seq: int | None = None):
+                   upto_seq: int | None = None):
     """(base, records) of one segment file from `offset`, a chunk read at a
     time: its records (seq, term, message, offset from base), consecutive
     seqs. A failing record raises JournalCorruption, except an incomplete
