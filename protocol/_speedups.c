@@ -286,14 +286,12 @@ static PyObject *record_tuple(const unsigned char *p, Py_ssize_t pos, uint32_t l
                           PyLong_FromUnsignedLongLong(get_u64(p + pos + 16)),
                           PyBytes_FromStringAndSize((const char *)p + pos + RECORD_HEADER, length),
                           PyLong_FromSsize_t(pos)};
-    for (int i = 0; i < 4; i++) {
-        if (items[i] == NULL) {
-            for (int j = 0; j < 4; j++) Py_XDECREF(items[j]);
-            Py_DECREF(rec);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(rec, i, items[i]);
+    if (items[0] == NULL || items[1] == NULL || items[2] == NULL || items[3] == NULL) {
+        for (int i = 0; i < 4; i++) Py_XDECREF(items[i]);
+        Py_DECREF(rec);  /* still empty: it owns none of them */
+        return NULL;
     }
+    for (int i = 0; i < 4; i++) PyTuple_SET_ITEM(rec, i, items[i]);
     return rec;
 }
 
