@@ -491,8 +491,8 @@ class Journal:
         limit = seg.size if seg is self.segments[-1] and not self.readonly else None
         return segment_chunks(seg.path, start, seq, limit, sealed=seg is not self.segments[-1], upto_seq=upto_seq)
 
-    def _iter_segment(self, seg: Segment, from_seq: int, with_offsets: bool = False, upto_seq: int | None = None):
-        for base, records in self._chunks(seg, from_seq, upto_seq):
+    def _iter_segment(self, seg: Segment, from_seq: int, with_offsets: bool = False):
+        for base, records in self._chunks(seg, from_seq):
             for seq, term, msg, off in records:
                 if seq < from_seq:
                     continue

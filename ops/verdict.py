@@ -8,7 +8,7 @@ independent reference checker (ops/reference.py), not by the replicas' code.
 
 The journals are read as streams, a few passes each, never held whole: a
 run of 250,000 msg/s for 20 s left four journals of 5.3 million records,
-which as lists took the verdict to ~9 GB.
+which as lists took the verdict to ~8.5 GiB.
 """
 
 from __future__ import annotations
