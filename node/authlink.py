@@ -16,7 +16,17 @@ from typing import Awaitable, Callable
 from tape.node.ratelog import RateLimitedLog
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import BEHIND_RECV, SOCKET_RECV
-from tape.protocol.linkauth import HELLO, NONCE_SIZE, LinkKeys, Opener, Sealer, record_digests
+from tape.protocol.linkauth import (
+    HELLO,
+    MAGIC,
+    NONCE_SIZE,
+    LinkKeys,
+    OlderPeer,
+    Opener,
+    Sealer,
+    offered,
+    record_digests,
+)
 
 HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
 MAX_LINK_CONNECTIONS = 256  # open at once on one listener (replication, alerts, replay)
@@ -170,6 +180,7 @@ class SealedWriter:
         self._writer = writer
         self._sealer = sealer
         self.transport = writer.transport
+        self.version = sealer.version
 
     def write(self, data: bytes, digests: list[bytes] | None = None) -> None:
         if data:
@@ -181,12 +192,14 @@ class SealedWriter:
 
 def write_each(writers: list, data: bytes) -> None:
     """The same bytes to several links (a leader's append to its followers): hashed once for all
-    the sealed ones."""
-    digests = None
+    the sealed ones of a link version."""
+    digests: dict[bytes, list[bytes]] = {}
     for writer in writers:
         if isinstance(writer, SealedWriter):
-            digests = digests or record_digests(data)
-            writer.write(data, digests)
+            version = writer.version
+            if version not in digests:
+                digests[version] = record_digests(data, version)
+            writer.write(data, digests[version])
         else:
             writer.write(data)
 
@@ -196,13 +209,23 @@ def _refuse(refused: dict[str, int], e: ProtocolError) -> None:
     log.warn(e.reason, "link refused: %s", e)
 
 
-async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: dict[str, int]):
+async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: dict[str, int],
+                     version: bytes = MAGIC):
+    """Hellos exchanged: the connecting side's first, in `version`; the accepting side's in the
+    version offered. Raises OlderPeer (connecting: the peer answered in an older version we speak),
+    or ConnectionError (counted in `refused`)."""
     nonce = os.urandom(NONCE_SIZE)
-    writer.write(keys.hello(nonce))
+    if initiator:
+        writer.write(keys.hello(nonce, version))
     try:
         async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):  # not wait_for (node/process.py `within`)
             peer = await reader.readexactly(HELLO.size)
-        sealer, opener = keys.accept(nonce, peer, initiator)
+        if not initiator:
+            version = offered(peer)
+            writer.write(keys.hello(nonce, version))
+        sealer, opener = keys.accept(nonce, peer, initiator, version)
+    except OlderPeer:
+        raise
     except asyncio.IncompleteReadError as e:
         _refuse(refused, ProtocolError("bad_hello", f"closed after {len(e.partial)} bytes of a hello", 0))
         raise ConnectionError("link closed during the handshake") from None
@@ -218,13 +241,20 @@ async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: d
 async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str, int], timeout: float | None = None):
     """open_connection, then the handshake when the link has keys, both within `timeout`
     (raises OSError or asyncio.TimeoutError; ConnectionError when the handshake fails)."""
-    async def open_link():
+    async def open_link(version: bytes = MAGIC):
         reader, writer = await _open_connection(host, port)
         small_reads(writer)
         if keys is None:
             return reader, writer
         try:
-            return await _handshake(reader, writer, keys, True, refused)
+            return await _handshake(reader, writer, keys, True, refused, version)
+        except OlderPeer as e:  # a node not yet upgraded: it refused our hello; offer its version
+            writer.close()
+            if version != MAGIC:
+                raise ConnectionError(str(e)) from None
+            log.warn("older_link_version", "%s:%d speaks %s: connecting again in it", host, port,
+                     e.version.decode())
+            return await open_link(e.version)
         except BaseException:
             writer.close()
             raise

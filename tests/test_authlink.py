@@ -10,7 +10,7 @@ import pytest
 
 from tape.node import authlink
 from tape.protocol.limits import BEHIND_RECV, SOCKET_RECV
-from tape.protocol.linkauth import LinkKeys
+from tape.protocol.linkauth import HELLO, MAGIC, MAX_RECORD, OLDER, LinkKeys
 
 KEYS = pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
 
@@ -159,3 +159,76 @@ async def test_a_handed_read_gets_a_payload_whole_and_a_forged_record_refused(ke
         else:
             assert type(outcome).__name__ == "ProtocolError" and sum(refused.values()) == 1, (outcome, refused)
         writer.close()
+
+
+async def test_links_with_a_node_not_yet_upgraded_run_in_its_version():
+    """A cluster upgrades one node at a time. Connecting to a TPL2 node (it sends its hello at once
+    and refuses a TPL3 one), `connect` connects again offering TPL2; a TPL2 node connecting is
+    answered in TPL2. Either way frames pass both ways."""
+    keys, refused = LinkKeys([os.urandom(32)]), {}
+
+    async def old_node(reader, writer):  # speaks TPL2 only, as before 2026-11-28
+        nonce = os.urandom(16)
+        writer.write(keys.hello(nonce, OLDER))
+        peer = await reader.readexactly(HELLO.size)
+        if peer[:4] != OLDER:
+            writer.close()
+            return
+        sealer, opener = keys.accept(nonce, peer, initiator=False, version=OLDER)
+        writer.write(sealer.seal(b"echo " + opener.open(await reader.read(1 << 16))))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(old_node, "127.0.0.1", 0)
+    try:
+        reader, writer = await authlink.connect("127.0.0.1", server.sockets[0].getsockname()[1], keys, refused, 5)
+        assert writer.version == OLDER and not refused
+        writer.write(b"ping")
+        async with asyncio.timeout(5):
+            assert await reader.read(1 << 16) == b"echo ping"
+        writer.close()
+    finally:
+        server.close()
+
+    async def echo(reader, writer):
+        writer.write(b"echo " + await reader.read(1 << 16))
+        await writer.drain()
+
+    server = await authlink.start_server(authlink.serving(echo, keys, refused), "127.0.0.1", 0)  # a new node
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        nonce = os.urandom(16)
+        writer.write(keys.hello(nonce, OLDER))  # a TPL2 node connecting
+        async with asyncio.timeout(5):
+            answer = await reader.readexactly(HELLO.size)
+        sealer, opener = keys.accept(nonce, answer, initiator=True, version=OLDER)
+        writer.write(sealer.seal(b"ping"))
+        async with asyncio.timeout(5):
+            assert opener.open(await reader.read(1 << 16)) == b"echo ping"
+        assert not refused
+        writer.close()
+    finally:
+        server.close()
+
+
+def test_an_append_to_links_of_two_versions_is_hashed_once_a_version():
+    """write_each: a leader whose followers speak TPL3 and TPL2 (an upgrade under way) seals the
+    same bytes for each in its version; every follower opens them."""
+    class Collected:
+        transport = None
+
+        def __init__(self):
+            self.data = b""
+
+        def write(self, data: bytes) -> None:
+            self.data += data
+
+    keys, data = LinkKeys([os.urandom(32)]), os.urandom(MAX_RECORD + 99)
+    links = []
+    for version in (MAGIC, OLDER, MAGIC):
+        sealer, _ = keys.accept(b"c" * 16, keys.hello(b"s" * 16, version), initiator=True, version=version)
+        _, opener = keys.accept(b"s" * 16, keys.hello(b"c" * 16, version), initiator=False, version=version)
+        links.append((authlink.SealedWriter(Collected(), sealer), opener))
+    authlink.write_each([writer for writer, _ in links], data)
+    for writer, opener in links:
+        assert opener.open(writer._writer.data) == data

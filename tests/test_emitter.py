@@ -213,8 +213,7 @@ def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, end
     try:
         cluster.start_node("emitter")
         keyless = link(cluster, b"replica-A ", keys=False)  # a replica's name, without the cluster key
-        assert keyless.recv(64)[:4] == b"TPL2"  # the emitter's link hello: it wants a handshake first
-        assert closed_by_peer(keyless)
+        assert closed_by_peer(keyless)  # nothing answered (it wants a link hello first), closed after the timeout
         assert cluster.metrics("emitter")['tape_emitter_link_refused_total{node="emitter",reason="hello_timeout"}'] == 1
         stranger = link(cluster, b"mallory".ljust(10))
         assert closed_by_peer(stranger)

@@ -1,22 +1,72 @@
 """The authenticated record layer of TCP links (protocol/linkauth.py)."""
 
+import hashlib
 import os
 
 import pytest
+from blake3 import blake3
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tape.protocol.errors import ProtocolError
-from tape.protocol.linkauth import HELLO, MAX_RECORD, RECORD, LinkKeys, record_digests
+from tape.protocol.linkauth import (
+    HELLO,
+    MAGIC,
+    MAX_RECORD,
+    OLDER,
+    RECORD,
+    LinkKeys,
+    OlderPeer,
+    offered,
+    record_digests,
+)
 
 K1, K2 = os.urandom(32), os.urandom(32)
 
 
-def pair(client_keys: LinkKeys, server_keys: LinkKeys, nc: bytes = b"c" * 16, ns: bytes = b"s" * 16):
+def pair(client_keys: LinkKeys, server_keys: LinkKeys, nc: bytes = b"c" * 16, ns: bytes = b"s" * 16,
+         version: bytes = MAGIC):
     """(client sealer, client opener, server sealer, server opener) after a handshake."""
-    cs, co = client_keys.accept(nc, server_keys.hello(ns), initiator=True)
-    ss, so = server_keys.accept(ns, client_keys.hello(nc), initiator=False)
+    cs, co = client_keys.accept(nc, server_keys.hello(ns, version), initiator=True, version=version)
+    ss, so = server_keys.accept(ns, client_keys.hello(nc, version), initiator=False, version=version)
     return cs, co, ss, so
+
+
+@pytest.mark.parametrize("version", [MAGIC, OLDER])
+def test_each_version_tags_its_own_digest_of_the_payload(version):
+    """TPL3: the tag keys the record counter and the payload's BLAKE3-256; TPL2: its BLAKE2b-256.
+    A record of one version does not open in the other."""
+    payload = os.urandom(3000)
+    digest = blake3(payload).digest() if version == MAGIC else hashlib.blake2b(payload, digest_size=32).digest()
+    assert record_digests(payload, version) == [digest]
+    cs, _, _, so = pair(LinkKeys([K1]), LinkKeys([K1]), version=version)
+    wire = cs.seal(payload) + cs.seal(payload)
+    c2s = hashlib.blake2b(b"c" * 16 + b"s" * 16, key=K1, person=b"tape-link-c2s").digest()
+    tag = hashlib.blake2b((1).to_bytes(8, "big") + digest, key=c2s, digest_size=16).digest()
+    assert wire[len(wire) // 2:][:RECORD.size] == RECORD.pack(len(payload), tag)  # the second record's
+    assert so.open(wire) == payload * 2
+    other = pair(LinkKeys([K1]), LinkKeys([K1]), version=OLDER if version == MAGIC else MAGIC)[3]
+    with pytest.raises(ProtocolError) as e:
+        other.open(wire)
+    assert e.value.reason == "bad_tag"
+
+
+def test_the_accepting_side_takes_the_version_offered_and_an_older_answer_is_named():
+    server, client, nc, ns = LinkKeys([K1]), LinkKeys([K1]), b"c" * 16, b"s" * 16
+    assert offered(client.hello(nc)) == MAGIC == b"TPL3" and offered(client.hello(nc, OLDER)) == OLDER == b"TPL2"
+    with pytest.raises(OlderPeer) as e:  # offered TPL3, answered TPL2 (a node not yet upgraded): offer TPL2 again
+        client.accept(nc, server.hello(ns, OLDER), initiator=True)
+    assert e.value.version == OLDER
+    with pytest.raises(ProtocolError) as e:  # answered in a version other than the one we offered
+        client.accept(nc, server.hello(ns), initiator=True, version=OLDER)
+    assert e.value.reason == "bad_hello" and not isinstance(e.value, OlderPeer)
+    with pytest.raises(ProtocolError) as e:  # an accepting side takes a hello only in the version it answered
+        server.accept(ns, client.hello(nc, OLDER), initiator=False)
+    assert e.value.reason == "bad_hello"
+    for junk in (b"TPL1" + bytes(24), b"TPL4" + bytes(24), b"TPL3" + bytes(10)):
+        with pytest.raises(ProtocolError) as e:
+            offered(junk)
+        assert e.value.reason == "bad_hello"
 
 
 @given(st.lists(st.binary(max_size=3000), max_size=8), st.integers(1, 97))

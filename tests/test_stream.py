@@ -235,7 +235,7 @@ def test_forged_replication_frames_without_the_cluster_key_change_nothing(cluste
                     got += data
             except ConnectionResetError:
                 pass
-            assert got[:4] == b"TPL2" and len(got) == 28, got  # its link hello, then closed: no frame answered
+            assert got == b"", got  # refused at what it took for a hello: closed, nothing answered
     load = cluster.start("load", "load", "--rate", "5000", "--messages", "5000", "--seed", "4")
     assert load.wait(timeout=60) == 0, cluster.output("load")
     for name in voters:
