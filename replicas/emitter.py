@@ -52,8 +52,11 @@ from tape.replicas.emitter_core import (
 )
 
 log = logging.getLogger("tape.emitter")
+
+
 class IntentNotRecorded(Exception):
-    """The disk refused the intent transaction: nothing was delivered, the mark is back."""
+    """The disk refused the transaction that records a batch (its intent, or with deliver_first its
+    delivery): the mark is back."""
 
 
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
@@ -88,7 +91,8 @@ class Emitter(NodeProcess):
         with self.env.begin() as txn:
             raw = txn.get(b"mark", db=self.meta)
         self.core = EmitterCore({n.wire_name for n in cfg.by_role("replica")}, int.from_bytes(raw, "big") if raw
-                                else 0, crash_at, crash_after, node.delivery)
+                                else 0, crash_at, crash_after, node.delivery,
+                                deliver_first=all(sink.idempotent for sink in self.sinks))
         self.latency = LatencySamples()  # the triggering purchase's stamp to delivered (wall clock: a figure only)
         self.in_doubt_listed = 0
         self.rejected: dict[str, int] = {}
@@ -111,7 +115,7 @@ class Emitter(NodeProcess):
         c = self.core
         yield "mark", "gauge", "highest emit seq recorded", c.mark
         yield "alerts_delivered", "counter", "alerts delivered to the sinks", c.delivered
-        yield "delivery_batches", "counter", "deliveries (one durable intent and one write to each sink)", c.batches
+        yield "delivery_batches", "counter", "deliveries (one LMDB record and one write to each sink)", c.batches
         yield "duplicates", "counter", "alert copies already delivered", c.duplicates
         yield "divergences", "counter", "alert copies differing from the delivered one", c.divergences
         yield "in_doubt", "counter", "alerts in doubt after a crash, resolved at start", c.in_doubt
@@ -233,13 +237,15 @@ class Emitter(NodeProcess):
         due = self.core.acks_due(sorted(set(self.links.values())), senders)
         for writer, replica in self.links.items():  # every connection naming it (without keys, a
             if replica in due:                       # stranger's hello may name a real replica)
-                writer.write(alertlink.ack(self.mark))
+                writer.write(alertlink.ack(self.core.recorded))
 
     def _intent_failed(self, error: str) -> None:
-        """Nothing was delivered and the mark is back: every replica sends again from it."""
-        self.refusal_log.warn("intent", "alerts not recorded before delivery (%s; a full or failing disk?): none "
-                              "delivered; every replica link closed, they send again from mark %d",
-                              error, self.mark)
+        """The mark is back: every replica sends again from it. Nothing was delivered, or (with
+        deliver_first) the sinks, all idempotent, take again what they hold."""
+        self.refusal_log.warn("intent", "alerts not recorded (%s; a full or failing disk?): every replica link "
+                              "closed, they send again from mark %d (%s)", error, self.mark,
+                              "the sinks take again what they hold" if self.core.deliver_first
+                              else "none was delivered")
         for link in list(self.links):
             link.close()
 
@@ -276,15 +282,18 @@ class Emitter(NodeProcess):
             if isinstance(action, RecordIntent):
                 try:  # (an alert record's first 8 bytes are its emit seq, u64 big-endian: its key)
                     with self.env.begin(write=True) as txn:
-                        txn.cursor(db=self.outbox).putmulti([(raw[:8], raw) for raw in action.alerts])
+                        db = self.delivered_db if action.delivered else self.outbox
+                        txn.cursor(db=db).putmulti([(raw[:8], raw) for raw in action.alerts])
                         txn.put(b"mark", action.alerts[-1][:8], db=self.meta)
                         self._move_done(txn, action.done)
                 except lmdb.Error as e:
                     self.core.on_intent_failed(action)
                     self.record_failures += 1
                     raise IntentNotRecorded(str(e)) from None
+                self.core.on_recorded(action)
                 keep_newest(self.recent, action.alerts, RECENT_ALERTS)  # copies are judged by these bytes
-                self._arm_done_timer()
+                if not action.delivered:
+                    self._arm_done_timer()
             elif isinstance(action, DeliverAlerts):
                 self._delivering = True
                 await self._deliver(sinklib.alert_lines(action.alerts, self.cfg.session))

@@ -9,7 +9,8 @@ delivers. Actions out, carried out in order by the shell
 (replicas/emitter.py):
 
     RecordIntent(alerts, done)  the outbox and the new mark, and the previous
-                           batch's done, in one durable transaction
+                           batch's done, in one durable transaction (delivered=True:
+                           the alerts went to the sinks first, straight to delivered)
     DeliverAlerts(alerts)  to every sink
     Redeliver(alerts)      alerts in doubt after a crash: again to the idempotent
                            sinks, listed for the operator for the others
@@ -20,6 +21,13 @@ A batch's done rides in the next batch's intent, or goes alone when the
 shell finds no next batch soon (`done_due`): one durable transaction a
 batch, not two. A crash between leaves one more batch in doubt, which the
 idempotent sinks take again harmlessly.
+
+When every sink is idempotent (`deliver_first`: the JSON-lines file and the
+webhook; not stdout), a batch goes to the sinks first and is then recorded
+as delivered with the new mark, one transaction: no intent is needed, since
+what a crash leaves unrecorded comes again from the replicas (they resend
+from the mark) and the sinks take it again harmlessly. An alert then waits
+for the sinks alone, not for the intent's transaction before them.
 
 The mark is the highest emit seq recorded. Replicas are deterministic and
 each channel is ordered. Two delivery modes:
@@ -39,10 +47,12 @@ each channel is ordered. Two delivery modes:
   replica that would exceed its share is refused (its link closed; it
   resends from the mark when it is back).
 
-Acknowledgements: each replica is told the mark when it says hello, after
-the batches it sent, and whenever the mark moved past what it was last told
-(`acks_due`); not every replica after every replica's batch, as before: a
-copy that moves the mark for no one needs one answer, not three. The shell
+Acknowledgements: each replica is told the recorded mark (`recorded`: the
+highest emit seq whose record committed, `on_recorded`; a replica drops
+its alerts up to it) when it says hello, after the batches it sent, and
+whenever that mark moved past what it was last told (`acks_due`); not
+every replica after every replica's batch, as before: a copy that moves
+the mark for no one needs one answer, not three. The shell
 asks at most every ACK_EVERY_NS, for the replicas whose batches came
 meanwhile: one answer covers them all.
 
@@ -84,6 +94,7 @@ FOLDS_KEPT = 64  # fold points whose replica digests are remembered (64 x 4096 s
 class RecordIntent:
     alerts: list
     done: list = field(default_factory=list)  # the batch delivered before: done in the same transaction
+    delivered: bool = False  # the sinks have them already (deliver_first): recorded as delivered, not outbox
 
 
 @dataclass(frozen=True)
@@ -116,13 +127,15 @@ class TooFarAhead(Exception):
 
 class EmitterCore:
     def __init__(self, replicas: set[bytes], mark: int = 0, crash_at: str | None = None, crash_after: int = 1,
-                 delivery: str = "first", max_pending: int = MAX_PENDING_ALERTS):
+                 delivery: str = "first", max_pending: int = MAX_PENDING_ALERTS, deliver_first: bool = False):
+        """`deliver_first`: every sink is idempotent (module docstring)."""
         if crash_at is not None and crash_at not in CRASH_POINTS:
             raise ValueError(f"crash point {crash_at!r}: one of {', '.join(CRASH_POINTS)}")
         if delivery not in DELIVERY:
             raise ValueError(f"delivery {delivery!r}: one of {', '.join(DELIVERY)}")
         self.replicas = replicas
         self.delivery = delivery
+        self.deliver_first = deliver_first
         self.quorum = len(replicas) // 2 + 1
         self.max_pending = max_pending
         self.pending: dict[int, dict[bytes, set[bytes]]] = {}  # quorum: emit seq -> alert record -> senders
@@ -133,7 +146,8 @@ class EmitterCore:
         self.diverged: dict[bytes, int] = {}  # replica -> the fold seq where a quorum outvoted it
         self.rebuilds_ordered = 0
         self.ignored = 0  # alerts of a diverged replica
-        self.mark = mark
+        self.mark = mark  # the highest emit seq taken for delivery: above it an alert is new
+        self.recorded = mark  # the highest whose record committed: what replicas are told (they drop up to it)
         self.crash_at = crash_at
         self.crash_after = crash_after
         self.batches = 0
@@ -147,21 +161,22 @@ class EmitterCore:
         self.told: dict[bytes, int] = {}  # replica -> the mark it was last told (welcome or ack)
 
     def on_hello(self, replica: bytes) -> int | None:
-        """The mark to welcome a replica with (it resends what follows), or None: not a replica of ours."""
+        """The recorded mark to welcome a replica with (it resends what follows), or None: not a
+        replica of ours."""
         if replica not in self.replicas:
             return None
         # The least any of its connections was told: another may be open (a reconnection before the
         # old one is seen closed, or without keys a stranger's hello naming it).
-        self.told[replica] = min(self.told.get(replica, self.mark), self.mark)
-        return self.mark
+        self.told[replica] = min(self.told.get(replica, self.recorded), self.recorded)
+        return self.recorded
 
     def acks_due(self, linked, senders=()) -> list[bytes]:
-        """Of the `linked` replicas (those the shell can write to), the ones to acknowledge the mark
-        to now: the `senders`, whose batches were handled since (they may have raised their copies
-        after they were told a mark that covers them), and every other one told less than the mark."""
-        due = [r for r in linked if r in senders or self.told.get(r, -1) < self.mark]
+        """Of the `linked` replicas (those the shell can write to), the ones to acknowledge the
+        recorded mark to now: the `senders`, whose batches were handled since (they may have raised
+        their copies after they were told a mark that covers them), and every other one told less."""
+        due = [r for r in linked if r in senders or self.told.get(r, -1) < self.recorded]
         for r in due:
-            self.told[r] = self.mark
+            self.told[r] = self.recorded
         return due
 
     def on_alerts(self, replica: bytes, alerts: list[bytes]) -> tuple[list[bytes], list[bytes], list[bytes]]:
@@ -273,12 +288,19 @@ class EmitterCore:
 
     def deliver(self, new: list[bytes]) -> list[EmitterAction]:
         """Intent (with the previous batch's done), deliver: the steps for new alerts, which move
-        the mark. Their own done comes with the next batch's intent, or from `done_due`."""
+        the mark. Their own done comes with the next batch's intent, or from `done_due`. With
+        `deliver_first`: deliver, then record them delivered (crash points: before_intent is
+        before the sinks, after_deliver between, after_intent and after_done after the record)."""
         assert new and emit_seq_of(new[0]) > self.mark, "only alerts above the mark are delivered"
         self.batches += 1
         self._mark_before = self.mark
         self.mark = emit_seq_of(new[-1])
         self.delivered += len(new)
+        if self.deliver_first:
+            assert not self.undone, "a done pending: deliver_first never leaves one"
+            b = self.batches
+            return [*self._crash("before_intent", b), DeliverAlerts(new), *self._crash("after_deliver", b),
+                    RecordIntent(new, delivered=True), *self._crash("after_intent", b), *self._crash("after_done", b)]
         done, done_batch = self.undone, self._undone_batch
         self.undone, self._undone_batch = new, self.batches
         out = [*self._crash("before_intent", self.batches), RecordIntent(new, done)]
@@ -296,6 +318,12 @@ class EmitterCore:
 
     def _crash(self, point: str, batch: int) -> list[Crash]:
         return [Crash(point, batch)] if point == self.crash_at and batch >= self.crash_after else []
+
+    def on_recorded(self, record: RecordIntent) -> None:
+        """The record's transaction committed: replicas may now be told its mark (and drop its
+        alerts). Not before: with deliver_first the mark moves before the sinks have the batch,
+        and a replica told it then would not send the batch again after a crash."""
+        self.recorded = max(self.recorded, emit_seq_of(record.alerts[-1]))
 
     def on_intent_failed(self, intent: RecordIntent) -> None:
         """The intent of the last delivery was not recorded (a full or failing disk): nothing of it
