@@ -113,7 +113,7 @@ class Emitter(NodeProcess):
 
     def report(self):
         c = self.core
-        yield "mark", "gauge", "highest emit seq recorded", c.mark
+        yield "mark", "gauge", "highest emit seq recorded", c.recorded
         yield "alerts_delivered", "counter", "alerts delivered to the sinks", c.delivered
         yield "delivery_batches", "counter", "deliveries (one LMDB record and one write to each sink)", c.batches
         yield "duplicates", "counter", "alert copies already delivered", c.duplicates

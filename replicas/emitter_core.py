@@ -29,7 +29,8 @@ what a crash leaves unrecorded comes again from the replicas (they resend
 from the mark) and the sinks take it again harmlessly. An alert then waits
 for the sinks alone, not for the intent's transaction before them.
 
-The mark is the highest emit seq recorded. Replicas are deterministic and
+The mark is the highest emit seq taken for delivery (recorded with its
+intent, or once delivered with deliver_first). Replicas are deterministic and
 each channel is ordered. Two delivery modes:
 
 - `first` (lowest latency): an alert above the mark is new and the first
