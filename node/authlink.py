@@ -248,10 +248,8 @@ async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str
             return reader, writer
         try:
             return await _handshake(reader, writer, keys, True, refused, version)
-        except OlderPeer as e:  # a node not yet upgraded: it refused our hello; offer its version
-            writer.close()
-            if version != MAGIC:
-                raise ConnectionError(str(e)) from None
+        except OlderPeer as e:  # a node not yet upgraded refused our hello: offer its version (once:
+            writer.close()        # only a TPL3 offer can be answered in TPL2)
             log.warn("older_link_version", "%s:%d speaks %s: connecting again in it", host, port,
                      e.version.decode())
             return await open_link(e.version)
