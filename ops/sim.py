@@ -545,6 +545,7 @@ class Emitter:
         self.restart()
 
     def restart(self) -> None:
+        self.recent: dict[int, bytes] = {}  # emit seq -> alert delivered since this start (the shell's memory)
         delivery = "quorum" if self.sim.seed % 2 else "first"  # both modes, without drawing from the seed's rng
         deliver_first = self.sim.seed % 4 >= 2  # (its sink is idempotent: both orders are the shell's)
         self.core = EmitterCore({wire(r) for r in REPLICAS}, self.mark, delivery=delivery,
@@ -561,18 +562,23 @@ class Emitter:
             if alarms:
                 raise Violation(f"divergence: alerts at emit seqs {[emit_seq_of(a) for a in alarms]} reached no "
                                 "quorum")
-            recorded = [self.recorded.get(seq, self.outbox.get(seq)) for seq in map(emit_seq_of, copies)]
+            recorded = [self.recent.get(seq) or self.recorded.get(seq, self.outbox.get(seq))
+                        for seq in map(emit_seq_of, copies)]
             differ = self.core.judge_copies(copies, recorded)
             if differ:
                 raise Violation(f"divergence: {src}'s alert at emit seq {emit_seq_of(copies[differ[0]])} differs")
             if new and not self.carry_out(self.core.deliver(new)):
                 return  # crashed on the way
-            links = {r: frozenset((EMITTER, r)) for r in REPLICAS}
-            linked = [r for r, ln in links.items() if r == src or (ln in self.sim.epochs and ln not in self.sim.broken)]
-            due = self.core.acks_due([wire(r) for r in linked], {wire(src)})  # as the shell: the sender, and
-            for r in linked:  # the moved mark to each linked (quorum: not only to src)
-                if wire(r) in due:
-                    self.sim.send_ordered(EMITTER, r, ("ack", self.core.recorded))
+            self.acknowledge(src)
+
+    def acknowledge(self, sender: str | None) -> None:
+        """As the shell: the sender, and the recorded mark to each linked replica told less."""
+        links = {r: frozenset((EMITTER, r)) for r in REPLICAS}
+        linked = [r for r, ln in links.items() if r == sender or (ln in self.sim.epochs and ln not in self.sim.broken)]
+        due = self.core.acks_due([wire(r) for r in linked], {wire(sender)} if sender else set())
+        for r in linked:
+            if wire(r) in due:
+                self.sim.send_ordered(EMITTER, r, ("ack", self.core.recorded))
 
     def carry_out(self, actions: list) -> bool:
         """As the emitter shell does; False if a crash point was reached."""
@@ -582,10 +588,13 @@ class Emitter:
                 self.mark = emit_seq_of(a.alerts[-1])
                 self.record_done(a.done)
                 self.core.on_recorded(a)
+                if a.delivered:  # recorded after the batches it covers: the replicas told now
+                    self.acknowledge(None)
             elif isinstance(a, (DeliverAlerts, Redeliver)):
                 held = {r["alert_id"] for r in self.sink}  # the sink is idempotent by alert id
                 records = (Alert.decode(x).to_dict("SIM") for x in a.alerts)
                 self.sink += [r for r in records if r["alert_id"] not in held]
+                self.recent.update((emit_seq_of(x), x) for x in a.alerts)  # the shell's memory of them
             elif isinstance(a, RecordDone):
                 self.record_done(a.alerts)
             elif isinstance(a, Crash):

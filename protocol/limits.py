@@ -35,6 +35,10 @@ RECENT_ALERTS = 65_536
 # crash; this bounds only how long an idle emitter's last batch stays so. (At 10 ms, a gap between
 # deliveries under load fired it for ~40% of the commits: two more fdatasyncs each, profiling.)
 DONE_ALONE_AFTER_NS = 100_000_000
+# With every sink idempotent the emitter delivers first and records what it delivered at most this
+# long after the first batch not yet recorded, in one transaction: the replicas keep their alerts
+# (and resend them after a crash) until then, and LMDB syncs ~50 times a second, not once a batch.
+RECORD_AFTER_NS = 20_000_000
 # The emitter answers replicas' alert batches at most this often, one acknowledgement covering
 # every batch since: an answer a batch woke each replica hundreds of times a second.
 ACK_EVERY_NS = 5_000_000

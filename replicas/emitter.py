@@ -4,10 +4,13 @@ Replicas connect over TCP and send their alerts in emit-seq order. The
 emitter keeps in LMDB the highest emit seq recorded (the mark), an outbox of
 alerts in flight and every delivered alert (for divergence checks). What to
 do with each alert is EmitterCore's decision (replicas/emitter_core.py);
-this shell carries it out: a new batch is recorded as intent (outbox +
+this shell carries it out. With every sink idempotent (deliver_first), a
+new batch is written to every sink, and what was delivered is recorded
+(delivered + mark, one transaction) RECORD_AFTER_NS after the first batch
+not yet recorded. Otherwise a new batch is recorded as intent (outbox +
 mark, and the previous batch's done, one transaction), written to every
 sink, and recorded as done with the next intent (or alone after
-DONE_ALONE_AFTER_NS without one); a copy is judged against the recorded
+DONE_ALONE_AFTER_NS without one). A copy is judged against the delivered
 bytes; at start, alerts with intent and no done are in doubt: they go
 again to the idempotent sinks (the JSON-lines file checks its own tail,
 the webhook carries an Idempotency-Key) and are listed in
@@ -38,7 +41,7 @@ from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.protocol import alertlink
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import ACK_EVERY_NS, CONTROL_READ, DONE_ALONE_AFTER_NS, RECENT_ALERTS
+from tape.protocol.limits import ACK_EVERY_NS, CONTROL_READ, DONE_ALONE_AFTER_NS, RECENT_ALERTS, RECORD_AFTER_NS
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit import ALERT_SIZE, ALERT_STAMP, Alert
 from tape.replicas.emitter_core import (
@@ -115,7 +118,7 @@ class Emitter(NodeProcess):
         c = self.core
         yield "mark", "gauge", "highest emit seq recorded", c.recorded
         yield "alerts_delivered", "counter", "alerts delivered to the sinks", c.delivered
-        yield "delivery_batches", "counter", "deliveries (one LMDB record and one write to each sink)", c.batches
+        yield "delivery_batches", "counter", "deliveries (one write to each sink)", c.batches
         yield "duplicates", "counter", "alert copies already delivered", c.duplicates
         yield "divergences", "counter", "alert copies differing from the delivered one", c.divergences
         yield "in_doubt", "counter", "alerts in doubt after a crash, resolved at start", c.in_doubt
@@ -157,7 +160,10 @@ class Emitter(NodeProcess):
                     timer.cancel()
             async with self._lock:  # let a delivery in its thread finish or give up
                 if not self._delivering:  # the last batch reached every sink: its done is due, not a doubt
-                    await self._carry_out(self.core.done_due())
+                    try:
+                        await self._carry_out(self.core.done_due())
+                    except IntentNotRecorded as e:  # (sent again from the mark at the next start)
+                        log.error("alerts delivered and not recorded at the stop (%s)", e)
                 for sink in self.sinks:
                     sink.close()
                 self.env.close()
@@ -291,8 +297,10 @@ class Emitter(NodeProcess):
                     self.record_failures += 1
                     raise IntentNotRecorded(str(e)) from None
                 self.core.on_recorded(action)
-                keep_newest(self.recent, action.alerts, RECENT_ALERTS)  # copies are judged by these bytes
-                if not action.delivered:
+                if action.delivered:  # recorded after the batches it covers: the replicas are told now
+                    self._acknowledge(None)
+                else:  # (delivered first: kept when they were delivered)
+                    keep_newest(self.recent, action.alerts, RECENT_ALERTS)  # copies are judged by these bytes
                     self._arm_done_timer()
             elif isinstance(action, DeliverAlerts):
                 self._delivering = True
@@ -300,6 +308,9 @@ class Emitter(NodeProcess):
                 self._delivering = False
                 now = time.time_ns()
                 self.latency.extend([now - stamp for (stamp,) in ALERT_STAMP.iter_unpack(Alert.joined(action.alerts))])
+                if self.core.deliver_first:
+                    keep_newest(self.recent, action.alerts, RECENT_ALERTS)
+                    self._arm_record_timer()
             elif isinstance(action, Redeliver):
                 await self._redeliver(action.alerts)
             elif isinstance(action, RecordDone):
@@ -361,6 +372,12 @@ class Emitter(NodeProcess):
             self._done_timer.cancel()
         self._done_timer = asyncio.get_running_loop().call_later(DONE_ALONE_AFTER_NS / 1e9, self._done_alone)
 
+    def _arm_record_timer(self) -> None:
+        """With deliver_first: record what was delivered, at most RECORD_AFTER_NS after the first
+        batch not yet recorded (never put off further: the replicas hold their alerts until then)."""
+        if self._done_timer is None:
+            self._done_timer = asyncio.get_running_loop().call_later(RECORD_AFTER_NS / 1e9, self._done_alone)
+
     def _done_alone(self) -> None:
         self._done_timer = None
         self.spawn(self._record_done())
@@ -368,7 +385,10 @@ class Emitter(NodeProcess):
     async def _record_done(self) -> None:
         async with self._lock:
             if not self.stopping.is_set():
-                await self._carry_out(self.core.done_due())
+                try:
+                    await self._carry_out(self.core.done_due())
+                except IntentNotRecorded as e:  # (deliver_first's record: a done alone only logs)
+                    self._intent_failed(str(e))
 
     def _judge(self, copies: list[bytes]) -> None:
         recent = self.recent

@@ -23,11 +23,14 @@ batch, not two. A crash between leaves one more batch in doubt, which the
 idempotent sinks take again harmlessly.
 
 When every sink is idempotent (`deliver_first`: the JSON-lines file and the
-webhook; not stdout), a batch goes to the sinks first and is then recorded
-as delivered with the new mark, one transaction: no intent is needed, since
-what a crash leaves unrecorded comes again from the replicas (they resend
-from the mark) and the sinks take it again harmlessly. An alert then waits
-for the sinks alone, not for the intent's transaction before them.
+webhook; not stdout), a batch goes to the sinks first, and the batches
+delivered since the last record are recorded as delivered with the new
+mark in one transaction when the shell's timer asks (`done_due`, at most
+RECORD_AFTER_NS after the first of them): no intent is needed, since what a
+crash leaves unrecorded comes again from the replicas (they resend from the
+mark they were told, which is only ever a recorded one) and the sinks take
+it again harmlessly. An alert then waits for the sinks alone, and the disk
+syncs LMDB a few dozen times a second, not once a batch.
 
 The mark is the highest emit seq taken for delivery (recorded with its
 intent, or once delivered with deliver_first). Replicas are deterministic and
@@ -156,7 +159,6 @@ class EmitterCore:
         self.duplicates = 0
         self.divergences = 0
         self.in_doubt = 0
-        self._mark_before = mark
         self.undone: list[bytes] = []  # the last batch delivered, its done not yet recorded
         self._undone_batch = 0
         self.told: dict[bytes, int] = {}  # replica -> the mark it was last told (welcome or ack)
@@ -294,14 +296,12 @@ class EmitterCore:
         before the sinks, after_deliver between, after_intent and after_done after the record)."""
         assert new and emit_seq_of(new[0]) > self.mark, "only alerts above the mark are delivered"
         self.batches += 1
-        self._mark_before = self.mark
         self.mark = emit_seq_of(new[-1])
         self.delivered += len(new)
-        if self.deliver_first:
-            assert not self.undone, "a done pending: deliver_first never leaves one"
-            b = self.batches
-            return [*self._crash("before_intent", b), DeliverAlerts(new), *self._crash("after_deliver", b),
-                    RecordIntent(new, delivered=True), *self._crash("after_intent", b), *self._crash("after_done", b)]
+        if self.deliver_first:  # recorded later, with the batches that follow it soon (done_due)
+            self.undone, self._undone_batch = self.undone + new, self.batches
+            return [*self._crash("before_intent", self.batches), DeliverAlerts(new),
+                    *self._crash("after_deliver", self.batches)]
         done, done_batch = self.undone, self._undone_batch
         self.undone, self._undone_batch = new, self.batches
         out = [*self._crash("before_intent", self.batches), RecordIntent(new, done)]
@@ -311,10 +311,14 @@ class EmitterCore:
                 *self._crash("after_deliver", self.batches)]
 
     def done_due(self) -> list[EmitterAction]:
-        """The last batch's done on its own: the shell found no next batch to carry it."""
+        """The last batch's done on its own: the shell found no next batch to carry it. With
+        deliver_first: the record of every batch delivered since the last one."""
         if not self.undone:
             return []
         done, self.undone = self.undone, []
+        if self.deliver_first:
+            b = self._undone_batch
+            return [RecordIntent(done, delivered=True), *self._crash("after_intent", b), *self._crash("after_done", b)]
         return [RecordDone(done), *self._crash("after_done", self._undone_batch)]
 
     def _crash(self, point: str, batch: int) -> list[Crash]:
@@ -328,10 +332,11 @@ class EmitterCore:
 
     def on_intent_failed(self, intent: RecordIntent) -> None:
         """The intent of the last delivery was not recorded (a full or failing disk): nothing of it
-        happened. The mark goes back, and everything heard above it is forgotten: the shell closes
-        every replica's link, and each sends again from the mark when it is welcomed back. The
-        done it carried is still to record."""
-        self.mark = self._mark_before
+        happened (with deliver_first: the record of what was delivered since the last one; the
+        sinks take it again). The mark goes back to the one recorded, and everything heard above
+        it is forgotten: the shell closes every replica's link, and each sends again from the mark
+        when it is welcomed back. The done it carried is still to record."""
+        self.mark = self.recorded
         self.delivered -= len(intent.alerts)
         self.undone, self._undone_batch = intent.done, self.batches - 1  # the batch delivered before it
         self.pending, self._pending_order, self.held, self.frontier = {}, [], {}, {}

@@ -29,7 +29,8 @@ from tape.replicas.audit import ALERT_RECORD, Alert
 
 log = logging.getLogger("tape.emitter")
 TAIL_BYTES = 4 << 20  # how much of the JSON-lines file's tail is checked for ids on start
-IDS_KEPT = 65_536  # ids the JSON-lines sink remembers: what is in doubt is far fewer (two batches)
+IDS_KEPT = 65_536  # ids the JSON-lines sink remembers: what is in doubt, or delivered and not recorded, is far
+                  # fewer (two batches, or what came in the emitter's RECORD_AFTER_NS)
 
 
 class SinkStopped(Exception):

@@ -30,7 +30,7 @@ def test_only_known_replicas_are_welcomed_with_the_mark():
 
 def delivered(core: EmitterCore, new: list[bytes]) -> list:
     """core.deliver(new), its record committed (as the shell tells the core)."""
-    steps = core.deliver(new)
+    steps = core.deliver(new) + (core.done_due() if core.deliver_first else [])
     core.on_recorded(next(s for s in steps if isinstance(s, RecordIntent)))
     return steps
 
@@ -60,7 +60,7 @@ def test_replicas_are_told_only_a_mark_whose_record_committed(deliver_first):
     before the sinks have the batch: told then, a replica would not send it again after a crash."""
     core = EmitterCore({A, B}, mark=2, deliver_first=deliver_first)
     core.on_hello(A)
-    steps = core.deliver(core.on_alerts(A, [alert(3)])[0])
+    steps = core.deliver(core.on_alerts(A, [alert(3)])[0]) + (core.done_due() if deliver_first else [])
     assert core.mark == 3 and core.recorded == 2
     assert core.on_hello(B) == 2 and core.acks_due([A, B]) == []  # nothing committed yet
     core.on_recorded(next(s for s in steps if isinstance(s, RecordIntent)))
@@ -178,19 +178,24 @@ def test_the_after_done_crash_point_follows_the_chosen_batchs_done_alone_or_in_t
     assert steps[:2] == [RecordIntent([alert(3)], [alert(2)]), Crash("after_done", 2)]
 
 
+def test_with_every_sink_idempotent_batches_are_delivered_then_recorded_together():
+    """deliver_first: each batch to the sinks at once; the batches delivered since the last record
+    recorded as delivered with the mark in one transaction when the shell's timer asks. No intent,
+    nothing in doubt (what a crash leaves unrecorded comes again from the replicas, above the mark)."""
+    core = EmitterCore({A}, deliver_first=True)
+    assert core.deliver([alert(1)]) == [DeliverAlerts([alert(1)])]
+    assert core.deliver([alert(2), alert(3)]) == [DeliverAlerts([alert(2), alert(3)])]
+    assert (core.mark, core.recorded) == (3, 0)
+    assert core.done_due() == [RecordIntent([alert(1), alert(2), alert(3)], delivered=True)]
+    assert core.done_due() == []
+
+
 @pytest.mark.parametrize("point, index", [("before_intent", 0), ("after_deliver", 1), ("after_intent", 2),
                                           ("after_done", 2)])
-def test_with_every_sink_idempotent_a_batch_is_delivered_then_recorded_as_delivered(point, index):
-    """deliver_first: the sinks first, then one transaction that records the batch delivered with
-    the new mark; no intent, no done left for later, nothing in doubt (what a crash leaves
-    unrecorded comes again from the replicas, above the mark)."""
-    core = EmitterCore({A}, deliver_first=True)
-    assert core.deliver([alert(1), alert(2)]) == [DeliverAlerts([alert(1), alert(2)]),
-                                                  RecordIntent([alert(1), alert(2)], delivered=True)]
-    assert core.mark == 2 and core.done_due() == []
+def test_with_every_sink_idempotent_a_crash_point_sits_where_it_says(point, index):
     core = EmitterCore({A}, crash_at=point, crash_after=2, deliver_first=True)
-    assert not any(isinstance(s, Crash) for s in core.deliver([alert(1)]))
-    steps = core.deliver([alert(2)])
+    assert not any(isinstance(s, Crash) for s in core.deliver([alert(1)]) + core.done_due())
+    steps = core.deliver([alert(2)]) + core.done_due()
     assert steps[index] == Crash(point, 2) and len(steps) == 3
     assert [s for s in steps if not isinstance(s, Crash)] == [DeliverAlerts([alert(2)]),
                                                               RecordIntent([alert(2)], delivered=True)]
@@ -199,11 +204,12 @@ def test_with_every_sink_idempotent_a_batch_is_delivered_then_recorded_as_delive
 def test_a_record_the_disk_refused_puts_the_mark_back_in_either_order():
     for deliver_first in (False, True):
         core = EmitterCore({A}, mark=3, deliver_first=deliver_first)
-        record = next(s for s in core.deliver(core.on_alerts(A, [alert(4), alert(5)])[0])
-                      if isinstance(s, RecordIntent))
+        delivered(core, core.on_alerts(A, [alert(4)])[0])  # recorded
+        steps = core.deliver(core.on_alerts(A, [alert(5), alert(6)])[0])
+        record = next(s for s in steps + core.done_due() if isinstance(s, RecordIntent))
         core.on_intent_failed(record)
-        assert (core.mark, core.delivered) == (3, 0)
-        assert seqs(core.on_alerts(A, [alert(4), alert(5)])[0]) == [4, 5]  # sent again from the mark: new again
+        assert (core.mark, core.recorded, core.delivered) == (4, 4, 1)
+        assert seqs(core.on_alerts(A, [alert(5), alert(6)])[0]) == [5, 6]  # sent again from the mark: new again
 
 
 def test_alerts_in_doubt_are_delivered_again_then_done():
@@ -260,7 +266,7 @@ def test_an_intent_the_disk_refused_moves_nothing_and_the_alerts_come_again(deli
 
 def test_a_failed_intent_leaves_the_done_it_carried_still_to_record():
     core = EmitterCore({A}, crash_at="after_done", crash_after=2)
-    core.deliver([alert(1)])
+    delivered(core, [alert(1)])
     intent = core.deliver([alert(2)])[0]
     assert intent.done == [alert(1)]
     core.on_intent_failed(intent)
