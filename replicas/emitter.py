@@ -297,9 +297,9 @@ class Emitter(NodeProcess):
                     self.record_failures += 1
                     raise IntentNotRecorded(str(e)) from None
                 self.core.on_recorded(action)
-                if action.delivered:  # recorded after the batches it covers: the replicas are told now
-                    self._acknowledge(None)
-                else:  # (delivered first: kept when they were delivered)
+                if action.delivered:  # after the batches it covers (kept in `recent` as they were delivered):
+                    self._acknowledge(None)  # the replicas are told now
+                else:
                     keep_newest(self.recent, action.alerts, RECENT_ALERTS)  # copies are judged by these bytes
                     self._arm_done_timer()
             elif isinstance(action, DeliverAlerts):

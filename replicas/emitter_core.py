@@ -159,7 +159,8 @@ class EmitterCore:
         self.duplicates = 0
         self.divergences = 0
         self.in_doubt = 0
-        self.undone: list[bytes] = []  # the last batch delivered, its done not yet recorded
+        self.undone: list[bytes] = []  # the last batch delivered, its done not yet recorded (deliver_first:
+        #                               every batch delivered since the last record)
         self._undone_batch = 0
         self.told: dict[bytes, int] = {}  # replica -> the mark it was last told (welcome or ack)
 
@@ -292,8 +293,8 @@ class EmitterCore:
     def deliver(self, new: list[bytes]) -> list[EmitterAction]:
         """Intent (with the previous batch's done), deliver: the steps for new alerts, which move
         the mark. Their own done comes with the next batch's intent, or from `done_due`. With
-        `deliver_first`: deliver, then record them delivered (crash points: before_intent is
-        before the sinks, after_deliver between, after_intent and after_done after the record)."""
+        `deliver_first`: deliver; `done_due` records them (crash points: before_intent is before
+        the sinks, after_deliver after them, after_intent and after_done after the record)."""
         assert new and emit_seq_of(new[0]) > self.mark, "only alerts above the mark are delivered"
         self.batches += 1
         self.mark = emit_seq_of(new[-1])
