@@ -32,7 +32,7 @@ from tape.node.settings import Config, Node
 from tape.protocol import alertlink, messages
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import CONTROL_READ, GIL_SWITCH_S, REPLAY_CLIENT_HEARTBEAT_S, STREAM_READ
+from tape.protocol.limits import CONTROL_READ, GIL_SWITCH_S, REPLAY_CLIENT_HEARTBEAT_S, REPLAY_POLL_S, STREAM_READ
 from tape.protocol.moldudp64 import HEADER_SIZE, MAX_BLOCKS
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.receiver import Deliver
@@ -267,11 +267,10 @@ class Replica(NodeProcess):
     async def _catch_up(self) -> None:
         rewinders = self.cfg.by_role("rewinder")
         which = 0
-        await asyncio.sleep(0.3)  # a heartbeat tells how far the stream is
-        while True:
+        while True:  # polled often: gap fills race the replay for a missing run, and win a short one
             rx = self.listener.receiver
             if not self.core.far_behind(rx) or not rewinders:
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(REPLAY_POLL_S)
                 continue
             rw = rewinders[which % len(rewinders)]
             which += 1

@@ -94,6 +94,7 @@ def test_kill_9_a_rewinder_mid_run_and_restart_it(cluster):
 
 def test_garbage_flood_at_every_port_harms_nothing(cluster):
     cluster.start_all()
+    wait_for(lambda: cluster.leader() == "seq-a", "seq-a to lead")  # a follower drops it all as not_leader
     cfg = cluster.cfg
     total = 20_000
     load = cluster.start("load", "load", "--rate", "10000", "--messages", str(total), "--seed", "9")
