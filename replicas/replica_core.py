@@ -17,7 +17,11 @@ The outbox holds every alert the emitter has not acknowledged: on each
 (re)connection the emitter's welcome says its mark, and what follows it is
 sent again, so an alert survives the loss of the channel, the emitter or
 this process (the outbox is in every snapshot). Snapshots are taken every
-`snapshot_every` messages or `snapshot_ns`, whichever comes first.
+`snapshot_every` messages or `snapshot_ns`, whichever comes first; the
+first one after a start comes early by `phase` of either, so that replicas
+started together (given phases 0, 1/3, 2/3) do not all save at once: a save
+is a burst of work, and three at once on two cores held up the whole
+cluster (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ ReplicaAction = SendAlerts | SendDigest | Snapshot | Exit
 
 class ReplicaCore:
     def __init__(self, machine: AuditMachine, outbox: list[bytes], snapshot_every: int, snapshot_ns: int,
-                 exit_on_end: bool, now_ns: int):
+                 exit_on_end: bool, now_ns: int, phase: float = 0.0):
+        assert 0.0 <= phase < 1.0, phase
         self.machine = machine
         self.outbox: deque[bytes] = deque(outbox)  # alert records
         self.snapshot_every = snapshot_every
@@ -68,7 +73,8 @@ class ReplicaCore:
         self.linked = False  # the alert channel is up (welcomed)
         self.session_ended = False  # the session's end entry was applied
         self._since_snapshot = 0
-        self._snapshot_at = now_ns
+        self._lead = int(phase * snapshot_every)  # counted as applied until the first snapshot
+        self._snapshot_at = now_ns - int(phase * snapshot_ns)
         self.last_fold: SendDigest | None = None  # resent on every welcome
 
     def on_packets(self, runs: list[Deliver]) -> list[ReplicaAction]:
@@ -98,7 +104,7 @@ class ReplicaCore:
                 self.session_ended = True
         self._raised(alerts, out)
         self._since_snapshot += machine.last_seq - before
-        if self._since_snapshot >= self.snapshot_every:
+        if self._since_snapshot + self._lead >= self.snapshot_every:
             out.append(Snapshot())
         return out
 
@@ -127,7 +133,7 @@ class ReplicaCore:
         self.linked = False
 
     def snapshot_taken(self, now_ns: int) -> None:
-        self._since_snapshot = 0
+        self._since_snapshot = self._lead = 0
         self._snapshot_at = now_ns
 
     def on_timer(self, now_ns: int, rx: StreamReceiver) -> list[ReplicaAction]:

@@ -80,8 +80,10 @@ class Replica(NodeProcess):
         self.discarded = self.discarded or discarded
         self.resumed_from = self.machine.last_seq
         outbox = [raw[i:i + ALERT_SIZE] for i in range(0, len(raw), ALERT_SIZE)]
+        replicas = [n.name for n in cfg.by_role("replica")]
+        phase = replicas.index(self.node.name) / len(replicas) if self.node.name in replicas else 0.0
         self.core = ReplicaCore(self.machine, outbox, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000,
-                                self.exit_on_end, time.monotonic_ns())
+                                self.exit_on_end, time.monotonic_ns(), phase)
         self.listener = StreamListener(cfg, cfg.interface_of(self.node), self._deliver, self.drop, self.seed,
                                        next_seq=self.machine.last_seq + 1, on_undecodable=self._undecodable)
 

@@ -74,6 +74,24 @@ def test_snapshots_every_n_messages_or_t_nanoseconds():
     assert c.on_timer(110 * MS, rx) == [Snapshot()]
 
 
+def test_a_phase_brings_only_the_first_snapshot_forward():
+    """Replicas started together save at different times: phase 1/2 saves first after half of
+    `snapshot_every` messages (or of `snapshot_ns`), then every `snapshot_every` as phase 0 does."""
+    rx = StreamReceiver(b"TAPE      ")
+    c = core(snapshot_every=8, phase=0.5)
+    assert Snapshot() not in applied(c, 1, overfill(1, 1))  # 2 of 4
+    assert Snapshot() in applied(c, 3, overfill(2, 1))  # 4 of 4
+    c.snapshot_taken(10 * MS)
+    assert Snapshot() not in applied(c, 5, overfill(3, 2))  # 4 of 8 now
+    assert Snapshot() in applied(c, 9, overfill(5, 2))
+    timed = core(snapshot_ns=100 * MS, phase=0.5, now_ns=0)
+    applied(timed, 1, overfill(1, 1))
+    assert timed.on_timer(40 * MS, rx) == [] and timed.on_timer(50 * MS, rx) == [Snapshot()]
+    timed.snapshot_taken(50 * MS)
+    applied(timed, 3, overfill(2, 1))
+    assert timed.on_timer(140 * MS, rx) == [] and timed.on_timer(150 * MS, rx) == [Snapshot()]
+
+
 def test_exit_only_once_the_end_entry_is_applied_and_every_alert_acknowledged():
     c = core()
     rx = StreamReceiver(b"TAPE      ")
