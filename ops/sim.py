@@ -578,7 +578,7 @@ class Emitter:
         due = self.core.acks_due([wire(r) for r in linked], {wire(sender)} if sender else set())
         for r in linked:
             if wire(r) in due:
-                self.sim.send_ordered(EMITTER, r, ("ack", self.core.recorded))
+                self.sim.send_ordered(EMITTER, r, ("ack", due[wire(r)]))
 
     def carry_out(self, actions: list) -> bool:
         """As the emitter shell does; False if a crash point was reached."""

@@ -243,7 +243,7 @@ class Emitter(NodeProcess):
         due = self.core.acks_due(sorted(set(self.links.values())), senders)
         for writer, replica in self.links.items():  # every connection naming it (without keys, a
             if replica in due:                       # stranger's hello may name a real replica)
-                writer.write(alertlink.ack(self.core.recorded))
+                writer.write(alertlink.ack(due[replica]))
 
     def _intent_failed(self, error: str) -> None:
         """The mark is back: every replica sends again from it. Nothing was delivered, or (with

@@ -174,13 +174,13 @@ class EmitterCore:
         self.told[replica] = min(self.told.get(replica, self.recorded), self.recorded)
         return self.recorded
 
-    def acks_due(self, linked, senders=()) -> list[bytes]:
-        """Of the `linked` replicas (those the shell can write to), the ones to acknowledge the
-        recorded mark to now: the `senders`, whose batches were handled since (they may have raised
-        their copies after they were told a mark that covers them), and every other one told less."""
-        due = [r for r in linked if r in senders or self.told.get(r, -1) < self.recorded]
-        for r in due:
-            self.told[r] = self.recorded
+    def acks_due(self, linked, senders=()) -> dict[bytes, int]:
+        """Of the `linked` replicas (those the shell can write to), the ones to acknowledge now,
+        each with the mark to tell it (the recorded one: a replica drops its alerts up to it): the
+        `senders`, whose batches were handled since (they may have raised their copies after they
+        were told a mark that covers them), and every other one told less."""
+        due = {r: self.recorded for r in linked if r in senders or self.told.get(r, -1) < self.recorded}
+        self.told.update(due)
         return due
 
     def on_alerts(self, replica: bytes, alerts: list[bytes]) -> tuple[list[bytes], list[bytes], list[bytes]]:
