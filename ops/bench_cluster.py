@@ -1,9 +1,11 @@
 """`tape bench cluster`: where the whole cluster's CPU goes, per process and per message.
 
 For each offered rate the whole `tape up` topology runs twice, a short run and a long one. A
-process's CPU time (user + system, from /proc once the replicas applied everything) in the long
-run minus the short one, over the messages sequenced in the long run minus the short one, is
-its marginal CPU per message: start-up, idle ticks and the end of the session cancel out. The
+process's CPU time (user + system, from /proc, from when the load began to send until the
+replicas applied everything) in the long run minus the short one, over the messages sequenced
+in the long run minus the short one, is its marginal CPU per message: start-up, idle ticks and
+the end of the session cancel out. (The window opens after the load built its trades: the
+cluster idled meanwhile, for a time that grew with the run, ~0.3 µs a message at any rate.) The
 achieved rate and the latencies are the long run's. The time the processes' threads were ready
 to run but waited for a core (/proc/PID/task/*/schedstat) is differenced the same way: on two
 cores shared by nine processes, that queueing is what the latency's tail is made of. Figures,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import resource
 import signal
 import time
@@ -22,6 +23,11 @@ PREGENERATED_MAX = 8_000_000
 # Sends what is due every 2 ms (clients' batches as a busy trading desk's); at low rates, at the next
 # trade due instead (a 2 ms loop was 500 wake-ups a second of an idle load).
 SEND_EVERY_S = 0.002
+# Logged once the trades are built, as the first is sent: `tape up` opens its CPU window here (the
+# cluster idles while a long run's trades are built, and that idling grew with the run's length).
+SENDING = "sending trades"
+
+log = logging.getLogger("tape.load")
 
 
 class Trades:
@@ -67,6 +73,7 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
     ahead = max(0, min(total, PREGENERATED_MAX) - resumed) // len(clients)
     trades = [Trades(g, min(ahead, quotas[i] - done[i])) for i, g in enumerate(gens)]
     cpu_before, wait_before = _cpu_seconds(), run_delay_seconds() or 0.0  # the measured window starts here
+    log.info("%s: %d at %.0f/s", SENDING, total - resumed, rate)
     t0 = time.monotonic()
     turn = 0
     while sent < total and not stop.is_set():

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from tape.ops.faults import FaultUnavailable
+from tape.ops.load import SENDING
 from tape.ops.local import ClusterError, LocalCluster
 from tape.ops.verdict import judge, read_run
 
@@ -38,6 +39,7 @@ APPLIED_WAIT_S = 30.0  # after the load, for the replicas to apply what was comm
 # what a run measures), and checks the processes and steps a drill four times a second.
 SCRAPE_EVERY_S = 1.0
 WATCH_TICK_S = 0.25
+SENDING_TICK_S = 0.01  # the watch's tick until the load says it sends: when the CPU window opens
 
 
 def _m(metrics: dict, name: str, node: str) -> float:
@@ -88,12 +90,12 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             cluster.start_all(drop)
             cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
                           "--seed", str(seed))
-            _watch(console, cluster, duration, drill, deadline=time.monotonic() + duration + slack_s)
+            opened = _watch(console, cluster, duration, drill, deadline=time.monotonic() + duration + slack_s)
             if drill:
                 drill.finish(cluster)
             timing = _voter_timing(cluster)
-            cpu = _cpu_when_applied(cluster) if drill is None else {}
-            waited = cluster.wait_seconds() if cpu else {}  # ready to run, without a core
+            cpu = _since(opened[0], _cpu_when_applied(cluster)) if drill is None and opened else {}
+            waited = _since(opened[1], cluster.wait_seconds()) if cpu else {}  # ready to run, without a core
             _stop_in_order(cluster)
         except (ClusterError, FaultUnavailable) as e:  # fail now, saying why, rather than wait for a verdict
             report = _aborted(console, what, str(e), drill)
@@ -177,9 +179,22 @@ def _scrape(cluster: LocalCluster) -> dict:
     return out
 
 
-def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: float) -> None:
+def _since(start: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    return {name: seconds - start.get(name, 0.0) for name, seconds in now.items()}
+
+
+def _load_sending(cluster: LocalCluster) -> bool:
+    try:
+        return SENDING in cluster.logs["load"].read_text()
+    except OSError:
+        return False
+
+
+def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: float) -> tuple | None:
     """Show the cluster live until the load is done (and the drill healed); raise ClusterError
-    if a node exits unbidden or the run outlives `deadline`."""
+    if a node exits unbidden or the run outlives `deadline`. Returns each process's CPU and
+    waiting time when the load began to send (None if it never said so)."""
+    opened = None
     progress = Progress(TextColumn("load"), BarColumn(), TimeRemainingColumn())
     task = progress.add_task("load", total=duration)
     t0 = time.monotonic()
@@ -205,7 +220,10 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: flo
                 table = _live_table(m, rate)
             progress.update(task, completed=min(duration, now - t0))
             live.update(Group(table, *events[-6:], progress))
-            time.sleep(WATCH_TICK_S)
+            if opened is None and _load_sending(cluster):
+                opened = cluster.cpu_seconds(), cluster.wait_seconds()
+            time.sleep(WATCH_TICK_S if opened else SENDING_TICK_S)
+    return opened
 
 
 def _live_table(m: dict, rate: float) -> Table:
