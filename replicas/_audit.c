@@ -373,6 +373,19 @@ static PyObject *table_take_dirty(BookTable *t, PyObject *unused) {
  * the other in one bytes (PACKED_BOOK each: no Python object per book, so a snapshot's part on the
  * thread that applies allocates nothing for the collector); the snapshot's layout (replicas/audit.py
  * BOOK), keys u64 big-endian. */
+/* A book's key and snapshot record at `key` (8 + RECORD_SIZE bytes). */
+static void pack_book(unsigned char *key, uint64_t order_id, const Book *b) {
+    unsigned char *rec = key + 8;
+    put_be64(key, order_id);
+    put_be64(rec, (uint64_t)b->requested);
+    put_be64(rec + 8, (uint64_t)b->cumulative);
+    memcpy(rec + 16, b->client, CLIENT_LEN);
+    memcpy(rec + 32, b->stock, STOCK_LEN);
+    put_be64(rec + 40, b->opened_ns);
+    rec[48] = b->alerted;
+    put_be64(rec + 49, b->request_seq);
+}
+
 static PyObject *table_packed(BookTable *t, PyObject *order_ids) {
     PyObject *ids = PySequence_Fast(order_ids, "packed() takes a sequence of order ids");
     if (ids == NULL) return NULL;
@@ -384,19 +397,75 @@ static PyObject *table_packed(BookTable *t, PyObject *order_ids) {
         if (rc < 0) Py_CLEAR(out);
         Book *b = rc ? NULL : find(t, order_id);
         if (b == NULL) continue;
-        unsigned char *key = (unsigned char *)PyBytes_AS_STRING(out) + used, *rec = key + 8;
-        put_be64(key, order_id);
-        put_be64(rec, (uint64_t)b->requested);
-        put_be64(rec + 8, (uint64_t)b->cumulative);
-        memcpy(rec + 16, b->client, CLIENT_LEN);
-        memcpy(rec + 32, b->stock, STOCK_LEN);
-        put_be64(rec + 40, b->opened_ns);
-        rec[48] = b->alerted;
-        put_be64(rec + 49, b->request_seq);
+        pack_book((unsigned char *)PyBytes_AS_STRING(out) + used, order_id, b);
         used += 8 + RECORD_SIZE;
     }
     Py_DECREF(ids);
     if (out != NULL && used < n * (8 + RECORD_SIZE)) _PyBytes_Resize(&out, used);
+    return out;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* take_packed(marked): a snapshot's part on the thread that applies, in one call. The ids the common
+ * cases noted (taken afresh, as take_dirty) and those in `marked` (the rules'), sorted, each once,
+ * as 8-byte big-endian keys end to end; and packed() of them. No Python object per id. */
+static PyObject *table_take_packed(BookTable *t, PyObject *marked) {
+    Py_ssize_t extra = PyObject_Length(marked);
+    if (extra < 0) return NULL;
+    size_t n = t->dirty_count, cap = n + (size_t)extra;
+    uint64_t *ids = PyMem_Malloc((cap ? cap : 1) * sizeof(uint64_t));
+    PyObject *it = ids == NULL ? NULL : PyObject_GetIter(marked), *item;
+    if (it == NULL) {
+        PyMem_Free(ids);
+        return ids == NULL ? PyErr_NoMemory() : NULL;
+    }
+    memcpy(ids, t->dirty, n * sizeof(uint64_t));
+    while (n < cap && (item = PyIter_Next(it)) != NULL) {
+        int rc = key_of(item, &ids[n]);
+        Py_DECREF(item);
+        if (rc != 0) {
+            if (rc > 0) PyErr_SetString(PyExc_ValueError, "an order id is a u64");
+            break;
+        }
+        n++;
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        PyMem_Free(ids);
+        return NULL;
+    }
+    for (size_t i = 0; i < t->dirty_count; i++) {  /* their flags cleared, as take_dirty does */
+        Book *b = find(t, t->dirty[i]);
+        if (b != NULL) b->dirty = 0;
+    }
+    t->dirty_count = 0;
+    qsort(ids, n, sizeof(uint64_t), cmp_u64);
+    size_t unique = 0;
+    for (size_t i = 0; i < n; i++)
+        if (unique == 0 || ids[i] != ids[unique - 1]) ids[unique++] = ids[i];
+    PyObject *keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(unique * 8));
+    PyObject *books = keys == NULL ? NULL : PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(unique * (8 + RECORD_SIZE)));
+    Py_ssize_t used = 0;
+    for (size_t i = 0; books != NULL && i < unique; i++) {
+        put_be64((unsigned char *)PyBytes_AS_STRING(keys) + 8 * i, ids[i]);
+        Book *b = find(t, ids[i]);
+        if (b == NULL) continue;
+        pack_book((unsigned char *)PyBytes_AS_STRING(books) + used, ids[i], b);
+        used += 8 + RECORD_SIZE;
+    }
+    PyMem_Free(ids);
+    if (books != NULL && (size_t)used < unique * (8 + RECORD_SIZE) && _PyBytes_Resize(&books, used) < 0) books = NULL;
+    if (books == NULL) {
+        Py_XDECREF(keys);
+        return NULL;
+    }
+    PyObject *out = PyTuple_Pack(2, keys, books);
+    Py_DECREF(keys);
+    Py_DECREF(books);
     return out;
 }
 
@@ -454,6 +523,8 @@ static PyMethodDef table_methods[] = {
      "the ids of the books the common cases changed since the last call (a list, each once), afresh"},
     {"packed", (PyCFunction)table_packed, METH_O,
      "packed(order_ids): key and record of those with a book, in one bytes"},
+    {"take_packed", (PyCFunction)table_take_packed, METH_O,
+     "take_packed(marked): (the sorted ids changed, noted or marked, as 8-byte keys; packed() of them)"},
     {NULL, NULL, 0, NULL},
 };
 

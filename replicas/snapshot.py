@@ -43,7 +43,7 @@ SUM_CHUNK = 4096  # records hashed per call while loading (bounds the list of th
 @dataclass(frozen=True)
 class SaveJob:
     """What one save writes, taken from the machine at one seq."""
-    dirty: list[int]  # the order ids changed since the last save, sorted
+    keys: bytes  # the order ids changed since the last save, sorted, 8-byte big-endian keys end to end
     books: bytes  # key and record of those with a book, PACKED_BOOK bytes each (Books.packed)
     orphans: list[tuple[int, bytes | None]]  # (order id, held purchases; None: delete the record)
     state: bytes  # STATE and the pending effects
@@ -114,7 +114,7 @@ class SnapshotStore:
         except BaseException:  # the disk refused it (lmdb.Error), or a record would not pack
             self.abandon(m, job)
             raise
-        return len(job.dirty)
+        return len(job.keys) // 8
 
     def prepare(self, m: AuditMachine, extra: dict | None = None, outbox: bytes | None = None) -> SaveJob:
         """The first of a save's three steps, on the thread that applies: what changed since the
@@ -123,10 +123,9 @@ class SnapshotStore:
         `abandon`) comes back here. One save at a time. Kept short: the stream waits meanwhile
         (the books come packed in one bytes; the orphans' ids are few, the dirty ones many)."""
         assert self._sums_known, "save() onto a snapshot that was not loaded: its checksum is unknown"
-        taken = m.take_dirty()
-        dirty = sorted(taken)
+        marked, keys, books = m.take_dirty_packed()
         orphans = []
-        for order_id in sorted(taken & (m.orphans.keys() | self.orphan_keys)):
+        for order_id in sorted(marked & (m.orphans.keys() | self.orphan_keys)):
             held = m.orphans.get(order_id)
             if held or order_id in self.orphan_keys:
                 orphans.append((order_id, b"".join(ORPHAN.pack(seq) + M.SEQUENCED.pack(*msg)
@@ -135,7 +134,7 @@ class SnapshotStore:
         meta = {"format": FORMAT, "rejects": dict(m.rejects), "alerts_raised": m.alerts_raised,
                 "book_ttl_ns": m.book_ttl_ns, "orphan_ttl_ns": m.orphan_ttl_ns, **(extra or {})}
         state = STATE.pack(m.last_seq, m.now_ns, m.applied, m.chain, len(pending)) + pending
-        return SaveJob(dirty, m.books.packed(dirty), orphans, state, meta, outbox)
+        return SaveJob(keys, books, orphans, state, meta, outbox)
 
     def write(self, job: SaveJob) -> tuple[int, str, set[int]]:
         """The save's disk work, in one transaction (any thread): returns the records' checksum,
@@ -144,7 +143,7 @@ class SnapshotStore:
         out_sum = self.outbox_sum if job.outbox is None else outbox_hash(job.outbox)
         orphan_keys = set(self.orphan_keys)
         with self.env.begin(write=True) as txn:
-            total = self.state_sum + self._put_books(txn, job.dirty, job.books)
+            total = self.state_sum + self._put_books(txn, job.keys, job.books)
             for order_id, record in job.orphans:
                 total += self._put(txn, self.orphans, b"orphans", order_id.to_bytes(8, "big"), record)
                 if record:
@@ -162,18 +161,18 @@ class SnapshotStore:
         """The save committed: its sums are the store's now."""
         self.state_sum, self.outbox_sum, self.orphan_keys = written
         self.saves += 1
-        self.keys_written += len(job.dirty)
+        self.keys_written += len(job.keys) // 8
 
     @staticmethod
     def abandon(m: AuditMachine, job: SaveJob) -> None:
         """The disk refused the save: its ids are dirty again, for the next one."""
-        m.dirty.update(job.dirty)
+        m.dirty.update(int.from_bytes(job.keys[i:i + 8], "big") for i in range(0, len(job.keys), 8))
 
-    def _put_books(self, txn, dirty: list[int], packed: bytes) -> int:
-        """Write (or delete) the dirty books; returns what the checksum moves by. The hot part of a
-        save (one key per order touched): the old records read and the new ones written by one
-        LMDB call each, and hashed by one call each."""
-        keys = [order_id.to_bytes(8, "big") for order_id in dirty]
+    def _put_books(self, txn, joined: bytes, packed: bytes) -> int:
+        """Write (or delete) the dirty books (`joined`: their keys end to end); returns what the
+        checksum moves by. The hot part of a save (one key per order touched): the old records
+        read and the new ones written by one LMDB call each, and hashed by one call each."""
+        keys = [joined[i:i + 8] for i in range(0, len(joined), 8)]
         new = list(_KEY_AND_BOOK.iter_unpack(packed))  # (key, record) pairs
         with txn.cursor(db=self.books) as cursor:
             old = cursor.getmulti(keys)  # (key, record) pairs, bytes (the transaction has no buffers)
