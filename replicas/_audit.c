@@ -351,6 +351,15 @@ static uint64_t get_be64(const unsigned char *p) {
     return v;
 }
 
+/* The noted ids taken: their books' flags cleared, the list emptied. */
+static void forget_noted(BookTable *t) {
+    for (size_t i = 0; i < t->dirty_count; i++) {
+        Book *b = find(t, t->dirty[i]);  /* (gone if deleted since, or a new book under the id) */
+        if (b != NULL) b->dirty = 0;
+    }
+    t->dirty_count = 0;
+}
+
 /* take_dirty(): the ids note_dirty noted since the last call (each once, or twice if deleted and
  * opened again meanwhile), their books' flags cleared. */
 static PyObject *table_take_dirty(BookTable *t, PyObject *unused) {
@@ -361,18 +370,10 @@ static PyObject *table_take_dirty(BookTable *t, PyObject *unused) {
         else PyList_SET_ITEM(ids, (Py_ssize_t)i, id);
     }
     if (ids == NULL) return NULL;
-    for (size_t i = 0; i < t->dirty_count; i++) {
-        Book *b = find(t, t->dirty[i]);  /* (gone if deleted since, or a new book under the id) */
-        if (b != NULL) b->dirty = 0;
-    }
-    t->dirty_count = 0;
+    forget_noted(t);
     return ids;
 }
 
-/* packed(order_ids): the key and record of each of these with a book, in the given order, one after
- * the other in one bytes (PACKED_BOOK each: no Python object per book, so a snapshot's part on the
- * thread that applies allocates nothing for the collector); the snapshot's layout (replicas/audit.py
- * BOOK), keys u64 big-endian. */
 /* A book's key and snapshot record at `key` (8 + RECORD_SIZE bytes). */
 static void pack_book(unsigned char *key, uint64_t order_id, const Book *b) {
     unsigned char *rec = key + 8;
@@ -386,6 +387,10 @@ static void pack_book(unsigned char *key, uint64_t order_id, const Book *b) {
     put_be64(rec + 49, b->request_seq);
 }
 
+/* packed(order_ids): the key and record of each of these with a book, in the given order, one after
+ * the other in one bytes (PACKED_BOOK each: no Python object per book, so a snapshot's part on the
+ * thread that applies allocates nothing for the collector); the snapshot's layout (replicas/audit.py
+ * BOOK), keys u64 big-endian. */
 static PyObject *table_packed(BookTable *t, PyObject *order_ids) {
     PyObject *ids = PySequence_Fast(order_ids, "packed() takes a sequence of order ids");
     if (ids == NULL) return NULL;
@@ -438,11 +443,7 @@ static PyObject *table_take_packed(BookTable *t, PyObject *marked) {
         PyMem_Free(ids);
         return NULL;
     }
-    for (size_t i = 0; i < t->dirty_count; i++) {  /* their flags cleared, as take_dirty does */
-        Book *b = find(t, t->dirty[i]);
-        if (b != NULL) b->dirty = 0;
-    }
-    t->dirty_count = 0;
+    forget_noted(t);
     qsort(ids, n, sizeof(uint64_t), cmp_u64);
     size_t unique = 0;
     for (size_t i = 0; i < n; i++)
