@@ -95,7 +95,9 @@ REPLAY_CLIENT_HEARTBEAT_S = 1.0
 
 # --- listeners ---------------------------------------------------------------------------
 REPLAY_BEHIND = 2_000  # messages a replica misses (known to exist, not held) before it catches up over TCP
-REPLAY_POLL_S = 0.02  # how often a replica looks whether it is that far behind
+REPLAY_POLL_S = 0.02  # how often a replica looks whether it is that far behind: while something is missing,
+REPLAY_POLL_FAST_FOR_S = 1.0  # and this long after it (re)starts applying; else every REPLAY_POLL_IDLE_S
+REPLAY_POLL_IDLE_S = 0.2
 RECEIVER_MAX_HELD = 1_000_000  # out-of-order messages a receiver holds before dropping the furthest
 GAPS_ASKED_AT_ONCE = 8  # missing runs a listener has requests out for at once
 # A listener's timer asks again what stays unanswered while no datagram arrives to drain (each
