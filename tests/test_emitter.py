@@ -341,7 +341,6 @@ def outbox(cluster: LocalCluster) -> list[int]:
         env.close()
 
 
-@pytest.mark.process
 def acked(sock: LinkSocket, mark: int) -> bool:
     """An acknowledgement of `mark` comes within 10 s (others before it are read past)."""
     reader, deadline = alertlink.Reader(), time.monotonic() + 10
@@ -354,6 +353,7 @@ def acked(sock: LinkSocket, mark: int) -> bool:
     return False
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sinks", ["jsonl", "jsonl,stdout"])
 def test_a_batch_is_recorded_soon_when_no_next_batch_comes_and_at_a_clean_stop(tmp_path, sinks):
     """Every sink idempotent: what was delivered is recorded soon after (and only then acknowledged).
