@@ -96,6 +96,8 @@ class Emitter(NodeProcess):
         self.core = EmitterCore({n.wire_name for n in cfg.by_role("replica")}, int.from_bytes(raw, "big") if raw
                                 else 0, crash_at, crash_after, node.delivery,
                                 deliver_first=all(sink.idempotent for sink in self.sinks))
+        for sink in self.sinks:  # with deliver_first a record syncs the sinks first (_sync_sinks), not each batch
+            sink.sync_each_batch = not self.core.deliver_first
         self.latency = LatencySamples()  # the triggering purchase's stamp to delivered (wall clock: a figure only)
         self.in_doubt_listed = 0
         self.rejected: dict[str, int] = {}
@@ -287,12 +289,14 @@ class Emitter(NodeProcess):
         for action in actions:
             if isinstance(action, RecordIntent):
                 try:  # (an alert record's first 8 bytes are its emit seq, u64 big-endian: its key)
+                    if action.delivered:
+                        self._sync_sinks()
                     with self.env.begin(write=True) as txn:
                         db = self.delivered_db if action.delivered else self.outbox
                         txn.cursor(db=db).putmulti([(raw[:8], raw) for raw in action.alerts])
                         txn.put(b"mark", action.alerts[-1][:8], db=self.meta)
                         self._move_done(txn, action.done)
-                except lmdb.Error as e:
+                except (lmdb.Error, OSError) as e:  # (OSError: a sink's sync)
                     self.core.on_intent_failed(action)
                     self.record_failures += 1
                     raise IntentNotRecorded(str(e)) from None
@@ -351,13 +355,19 @@ class Emitter(NodeProcess):
         alerts stay in the outbox: delivered, and in doubt at the next start (sent again to the
         idempotent sinks), never lost."""
         try:
+            self._sync_sinks()
             with self.env.begin(write=True) as txn:
                 self._move_done(txn, alerts)
-        except lmdb.Error as e:
+        except (lmdb.Error, OSError) as e:
             self.record_failures += 1
             log.error("delivered alerts %d-%d not recorded as done (%s; a full or failing disk?): they stay in "
                       "the outbox, in doubt at the next start", Alert.emit_seq_of(alerts[0]),
                       Alert.emit_seq_of(alerts[-1]), e)
+
+    def _sync_sinks(self) -> None:
+        """What a record says was delivered must be durable in every sink first."""
+        for sink in self.sinks:
+            sink.sync()
 
     def _move_done(self, txn, alerts: list[bytes]) -> None:
         outbox = txn.cursor(db=self.outbox)

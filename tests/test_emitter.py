@@ -2,9 +2,11 @@
 endpoint for the webhook, a real `tape emitter` process, and the test
 speaking the alert link over real TCP as the replicas would."""
 
+import errno
 import http.server
 import io
 import json
+import os
 import re
 import threading
 import time
@@ -23,7 +25,7 @@ from tape.ops.local import LocalCluster
 from tape.protocol import alertlink
 from tape.replicas import sinks
 from tape.replicas.audit import Alert
-from tape.replicas.emitter import Emitter, keep_newest
+from tape.replicas.emitter import Emitter, IntentNotRecorded, keep_newest
 from tape.replicas.sinks import JsonLinesSink, WebhookSink
 
 
@@ -124,6 +126,75 @@ def test_jsonl_sink_cuts_a_torn_line_and_never_writes_an_id_twice(tmp_path):
     assert sink.deliver([record(2), record(3)]) == 1
     sink.close()
     assert [json.loads(line)["alert_id"] for line in path.read_text().splitlines()] == ["TAPE:1", "TAPE:2", "TAPE:3"]
+
+
+REAL_FDATASYNC = os.fdatasync
+
+
+def written_ids(path: Path) -> list[str]:
+    return [json.loads(line)["alert_id"] for line in path.read_text().splitlines()]
+
+
+def counted_fdatasync(monkeypatch) -> list[int]:
+    """The descriptors fdatasync is called on from now on (each call still made)."""
+    calls = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (calls.append(fd), REAL_FDATASYNC(fd))[1])
+    return calls
+
+
+def refuse_fdatasync(fd: int) -> None:
+    raise OSError(errno.EIO, "Input/output error")  # a failing disk (none can fail here for real)
+
+
+def test_jsonl_sink_syncs_each_batch_or_when_asked_and_a_refused_sync_cuts_back_to_the_last(tmp_path, monkeypatch):
+    """Each batch durable before delivered returns (the default), or only when `sync` is called; a
+    sync the disk refuses cuts the file back to what the last one made durable and forgets those
+    ids, so that they are written again when they come again."""
+    path = tmp_path / "alerts.jsonl"
+    calls = counted_fdatasync(monkeypatch)
+    sink = JsonLinesSink(path)
+    assert sink.try_deliver([record(1)]) and len(calls) == 1
+    sink.sync_each_batch = False
+    assert sink.try_deliver([record(2)]) and sink.try_deliver([record(3)]) and len(calls) == 1
+    sink.sync()
+    sink.sync()  # nothing new: no call
+    assert len(calls) == 2
+    assert sink.try_deliver([record(4), record(5)])
+    monkeypatch.setattr(os, "fdatasync", refuse_fdatasync)
+    with pytest.raises(OSError):
+        sink.sync()
+    assert written_ids(path) == ["TAPE:1", "TAPE:2", "TAPE:3"]
+    calls = counted_fdatasync(monkeypatch)
+    assert sink.deliver([record(3), record(4), record(5)]) == 2  # the forgotten ones again, the durable not
+    sink.close()  # syncs what is left
+    assert len(calls) == 1 and written_ids(path) == [f"TAPE:{seq}" for seq in range(1, 6)]
+
+
+async def test_a_record_of_delivered_alerts_syncs_the_file_first_and_fails_with_it(tmp_path, monkeypatch):
+    """Every sink idempotent: the file is synced once a record, just before it, not once a batch;
+    a refused sync fails the record (the mark stays where it was recorded), and the alerts, sent
+    again from that mark, are in the file once each."""
+    cluster = LocalCluster(tmp_path, replicas=3)
+    emitter = Emitter(cluster.cfg, cluster.cfg.node("emitter"))
+    path = emitter.sinks[0].path
+    assert emitter.core.deliver_first and emitter.sinks[0].sync_each_batch is False
+    calls = counted_fdatasync(monkeypatch)
+    await emitter._carry_out(emitter.core.deliver([alert(1).encode()]))
+    await emitter._carry_out(emitter.core.deliver([alert(2).encode(), alert(3).encode()]))
+    assert written_ids(path) == ["TAPE:1", "TAPE:2", "TAPE:3"] and calls == []
+    monkeypatch.setattr(os, "fdatasync", refuse_fdatasync)
+    with pytest.raises(IntentNotRecorded):
+        await emitter._carry_out(emitter.core.done_due())
+    assert emitter.core.mark == emitter.core.recorded == 0 and written_ids(path) == []
+    calls = counted_fdatasync(monkeypatch)
+    await emitter._carry_out(emitter.core.deliver([alert(seq).encode() for seq in (1, 2, 3)]))
+    await emitter._carry_out(emitter.core.done_due())
+    assert emitter.core.recorded == 3 and written_ids(path) == ["TAPE:1", "TAPE:2", "TAPE:3"]
+    assert calls[0] == emitter.sinks[0]._fd  # the file, before LMDB's own sync
+    emitter._done_timer.cancel()
+    for sink in emitter.sinks:
+        sink.close()
+    emitter.env.close()
 
 
 async def test_the_file_is_written_on_the_emitters_thread_and_each_batch_reaches_each_sink_once(tmp_path, monkeypatch):
