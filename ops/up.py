@@ -90,7 +90,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             cluster.start_all(drop)
             cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
                           "--seed", str(seed))
-            opened = _watch(console, cluster, duration, drill, deadline=time.monotonic() + duration + slack_s)
+            opened = _watch(console, cluster, duration, drill, slack_s)
             if drill:
                 drill.finish(cluster)
             timing = _voter_timing(cluster)
@@ -190,14 +190,17 @@ def _load_sending(cluster: LocalCluster) -> bool:
         return False
 
 
-def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: float) -> tuple | None:
+def _watch(console, cluster: LocalCluster, duration: float, drill, slack_s: float) -> tuple | None:
     """Show the cluster live until the load is done (and the drill healed); raise ClusterError
-    if a node exits unbidden or the run outlives `deadline`. Returns each process's CPU and
-    waiting time when the load began to send (None if it never said so)."""
+    if a node exits unbidden or the run outlives `duration` + `slack_s`. The run's clock (the
+    progress bar, the drill's moment to inject, that deadline) starts when the load begins to
+    send: it builds all its trades first (~1.5 µs each, seconds for a long run). Returns each
+    process's CPU and waiting time then (None if it never said so)."""
     opened = None
-    progress = Progress(TextColumn("load"), BarColumn(), TimeRemainingColumn())
-    task = progress.add_task("load", total=duration)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
+    task = progress.add_task("load: building its trades", total=duration)
     t0 = time.monotonic()
+    deadline = t0 + duration + slack_s  # (while it builds, the build spends the slack)
     scraped = (t0 - SCRAPE_EVERY_S, 0.0)  # when the metrics were last read, and the commit point then
     rate = 0.0
     table = Table()
@@ -209,7 +212,11 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: flo
             if now > deadline:
                 awaited = "the load to finish" if cluster.alive("load") else f"the drill's heal ({drill.name})"
                 raise ClusterError(f"still waiting for {awaited} {now - t0 - duration:.0f} s after the run's end")
-            if drill:
+            if opened is None and _load_sending(cluster):
+                opened = cluster.cpu_seconds(), cluster.wait_seconds()
+                t0, deadline = now, now + duration + slack_s
+                progress.update(task, description="load")
+            if drill and opened:
                 note = drill.step(cluster, now - t0)
                 if note:
                     events.append(f"{now - t0:5.1f} s  {note}")
@@ -218,10 +225,8 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, deadline: flo
                 seq = max(_m(m[s], "tape_sequencer_commit_seq", s) for s in SEQUENCERS)
                 rate, scraped = (seq - scraped[1]) / (now - scraped[0]), (now, seq)
                 table = _live_table(m, rate)
-            progress.update(task, completed=min(duration, now - t0))
+            progress.update(task, completed=min(duration, now - t0) if opened else 0)
             live.update(Group(table, *events[-6:], progress))
-            if opened is None and _load_sending(cluster):
-                opened = cluster.cpu_seconds(), cluster.wait_seconds()
             time.sleep(WATCH_TICK_S if opened else SENDING_TICK_S)
     return opened
 

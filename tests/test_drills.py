@@ -1,13 +1,17 @@
 """Every drill of `tape drill all` against real processes, at a reduced rate and
 duration, each judged by the verdict of DESIGN.md section 9 plus its own checks."""
 
+import io
 import json
 import subprocess
 
 import pytest
 from conftest import TAPE
+from rich.console import Console
 
-from tape.ops.drill import DRILLS
+from tape.ops.drill import DRILLS, Drill
+from tape.ops.load import SENDING
+from tape.ops.up import run_up
 
 pytestmark = pytest.mark.process
 
@@ -58,3 +62,26 @@ def test_the_term_check_judges_terms_not_names():
         "seq-a published seqs 150-160 in term 2, which seq-b won"]
     assert term_problems(terms, {"seq-c": {"4": [300, 301]}}) == [
         "seq-c published seqs 300-301 in term 4, which no one won"]
+
+
+class FirstLook(Drill):
+    """No fault: notes, at its first step, the run's clock and whether the load had begun to send."""
+
+    def __init__(self, duration: float, trades: int):
+        super().__init__("first-look", duration, trades)
+        self.first: tuple[float, bool] | None = None
+
+    def step(self, cluster, elapsed: float):
+        if self.first is None:
+            self.first = (elapsed, SENDING in cluster.logs["load"].read_text())
+        return super().step(cluster, elapsed)
+
+
+def test_a_drills_clock_starts_when_the_load_begins_to_send(tmp_path):
+    """The load starts, then builds all its trades before it sends the first: a drill that injects
+    at 30% of the run counts from the first trade sent, not from the load's start."""
+    drill = FirstLook(2.0, 4000)
+    report = run_up(2000, 2.0, 0.0, str(tmp_path / "run"), 1, drill=drill, console=Console(file=io.StringIO()))
+    assert report["verdict"] == "pass", report
+    elapsed, sending = drill.first
+    assert sending and elapsed < 1.0
