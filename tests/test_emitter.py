@@ -451,6 +451,33 @@ def test_a_batch_is_recorded_soon_when_no_next_batch_comes_and_at_a_clean_stop(t
         cluster.close()
 
 
+@pytest.mark.process
+def test_batches_that_keep_coming_do_not_put_off_their_record(tmp_path):
+    """Every sink idempotent: what was delivered is recorded at most RECORD_AFTER_NS after the first
+    batch not yet recorded, however often batches follow it (a timer put off by each one would
+    record nothing, and acknowledge nothing, while a replica keeps sending)."""
+    cluster = LocalCluster(tmp_path, replicas=3)
+    try:
+        cluster.start_node("emitter", 0.0, 0, "--sinks", "jsonl")
+        a = link(cluster, b"replica-A ")
+        frames(a, 1)
+        a.settimeout(0.005)
+        reader, marks, seq = alertlink.Reader(), [0], 0
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until and not any(marks):  # a batch every ~5 ms for a second
+            seq += 1
+            a.sendall(alertlink.alert(alert(seq).encode()))
+            time.sleep(0.005)
+            try:  # (acknowledgements of the mark recorded so far, 0 until a record)
+                marks += [alertlink.MARK.unpack(p)[0] for k, p in reader.feed(a.recv(4096)) if k == alertlink.ACK]
+            except TimeoutError:
+                pass
+        assert any(marks), f"no record acknowledged while {seq} batches kept coming for a second"
+        a.close()
+    finally:
+        cluster.close()
+
+
 U64, I64 = st.integers(0, 2**64 - 1), st.integers(-2**63, 2**63 - 1)
 
 
