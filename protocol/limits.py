@@ -100,6 +100,7 @@ REPLAY_POLL_FAST_FOR_S = 1.0  # and this long after it (re)starts applying; else
 REPLAY_POLL_IDLE_S = 0.2
 RECEIVER_MAX_HELD = 1_000_000  # out-of-order messages a receiver holds before dropping the furthest
 GAPS_ASKED_AT_ONCE = 8  # missing runs a listener has requests out for at once
+GAP_ASKED_OF = 2  # rewinders a missing run is first asked of at once: the first answer fills it
 # A listener's timer asks again what stays unanswered while no datagram arrives to drain (each
 # drain asks too), every half of this or of gap_request_ms, whichever is longer: a timer at half
 # of a short answer timeout would wake every listener of an idle stream that much more often.

@@ -18,8 +18,12 @@ Gap-request policy: ask for each of the first GAPS_ASKED_AT_ONCE missing
 runs (at most one packet's worth of each is answered), all at once and
 spread over the rewinders: asked one after the other, a stream losing 2%
 of 8,800 packets a second waits a round trip per gap in turn and falls
-behind. Ask again for the same run only after the answer timeout, and then
-of the next rewinder (the last one did not answer). The timeout follows
+behind. A run is first asked of GAP_ASKED_OF rewinders at once, and the
+first answer fills it (the other is dropped as a duplicate): rewinders are
+voters, whose loop waits out each fsync of their journal (~1 ms, up to
+~8 on a loaded host), and a run asked of one alone waited out that one's.
+Ask again for the same run only after the answer timeout, and then of the
+next rewinder (the last one asked did not answer). The timeout follows
 how long answers take (protocol/rtt.py, from runs asked for once, timed at
 the drain that fills them: `asking` tells the shell to call `on_timer` then),
 never under `gap_request_ns`: a loaded rewinder
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 
 from tape.protocol import messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import GAPS_ASKED_AT_ONCE, HINT_TRIES, MAX_GAP_TIMEOUT_NS, MAX_HINT_AHEAD
+from tape.protocol.limits import GAP_ASKED_OF, GAPS_ASKED_AT_ONCE, HINT_TRIES, MAX_GAP_TIMEOUT_NS, MAX_HINT_AHEAD
 from tape.protocol.receiver import Deliver, StreamReceiver
 from tape.protocol.rtt import RoundTrip
 from tape.protocol.streamauth import StreamKeys
@@ -85,7 +89,7 @@ class ListenerCore:
         self.rewinders = rewinders
         self.bad: dict[str, int] = {}  # datagrams dropped, by reason
         self.requests_sent = 0
-        self._asked: dict[int, tuple[int, int, int]] = {}  # first seq of a missing run -> (when, whom, times) asked
+        self._asked: dict[int, tuple[int, int, int]] = {}  # first seq of a missing run -> (when, whom last, times)
         self.answers = RoundTrip(gap_request_ns, MAX_GAP_TIMEOUT_NS)  # a gap request to its run filled
         self._which = 0
 
@@ -221,12 +225,14 @@ class ListenerCore:
             if which is not None and now_ns - when < timeout:
                 asked[first] = (when, which, times)
                 continue
-            if which is None:
-                which, self._which = self._which, self._which + 1
+            if which is None:  # a new run: of GAP_ASKED_OF rewinders at once, the first of them in turn
+                whom = range(self._which, self._which + min(GAP_ASKED_OF, self.rewinders))
+                self._which += 1
             else:
-                which += 1  # no answer in time: try the next rewinder
-            asked[first] = (now_ns, which, times + 1)
-            out.append(AskRewinder(which % self.rewinders, self._request(first, count)))
+                whom = range(which + 1, which + 2)  # no answer in time: the next rewinder
+            asked[first] = (now_ns, whom[-1], times + 1)
+            request = self._request(first, count)
+            out += [AskRewinder(i % self.rewinders, request) for i in whom]
         for when, _, times in self._asked.values():  # runs filled since: timed now (the shell calls as they fill)
             if times == 1:
                 self.answers.sample(now_ns - when)

@@ -13,7 +13,7 @@ from tape.node.transport import udp_socket
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
-from tape.protocol.limits import DRAIN_DATAGRAMS, HINT_TRIES
+from tape.protocol.limits import DRAIN_DATAGRAMS, GAP_ASKED_OF, HINT_TRIES
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
 
@@ -192,7 +192,7 @@ def test_the_timer_is_wanted_only_while_a_run_is_missing_or_asked_for_or_a_hint_
     assert not core.waiting
     lst.on_datagram(sealed(9, good(3, 9)))  # 9-12: 5-8 missing
     assert core.waiting
-    assert len(core.on_timer(1)) == 1 and core.waiting  # asked for
+    assert len(core.on_timer(1)) == GAP_ASKED_OF and core.waiting  # asked for
     lst.on_datagram(sealed(5, good(3, 5)))
     assert delivered == [1, 5, 9] and core.waiting  # filled, its answer not yet timed
     assert core.on_timer(2) == [] and not core.waiting
@@ -202,7 +202,7 @@ def test_the_timer_is_wanted_only_while_a_run_is_missing_or_asked_for_or_a_hint_
         core.on_timer(second * 10**9)
         if not core.waiting:
             break
-    assert not core.waiting and core.requests_sent == 1 + HINT_TRIES
+    assert not core.waiting and core.requests_sent == 2 * GAP_ASKED_OF + HINT_TRIES - 1
 
 
 async def test_an_idle_listener_runs_no_timer_and_one_with_a_gap_asks_again_until_it_fills():

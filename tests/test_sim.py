@@ -141,7 +141,7 @@ def test_an_emitter_that_forgets_alerts_in_doubt_loses_them(monkeypatch):
     # alerts in doubt as done without delivering them again loses those whose intent was recorded.
     monkeypatch.setattr(EmitterCore, "recover", lambda self, doubt: [RecordDone(doubt)] if doubt else [])
     violation = r"Violation: exactly-once alerts: \d+ delivered \(0 twice, [1-9]\d* missing\)"
-    assert len(caught(range(1, 401), 5, violation)) == 5
+    assert len(caught(range(1, 801), 5, violation)) == 5
 
 
 def test_the_simulator_catches_a_new_leader_that_stamps_by_its_own_clock(monkeypatch):
