@@ -855,6 +855,46 @@ static PyObject *records_sum(PyObject *self, PyObject *args) {
     return _PyLong_FromByteArray(be, 16, 0, 0);
 }
 
+/* keys_and_pairs(joined, packed, key_size, pair_size): the keys end to end in `joined` as a list of
+ * bytes, and the (key, record) pairs end to end in `packed` (each key_size bytes of key, then the
+ * record, pair_size in all) as a list of tuples: what a save hands LMDB, made in one call
+ * (replicas/snapshot.py; a save's write of 21,000 books 11.4-11.7 -> 10.4-11.0 ms, profiling). */
+static PyObject *keys_and_pairs(PyObject *self, PyObject *args) {
+    Py_buffer joined, packed;
+    Py_ssize_t key_size, pair_size;
+    if (!PyArg_ParseTuple(args, "y*y*nn", &joined, &packed, &key_size, &pair_size)) return NULL;
+    PyObject *keys = NULL, *pairs = NULL, *out = NULL;
+    if (key_size <= 0 || pair_size <= key_size || joined.len % key_size || packed.len % pair_size) {
+        PyErr_SetString(PyExc_ValueError, "keys or pairs are not whole");
+        goto done;
+    }
+    const char *k = joined.buf, *p = packed.buf;
+    Py_ssize_t nk = joined.len / key_size, np = packed.len / pair_size;
+    if ((keys = PyList_New(nk)) == NULL || (pairs = PyList_New(np)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        PyObject *key = PyBytes_FromStringAndSize(k + i * key_size, key_size);
+        if (key == NULL) goto done;
+        PyList_SET_ITEM(keys, i, key);
+    }
+    for (Py_ssize_t i = 0; i < np; i++) {
+        const char *at = p + i * pair_size;
+        PyObject *key = PyBytes_FromStringAndSize(at, key_size);
+        PyObject *record = key ? PyBytes_FromStringAndSize(at + key_size, pair_size - key_size) : NULL;
+        PyObject *pair = record ? PyTuple_Pack(2, key, record) : NULL;
+        Py_XDECREF(key);
+        Py_XDECREF(record);
+        if (pair == NULL) goto done;
+        PyList_SET_ITEM(pairs, i, pair);
+    }
+    out = PyTuple_Pack(2, keys, pairs);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(pairs);
+    PyBuffer_Release(&joined);
+    PyBuffer_Release(&packed);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"verify_sealed", verify_sealed, METH_VARARGS,
      "None if a packet is one whole sealed range whose tag verifies, else why (protocol/streamauth.py)."},
@@ -862,6 +902,8 @@ static PyMethodDef methods[] = {
      "(session, seq, count) of a data packet every listener check passes, else None (protocol/listener.py)."},
     {"seal_run", seal_run, METH_VARARGS,
      "Entries cut into packets, each ended by its seal (protocol/streamauth.py's StreamKeys.seal_run_pure)."},
+    {"keys_and_pairs", keys_and_pairs, METH_VARARGS,
+     "keys_and_pairs(joined, packed, key_size, pair_size): a save's keys and (key, record) pairs as lists."},
     {"records_sum", records_sum, METH_VARARGS,
      "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
     {"frames", (PyCFunction)(void (*)(void))frames, METH_FASTCALL,

@@ -34,7 +34,6 @@ from tape.replicas.audit import BOOK, PACKED_BOOK, AuditMachine
 
 ORPHAN = struct.Struct(">Q")  # seq, followed by the 75-byte message
 STATE = struct.Struct(">QQQ16sI")  # last_seq, now_ns, applied, chain, len(pending)
-_KEY_AND_BOOK = struct.Struct(f"8s{PACKED_BOOK - 8}s")  # a book as Books.packed gives it: key, record
 FORMAT = 2  # 2: with checksums
 SUM_MOD = 1 << 128
 SUM_CHUNK = 4096  # records hashed per call while loading (bounds the list of them)
@@ -65,10 +64,20 @@ def records_sum_pure(prefix: bytes, records: list[tuple[bytes, bytes]]) -> int:
                for k, v in records) % SUM_MOD
 
 
+def keys_and_pairs_pure(joined: bytes, packed: bytes, key_size: int, pair_size: int) -> tuple[list, list]:
+    """The keys end to end in `joined`, and the (key, record) pairs end to end in `packed`, as
+    lists (what LMDB's getmulti and putmulti take). In C as `keys_and_pairs` where Tape was built
+    with a compiler."""
+    if len(joined) % key_size or len(packed) % pair_size:
+        raise ValueError("keys or pairs are not whole")
+    return ([joined[i:i + key_size] for i in range(0, len(joined), key_size)],
+            [(packed[i:i + key_size], packed[i + key_size:i + pair_size]) for i in range(0, len(packed), pair_size)])
+
+
 try:
-    from tape.protocol._speedups import records_sum
+    from tape.protocol._speedups import keys_and_pairs, records_sum
 except ImportError:  # built without a C compiler
-    records_sum = records_sum_pure
+    keys_and_pairs, records_sum = keys_and_pairs_pure, records_sum_pure
 
 
 def outbox_hash(outbox: bytes) -> str:
@@ -172,8 +181,7 @@ class SnapshotStore:
         """Write (or delete) the dirty books (`joined`: their keys end to end); returns what the
         checksum moves by. The hot part of a save (one key per order touched): the old records
         read and the new ones written by one LMDB call each, and hashed by one call each."""
-        keys = [joined[i:i + 8] for i in range(0, len(joined), 8)]
-        new = list(_KEY_AND_BOOK.iter_unpack(packed))  # (key, record) pairs
+        keys, new = keys_and_pairs(joined, packed, 8, PACKED_BOOK)  # new: (key, record) pairs
         with txn.cursor(db=self.books) as cursor:
             old = cursor.getmulti(keys)  # (key, record) pairs, bytes (the transaction has no buffers)
             cursor.putmulti(new)

@@ -411,3 +411,20 @@ def test_c_and_pure_read_the_same_frames(frames, cuts):
     with mock.patch.object(framing, "_frames", None):
         pure = read_frames(stream, cuts)
     assert read_frames(stream, cuts) == pure
+
+
+@compiled
+@given(st.integers(1, 16), st.integers(1, 80), st.integers(0, 30), st.integers(0, 30),
+       st.randoms(use_true_random=False))
+def test_a_saves_keys_and_pairs_are_the_pure_ones(key_size, record_size, nkeys, npairs, rnd):
+    joined = rnd.randbytes(key_size * nkeys)
+    packed = rnd.randbytes((key_size + record_size) * npairs)
+    args = (joined, packed, key_size, key_size + record_size)
+    assert snapshot.keys_and_pairs(*args) == snapshot.keys_and_pairs_pure(*args)
+    for broken in ((joined + b"x", packed, key_size, key_size + record_size),
+                   (joined, packed + b"x", key_size, key_size + record_size)):
+        if key_size > 1 or broken[0] is joined:  # (a key of one byte makes any joined whole)
+            with pytest.raises(ValueError):
+                snapshot.keys_and_pairs(*broken)
+            with pytest.raises(ValueError):
+                snapshot.keys_and_pairs_pure(*broken)
