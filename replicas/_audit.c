@@ -374,7 +374,8 @@ static PyObject *table_take_dirty(BookTable *t, PyObject *unused) {
     return ids;
 }
 
-/* A book's key and snapshot record at `key` (8 + RECORD_SIZE bytes). */
+/* A book's key and snapshot record at `key` (8 + RECORD_SIZE bytes): the snapshot's layout
+ * (replicas/audit.py BOOK), keys u64 big-endian. */
 static void pack_book(unsigned char *key, uint64_t order_id, const Book *b) {
     unsigned char *rec = key + 8;
     put_be64(key, order_id);
@@ -387,29 +388,6 @@ static void pack_book(unsigned char *key, uint64_t order_id, const Book *b) {
     put_be64(rec + 49, b->request_seq);
 }
 
-/* packed(order_ids): the key and record of each of these with a book, in the given order, one after
- * the other in one bytes (PACKED_BOOK each: no Python object per book, so a snapshot's part on the
- * thread that applies allocates nothing for the collector); the snapshot's layout (replicas/audit.py
- * BOOK), keys u64 big-endian. */
-static PyObject *table_packed(BookTable *t, PyObject *order_ids) {
-    PyObject *ids = PySequence_Fast(order_ids, "packed() takes a sequence of order ids");
-    if (ids == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(ids), used = 0;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (8 + RECORD_SIZE));
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        uint64_t order_id;
-        int rc = key_of(PySequence_Fast_GET_ITEM(ids, i), &order_id);
-        if (rc < 0) Py_CLEAR(out);
-        Book *b = rc ? NULL : find(t, order_id);
-        if (b == NULL) continue;
-        pack_book((unsigned char *)PyBytes_AS_STRING(out) + used, order_id, b);
-        used += 8 + RECORD_SIZE;
-    }
-    Py_DECREF(ids);
-    if (out != NULL && used < n * (8 + RECORD_SIZE)) _PyBytes_Resize(&out, used);
-    return out;
-}
-
 static int cmp_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return (x > y) - (x < y);
@@ -417,7 +395,8 @@ static int cmp_u64(const void *a, const void *b) {
 
 /* take_packed(marked): a snapshot's part on the thread that applies, in one call. The ids the common
  * cases noted (taken afresh, as take_dirty) and those in `marked` (the rules'), sorted, each once,
- * as 8-byte big-endian keys end to end; and packed() of them. No Python object per id. */
+ * as 8-byte big-endian keys end to end; and the key and record of each with a book, packed end to end
+ * (Books.packed). No Python object per id or book, so it allocates nothing for the collector. */
 static PyObject *table_take_packed(BookTable *t, PyObject *marked) {
     Py_ssize_t extra = PyObject_Length(marked);
     if (extra < 0) return NULL;
@@ -522,10 +501,8 @@ static PyMethodDef table_methods[] = {
     {"items", (PyCFunction)table_items, METH_NOARGS, "(order id, book) pairs, in no particular order"},
     {"take_dirty", (PyCFunction)table_take_dirty, METH_NOARGS,
      "the ids of the books the common cases changed since the last call (a list, each once), afresh"},
-    {"packed", (PyCFunction)table_packed, METH_O,
-     "packed(order_ids): key and record of those with a book, in one bytes"},
     {"take_packed", (PyCFunction)table_take_packed, METH_O,
-     "take_packed(marked): (the sorted ids changed, noted or marked, as 8-byte keys; packed() of them)"},
+     "take_packed(marked): (the sorted ids changed, noted or marked, as 8-byte keys; their books packed)"},
     {NULL, NULL, 0, NULL},
 };
 
