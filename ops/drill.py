@@ -6,9 +6,10 @@ run (counted from the load's first trade sent), injects its fault. It heals
 it (restarts what was killed, resumes what was paused, reconnects what was
 cut off) on an event, not at a time: a leader fault once another
 sequencer leads a higher term; any other fault once the cluster has
-committed a quarter of the run's trades without the node. So a loaded machine that is slow to elect cannot heal the fault
-before the failover it is there to cause. `all` runs every drill in turn
-and prints one summary table.
+committed a quarter of the run's trades without the node. So a loaded
+machine that is slow to elect cannot heal the fault before the failover it
+is there to cause. `all` runs every drill in turn and prints one summary
+table.
 """
 
 from __future__ import annotations
