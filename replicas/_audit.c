@@ -388,9 +388,24 @@ static void pack_book(unsigned char *key, uint64_t order_id, const Book *b) {
     put_be64(rec + 49, b->request_seq);
 }
 
-static int cmp_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
+/* Sort n ids in place, least significant byte first, skipping the bytes every id shares (an id's
+ * high bytes mostly): qsort's comparisons were most of a snapshot's part on the thread that applies.
+ * `spare` holds n ids. */
+static void sort_ids(uint64_t *ids, uint64_t *spare, size_t n) {
+    uint64_t all = ~0ull, any = 0;
+    for (size_t i = 0; i < n; i++) all &= ids[i], any |= ids[i];
+    for (int shift = 0; shift < 64; shift += 8) {
+        if ((((all ^ any) >> shift) & 0xFF) == 0) continue;  /* the same byte in every id */
+        size_t at[256] = {0};
+        for (size_t i = 0; i < n; i++) at[(ids[i] >> shift) & 0xFF]++;
+        for (size_t d = 0, sum = 0; d < 256; d++) {
+            size_t count = at[d];
+            at[d] = sum;
+            sum += count;
+        }
+        for (size_t i = 0; i < n; i++) spare[at[(ids[i] >> shift) & 0xFF]++] = ids[i];
+        memcpy(ids, spare, n * sizeof(uint64_t));
+    }
 }
 
 /* take_packed(marked): a snapshot's part on the thread that applies, in one call. The ids the common
@@ -401,7 +416,7 @@ static PyObject *table_take_packed(BookTable *t, PyObject *marked) {
     Py_ssize_t extra = PyObject_Length(marked);
     if (extra < 0) return NULL;
     size_t n = t->dirty_count, cap = n + (size_t)extra;
-    uint64_t *ids = PyMem_Malloc((cap ? cap : 1) * sizeof(uint64_t));
+    uint64_t *ids = PyMem_Malloc(2 * (cap ? cap : 1) * sizeof(uint64_t));  /* and as many to sort with */
     PyObject *it = ids == NULL ? NULL : PyObject_GetIter(marked), *item;
     if (it == NULL) {
         PyMem_Free(ids);
@@ -422,17 +437,19 @@ static PyObject *table_take_packed(BookTable *t, PyObject *marked) {
         PyMem_Free(ids);
         return NULL;
     }
-    forget_noted(t);
-    qsort(ids, n, sizeof(uint64_t), cmp_u64);
+    t->dirty_count = 0;  /* every noted id is among `ids`: its flag is cleared below */
+    sort_ids(ids, ids + cap, n);
     size_t unique = 0;
     for (size_t i = 0; i < n; i++)
         if (unique == 0 || ids[i] != ids[unique - 1]) ids[unique++] = ids[i];
     PyObject *keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(unique * 8));
     PyObject *books = keys == NULL ? NULL : PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(unique * (8 + RECORD_SIZE)));
     Py_ssize_t used = 0;
-    for (size_t i = 0; books != NULL && i < unique; i++) {
+    for (size_t i = 0; i < unique; i++) {
+        Book *b = find(t, ids[i]);  /* (none if deleted since it was noted or marked) */
+        if (b != NULL) b->dirty = 0;
+        if (books == NULL) continue;  /* (out of memory: the flags are still cleared) */
         put_be64((unsigned char *)PyBytes_AS_STRING(keys) + 8 * i, ids[i]);
-        Book *b = find(t, ids[i]);
         if (b == NULL) continue;
         pack_book((unsigned char *)PyBytes_AS_STRING(books) + used, ids[i], b);
         used += 8 + RECORD_SIZE;
