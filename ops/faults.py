@@ -14,6 +14,7 @@ import lmdb
 
 from tape.node.journal_store import iter_segment_file
 from tape.protocol import journal as fmt
+from tape.replicas.audit import PACKED_BOOK
 
 FILL_CHUNK = 1 << 20
 
@@ -66,14 +67,19 @@ def alter_books(lmdb_dir: Path, every: int = 2) -> int:
     its checksum as it was (a disk or a bug that changed data under the file system): returns
     how many."""
     env = lmdb.open(str(lmdb_dir), max_dbs=4, subdir=True)
+    altered = 0
     try:
         books = env.open_db(b"books")
         with env.begin(write=True) as txn:
-            keys = [bytes(k) for k, _ in txn.cursor(db=books)][::every]
-            for key in keys:
-                value = bytearray(txn.get(key, db=books))
-                value[7] ^= 0x01  # the low byte of the requested quantity
+            buckets = [(bytes(k), bytearray(v)) for k, v in txn.cursor(db=books)]
+            seen = 0
+            for key, value in buckets:  # each the (id, record) pairs of its books (replicas/snapshot.py)
+                for at in range(0, len(value), PACKED_BOOK):
+                    if seen % every == 0:
+                        value[at + 8 + 7] ^= 0x01  # the low byte of the book's requested quantity
+                        altered += 1
+                    seen += 1
                 txn.put(key, bytes(value), db=books)
     finally:
         env.close()
-    return len(keys)
+    return altered

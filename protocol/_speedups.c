@@ -855,41 +855,137 @@ static PyObject *records_sum(PyObject *self, PyObject *args) {
     return _PyLong_FromByteArray(be, 16, 0, 0);
 }
 
-/* keys_and_pairs(joined, packed, key_size, pair_size): the keys end to end in `joined` as a list of
- * bytes, and the (key, record) pairs end to end in `packed` (each key_size bytes of key, then the
- * record, pair_size in all) as a list of tuples: what a save hands LMDB, made in one call
- * (replicas/snapshot.py; a save's write of 21,000 books 11.4-11.7 -> 10.4-11.0 ms, profiling). */
-static PyObject *keys_and_pairs(PyObject *self, PyObject *args) {
-    Py_buffer joined, packed;
-    Py_ssize_t key_size, pair_size;
-    if (!PyArg_ParseTuple(args, "y*y*nn", &joined, &packed, &key_size, &pair_size)) return NULL;
-    PyObject *keys = NULL, *pairs = NULL, *out = NULL;
-    if (key_size <= 0 || pair_size <= key_size || joined.len % key_size || packed.len % pair_size) {
-        PyErr_SetString(PyExc_ValueError, "keys or pairs are not whole");
+static uint64_t be64_at(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = v << 8 | p[i];
+    return v;
+}
+
+static PyObject *be64_bytes(uint64_t v) {
+    unsigned char b[8];
+    for (int i = 7; i >= 0; i--, v >>= 8) b[i] = (unsigned char)v;
+    return PyBytes_FromStringAndSize((const char *)b, 8);
+}
+
+/* bucket_keys(joined, shift): the keys of the buckets the sorted 8-byte big-endian ids end to end in
+ * `joined` fall in (id >> shift, big-endian, each once, in order): what a save looks up in LMDB
+ * (replicas/snapshot.py's bucket_keys_pure). */
+static PyObject *bucket_keys(PyObject *self, PyObject *args) {
+    Py_buffer joined;
+    int shift;
+    if (!PyArg_ParseTuple(args, "y*i", &joined, &shift)) return NULL;
+    PyObject *out = NULL;
+    if (joined.len % 8 || shift < 0 || shift > 63) {
+        PyErr_SetString(PyExc_ValueError, "ids are not whole 8-byte keys, or the shift is not in 0..63");
         goto done;
     }
-    const char *k = joined.buf, *p = packed.buf;
-    Py_ssize_t nk = joined.len / key_size, np = packed.len / pair_size;
-    if ((keys = PyList_New(nk)) == NULL || (pairs = PyList_New(np)) == NULL) goto done;
-    for (Py_ssize_t i = 0; i < nk; i++) {
-        PyObject *key = PyBytes_FromStringAndSize(k + i * key_size, key_size);
-        if (key == NULL) goto done;
-        PyList_SET_ITEM(keys, i, key);
+    if ((out = PyList_New(0)) == NULL) goto done;
+    const unsigned char *k = joined.buf;
+    for (Py_ssize_t i = 0, last = -1; i < joined.len / 8; i++) {
+        uint64_t bucket = be64_at(k + 8 * i) >> shift;
+        if (last >= 0 && bucket == be64_at(k + 8 * last) >> shift) continue;
+        PyObject *key = be64_bytes(bucket);
+        if (key == NULL || PyList_Append(out, key) < 0) {
+            Py_XDECREF(key);
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_DECREF(key);
+        last = i;
     }
-    for (Py_ssize_t i = 0; i < np; i++) {
-        const char *at = p + i * pair_size;
-        PyObject *key = PyBytes_FromStringAndSize(at, key_size);
-        PyObject *record = key ? PyBytes_FromStringAndSize(at + key_size, pair_size - key_size) : NULL;
-        PyObject *pair = record ? PyTuple_Pack(2, key, record) : NULL;
-        Py_XDECREF(key);
-        Py_XDECREF(record);
-        if (pair == NULL) goto done;
-        PyList_SET_ITEM(pairs, i, pair);
-    }
-    out = PyTuple_Pack(2, keys, pairs);
 done:
-    Py_XDECREF(keys);
-    Py_XDECREF(pairs);
+    PyBuffer_Release(&joined);
+    return out;
+}
+
+/* One bucket's new value: its old pairs (sorted by id) with the dirty ids' new pairs in their place
+ * and the dirty ids without one left out. `k`..`k_end`: the bucket's dirty ids; `p`, `p_end`: the
+ * new pairs from the bucket's first (a subset of the dirty ids, sorted); advances `*p`. */
+static PyObject *merged_bucket(const unsigned char *old, Py_ssize_t old_len, const unsigned char *k,
+                               const unsigned char *k_end, const unsigned char **p, const unsigned char *p_end,
+                               Py_ssize_t pair_size) {
+    PyObject *value = PyBytes_FromStringAndSize(NULL, old_len + (k_end - k) / 8 * pair_size);
+    if (value == NULL) return NULL;
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(value), *at = out;
+    const unsigned char *o = old, *o_end = old + old_len;
+    while (o < o_end || k < k_end) {
+        uint64_t oid = o < o_end ? be64_at(o) : UINT64_MAX, kid = k < k_end ? be64_at(k) : UINT64_MAX;
+        if (o < o_end && (k == k_end || oid < kid)) {  /* not dirty: kept as it was */
+            memcpy(at, o, pair_size), at += pair_size, o += pair_size;
+            continue;
+        }
+        if (o < o_end && oid == kid) o += pair_size;  /* replaced, or deleted */
+        if (*p < p_end && be64_at(*p) == kid) memcpy(at, *p, pair_size), at += pair_size, *p += pair_size;
+        k += 8;
+    }
+    if (_PyBytes_Resize(&value, at - out) < 0) return NULL;
+    return value;
+}
+
+/* merge_buckets(joined, packed, old, shift, pair_size): each dirty bucket's (key, new value), in
+ * order, the value empty where the bucket has no book left. `joined`: the dirty ids, sorted, 8-byte
+ * big-endian keys end to end; `packed`: the (id, record) pairs of those with a book, pair_size bytes
+ * each, sorted; `old`: the (bucket key, value) pairs LMDB holds for them, in order (getmulti's); a
+ * value is pairs sorted by id (replicas/snapshot.py's merge_buckets_pure). */
+static PyObject *merge_buckets(PyObject *self, PyObject *args) {
+    Py_buffer joined, packed;
+    PyObject *old;
+    int shift;
+    Py_ssize_t pair_size;
+    if (!PyArg_ParseTuple(args, "y*y*Oin", &joined, &packed, &old, &shift, &pair_size)) return NULL;
+    PyObject *seq = NULL, *out = NULL;
+    if (joined.len % 8 || pair_size <= 8 || packed.len % pair_size || shift < 0 || shift > 63) {
+        PyErr_SetString(PyExc_ValueError, "ids or pairs are not whole, or the shift is not in 0..63");
+        goto done;
+    }
+    if ((seq = PySequence_Fast(old, "old must be a sequence of (key, value) pairs")) == NULL) goto done;
+    if ((out = PyList_New(0)) == NULL) goto done;
+    const unsigned char *k = joined.buf, *k_end = k + joined.len, *p = packed.buf, *p_end = p + packed.len;
+    Py_ssize_t next_old = 0, n_old = PySequence_Fast_GET_SIZE(seq);
+    while (k < k_end) {
+        uint64_t bucket = be64_at(k) >> shift;
+        const unsigned char *first = k;
+        while (k < k_end && be64_at(k) >> shift == bucket) k += 8;
+        const char *old_value = "";
+        Py_ssize_t old_len = 0;
+        if (next_old < n_old) {
+            PyObject *pair = PySequence_Fast_GET_ITEM(seq, next_old);
+            if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(pair, 0))
+                    || !PyBytes_Check(PyTuple_GET_ITEM(pair, 1)) || PyBytes_GET_SIZE(PyTuple_GET_ITEM(pair, 0)) != 8) {
+                PyErr_SetString(PyExc_TypeError, "old must be (8-byte key, value) pairs of bytes");
+                Py_CLEAR(out);
+                goto done;
+            }
+            if (be64_at((const unsigned char *)PyBytes_AS_STRING(PyTuple_GET_ITEM(pair, 0))) == bucket) {
+                old_value = PyBytes_AS_STRING(PyTuple_GET_ITEM(pair, 1));
+                old_len = PyBytes_GET_SIZE(PyTuple_GET_ITEM(pair, 1));
+                next_old++;
+                if (old_len % pair_size) {
+                    PyErr_SetString(PyExc_ValueError, "a bucket on disk is not whole pairs");
+                    Py_CLEAR(out);
+                    goto done;
+                }
+            }
+        }
+        PyObject *key = be64_bytes(bucket);
+        PyObject *value = key ? merged_bucket((const unsigned char *)old_value, old_len, first, k, &p, p_end,
+                                              pair_size) : NULL;
+        PyObject *item = value ? PyTuple_Pack(2, key, value) : NULL;
+        Py_XDECREF(key);
+        Py_XDECREF(value);
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_DECREF(item);
+    }
+    if (p != p_end || next_old != n_old) {
+        PyErr_SetString(PyExc_ValueError, "pairs or old buckets that no dirty id names");
+        Py_CLEAR(out);
+    }
+done:
+    Py_XDECREF(seq);
     PyBuffer_Release(&joined);
     PyBuffer_Release(&packed);
     return out;
@@ -902,8 +998,10 @@ static PyMethodDef methods[] = {
      "(session, seq, count) of a data packet every listener check passes, else None (protocol/listener.py)."},
     {"seal_run", seal_run, METH_VARARGS,
      "Entries cut into packets, each ended by its seal (protocol/streamauth.py's StreamKeys.seal_run_pure)."},
-    {"keys_and_pairs", keys_and_pairs, METH_VARARGS,
-     "keys_and_pairs(joined, packed, key_size, pair_size): a save's keys and (key, record) pairs as lists."},
+    {"bucket_keys", bucket_keys, METH_VARARGS,
+     "bucket_keys(joined, shift): the buckets sorted 8-byte ids fall in (replicas/snapshot.py)."},
+    {"merge_buckets", merge_buckets, METH_VARARGS,
+     "merge_buckets(joined, packed, old, shift, pair_size): each dirty bucket's new value (replicas/snapshot.py)."},
     {"records_sum", records_sum, METH_VARARGS,
      "Sum mod 2^128 of BLAKE2b-128(prefix + key + value) of each record (replicas/snapshot.py)."},
     {"frames", (PyCFunction)(void (*)(void))frames, METH_FASTCALL,

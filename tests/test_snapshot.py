@@ -19,8 +19,17 @@ from tape.ops.local import TAPE
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
-from tape.replicas.audit import DIGEST_BLOCK, AuditMachine
-from tape.replicas.snapshot import BOOK, SnapshotInvalid, SnapshotStore, open_verified
+from tape.replicas.audit import DIGEST_BLOCK, PACKED_BOOK, AuditMachine
+from tape.replicas.snapshot import (
+    BOOK,
+    BUCKET_SHIFT,
+    FORMAT,
+    STATE,
+    SnapshotInvalid,
+    SnapshotStore,
+    open_verified,
+    records_sum_pure,
+)
 
 ORIGIN = moldudp64.session_bytes("load0")
 
@@ -100,8 +109,8 @@ def test_the_records_on_disk_are_the_machines_after_every_save_across_a_restart(
         apply(m, msgs[start:start + 500], start + 1)
         store.save(m)
         with store.env.begin() as txn:
-            books, orphans, total = store._read_records(txn, m.new_books())
-        assert (books, orphans, total) == (m.books, m.orphans, store.state_sum)
+            books, orphans, books_sum, orphans_sum = store._read_records(txn, m.new_books())
+        assert (books, orphans, (books_sum + orphans_sum) % 2**128) == (m.books, m.orphans, store.state_sum)
     assert m.rejects["orphan_expired"] > 0
 
 
@@ -228,6 +237,65 @@ def test_an_altered_book_in_a_valid_lmdb_is_refused(tmp_path):
         SnapshotStore(path).load(machine())
 
 
+def test_a_bucket_that_is_not_whole_books_is_refused(tmp_path):
+    path, _, _ = saved(tmp_path)
+    env = lmdb.open(str(path), max_dbs=4)
+    books = env.open_db(b"books")
+    with env.begin(write=True) as txn:
+        key, value = next(iter(txn.cursor(db=books)))
+        txn.put(key, value[:-1], db=books)
+    env.close()
+    with pytest.raises(SnapshotInvalid, match="is not whole"):
+        SnapshotStore(path).load(machine())
+
+
+def as_format_2(path) -> None:
+    """Rewrite a snapshot's books as format 2 had them, a record a book keyed by its id, with that
+    format's checksum (its definition: the sum of each record's BLAKE2b-128)."""
+    env = lmdb.open(str(path), max_dbs=4)
+    books, orphans, meta = env.open_db(b"books"), env.open_db(b"orphans"), env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        buckets = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=books)]
+        records = [(v[i:i + 8], v[i + 8:i + PACKED_BOOK]) for _, v in buckets for i in range(0, len(v), PACKED_BOOK)]
+        txn.drop(books, delete=False)
+        for key, record in records:
+            txn.put(key, record, db=books)
+        held = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=orphans)]
+        raw = bytes(txn.get(b"state", db=meta))
+        npend = STATE.unpack_from(raw)[4]
+        state = json.loads(raw[STATE.size + npend:])
+        total = records_sum_pure(b"books:", records) + records_sum_pure(b"orphans:", held)
+        state.update(format=2, records_sum=f"{total % 2**128:032x}")
+        txn.put(b"state", raw[:STATE.size + npend] + json.dumps(state, sort_keys=True).encode(), db=meta)
+    env.close()
+    assert len(records) > len(buckets) > 0
+
+
+def test_a_format_2_snapshot_loads_and_its_next_save_writes_every_book_in_buckets(tmp_path):
+    msgs = stream(6000)
+    m, store = machine(), SnapshotStore(tmp_path / "lmdb")
+    apply(m, msgs[:3000], 1)
+    store.save(m)
+    store.close()
+    as_format_2(tmp_path / "lmdb")
+    old, store = machine(), SnapshotStore(tmp_path / "lmdb")
+    store.load(old)
+    assert (old.last_seq, old.digest(), old.books, old.orphans) == (m.last_seq, m.digest(), m.books, m.orphans)
+    apply(old, msgs[3000:], 3001)
+    apply(m, msgs[3000:], 3001)
+    store.save(old)
+    loaded(store)  # the sums the save kept are the disk's
+    store.close()
+    now, store = machine(), SnapshotStore(tmp_path / "lmdb")
+    store.load(now)
+    assert (now.last_seq, now.digest(), now.books, now.orphans) == (m.last_seq, m.digest(), m.books, m.orphans)
+    with store.env.begin() as txn:
+        state = json.loads(bytes(txn.get(b"state", db=store.meta))[STATE.size + STATE.unpack_from(
+            txn.get(b"state", db=store.meta))[4]:])
+        assert state["format"] == FORMAT
+        assert all(len(v) % PACKED_BOOK == 0 for _, v in txn.cursor(db=store.books))
+
+
 def test_an_altered_outbox_is_refused(tmp_path):
     path, _, _ = saved(tmp_path)
     env = lmdb.open(str(path), max_dbs=4)
@@ -264,7 +332,8 @@ def test_a_replica_moves_a_bad_snapshot_aside_and_starts_from_seq_1(tmp_path, ca
     env = lmdb.open(str(path), max_dbs=4)
     orphans_or_books = env.open_db(b"books")
     with env.begin(write=True) as txn:
-        txn.put((2**40).to_bytes(8, "big"), bytes(BOOK.size), db=orphans_or_books)  # a book that never was
+        txn.put((2**40 >> BUCKET_SHIFT).to_bytes(8, "big"), (2**40).to_bytes(8, "big") + bytes(BOOK.size),
+                db=orphans_or_books)  # a bucket with a book that never was
     env.close()
     store, m, outbox, why = open_verified(path, machine, logging.getLogger("test"))
     assert m.last_seq == 0 and outbox == b"" and "checksum" in why

@@ -414,17 +414,29 @@ def test_c_and_pure_read_the_same_frames(frames, cuts):
 
 
 @compiled
-@given(st.integers(1, 16), st.integers(1, 80), st.integers(0, 30), st.integers(0, 30),
-       st.randoms(use_true_random=False))
-def test_a_saves_keys_and_pairs_are_the_pure_ones(key_size, record_size, nkeys, npairs, rnd):
-    joined = rnd.randbytes(key_size * nkeys)
-    packed = rnd.randbytes((key_size + record_size) * npairs)
-    args = (joined, packed, key_size, key_size + record_size)
-    assert snapshot.keys_and_pairs(*args) == snapshot.keys_and_pairs_pure(*args)
-    for broken in ((joined + b"x", packed, key_size, key_size + record_size),
-                   (joined, packed + b"x", key_size, key_size + record_size)):
-        if key_size > 1 or broken[0] is joined:  # (a key of one byte makes any joined whole)
+@given(st.sets(st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 700)), max_size=200),
+       st.sets(st.integers(0, 700), max_size=200), st.integers(0, 12), st.randoms(use_true_random=False))
+def test_a_saves_buckets_are_the_pure_ones(dirty, on_disk, shift, rnd):
+    """Dirty ids anywhere in the u64 range or close together, some with a new record, over buckets
+    on disk that hold other ids: the same buckets and merged values as the definition."""
+    pair = 8 + 3
+    joined = b"".join(i.to_bytes(8, "big") for i in sorted(dirty))
+    packed = b"".join(i.to_bytes(8, "big") + rnd.randbytes(3) for i in sorted(dirty) if rnd.random() < 0.7)
+    assert snapshot.bucket_keys(joined, shift) == snapshot.bucket_keys_pure(joined, shift)
+    wanted = set(snapshot.bucket_keys_pure(joined, shift))
+    disk: dict[bytes, bytes] = {}
+    for i in sorted(on_disk):
+        key = (i >> shift).to_bytes(8, "big")
+        if key in wanted:
+            disk[key] = disk.get(key, b"") + i.to_bytes(8, "big") + b"old"
+    old = sorted(disk.items())
+    merged = snapshot.merge_buckets(joined, packed, old, shift, pair)
+    assert merged == snapshot.merge_buckets_pure(joined, packed, old, shift, pair)
+    assert [k for k, _ in merged] == sorted(wanted)
+    for broken in ((joined + b"x", packed, old, shift, pair), (joined, packed + b"x", old, shift, pair),
+                   (joined, packed, [(b"\xff" * 8, b"")], shift, pair)):
+        if broken[2] is old or b"\xff" * 8 not in wanted:  # (an old bucket no dirty id falls in)
             with pytest.raises(ValueError):
-                snapshot.keys_and_pairs(*broken)
+                snapshot.merge_buckets(*broken)
             with pytest.raises(ValueError):
-                snapshot.keys_and_pairs_pure(*broken)
+                snapshot.merge_buckets_pure(*broken)
