@@ -466,6 +466,36 @@ static PyObject *table_take_packed(BookTable *t, PyObject *marked) {
     return out;
 }
 
+/* put_packed(pairs): books from (id, record) pairs end to end, 8 + RECORD_SIZE bytes each (a
+ * snapshot's bucket, as pack_book writes them), each set as t[id] = its fields would set it: a load
+ * without seven Python objects a book. */
+static PyObject *table_put_packed(BookTable *t, PyObject *arg) {
+    Py_buffer pairs;
+    if (PyObject_GetBuffer(arg, &pairs, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *out = NULL;
+    if (pairs.len % (8 + RECORD_SIZE)) {
+        PyErr_SetString(PyExc_ValueError, "the books are not whole (id, record) pairs");
+        goto done;
+    }
+    for (const unsigned char *at = pairs.buf, *end = at + pairs.len; at < end; at += 8 + RECORD_SIZE) {
+        const unsigned char *rec = at + 8;
+        uint64_t order_id = get_be64(at);
+        Book *b = find(t, order_id);
+        if (b == NULL && (b = insert(t, order_id)) == NULL) goto done;
+        b->requested = (int64_t)get_be64(rec);
+        b->cumulative = (int64_t)get_be64(rec + 8);
+        memcpy(b->client, rec + 16, CLIENT_LEN);
+        memcpy(b->stock, rec + 32, STOCK_LEN);
+        b->opened_ns = get_be64(rec + 40);
+        b->alerted = rec[48] != 0;
+        b->request_seq = get_be64(rec + 49);
+    }
+    out = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&pairs);
+    return out;
+}
+
 /* Equal to a mapping with the same books (tests compare machines' books). */
 static PyObject *as_dict(PyObject *o) {
     if (PyDict_Check(o)) return Py_NewRef(o);
@@ -520,6 +550,8 @@ static PyMethodDef table_methods[] = {
      "the ids of the books the common cases changed since the last call (a list, each once), afresh"},
     {"take_packed", (PyCFunction)table_take_packed, METH_O,
      "take_packed(marked): (the sorted ids changed, noted or marked, as 8-byte keys; their books packed)"},
+    {"put_packed", (PyCFunction)table_put_packed, METH_O,
+     "put_packed(pairs): books from (id, record) pairs end to end, as a snapshot's bucket holds them"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -122,6 +122,14 @@ class Books(dict):
         return b"".join(order_id.to_bytes(8, "big") + pack(*book) for order_id in order_ids
                         if (book := get(order_id)) is not None)
 
+    def put_packed(self, pairs) -> None:
+        """Books from (id, record) pairs end to end (PACKED_BOOK bytes each, as `packed` gives them:
+        a snapshot's bucket)."""
+        if len(pairs) % PACKED_BOOK:
+            raise ValueError("the books are not whole (id, record) pairs")
+        for at in range(0, len(pairs), PACKED_BOOK):
+            self[int.from_bytes(pairs[at:at + 8], "big")] = list(BOOK.unpack_from(pairs, at + 8))
+
     def take_dirty(self) -> list[int]:
         """(The compiled books' common cases note the ids they change; here the rules mark them all.)"""
         return []

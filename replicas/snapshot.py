@@ -302,8 +302,7 @@ class SnapshotStore:
             elif len(value) % PACKED_BOOK:
                 raise ValueError(f"the bucket of books at {bytes(key).hex()} is not whole")
             else:
-                for at in range(0, len(value), PACKED_BOOK):
-                    books[int.from_bytes(value[at:at + 8], "big")] = list(BOOK.unpack_from(value, at + 8))
+                books.put_packed(value)
             if len(records) == SUM_CHUNK:
                 books_sum += records_sum(b"books:", records)
                 records.clear()

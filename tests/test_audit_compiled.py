@@ -170,6 +170,26 @@ def test_a_snapshot_takes_any_ids_sorted_and_once(ids):
 
 
 @compiled
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 50)), st.integers(-2**63, 2**63 - 1),
+                          st.booleans()), max_size=300))
+def test_books_put_from_a_snapshots_bucket_are_the_books_packed(books):
+    """What a load puts from a bucket (past the table's growth, ids repeated) is
+    what was packed, in the compiled books as in the pure ones; a bucket not whole is refused."""
+    model = Books()
+    for order_id, shares, alerted in books:
+        model[order_id] = [shares, -shares - 1, b"C" * 16, b"S" * 8, order_id, alerted, 2**64 - 1 - order_id]
+    pairs = b"".join(model.packed([order_id]) for order_id, _, _ in books)  # repeats included, in order
+    table, pure = audit.BookTable(), Books()
+    table.put_packed(pairs)
+    pure.put_packed(pairs)
+    assert table == pure == model and len(table) == len(model)
+    for books_of in (audit.BookTable(), Books()):
+        with pytest.raises(ValueError):
+            books_of.put_packed(pairs + b"x")
+
+
+@compiled
 @pytest.mark.parametrize("seed", range(3))
 def test_the_compiled_books_stay_a_dict_through_many_deletes(seed):
     """A dense table (runs of neighbours in the probe sequence) where deletes must move books back."""
