@@ -855,12 +855,6 @@ static PyObject *records_sum(PyObject *self, PyObject *args) {
     return _PyLong_FromByteArray(be, 16, 0, 0);
 }
 
-static uint64_t be64_at(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v = v << 8 | p[i];
-    return v;
-}
-
 static PyObject *be64_bytes(uint64_t v) {
     unsigned char b[8];
     for (int i = 7; i >= 0; i--, v >>= 8) b[i] = (unsigned char)v;
@@ -882,8 +876,8 @@ static PyObject *bucket_keys(PyObject *self, PyObject *args) {
     if ((out = PyList_New(0)) == NULL) goto done;
     const unsigned char *k = joined.buf;
     for (Py_ssize_t i = 0, last = -1; i < joined.len / 8; i++) {
-        uint64_t bucket = be64_at(k + 8 * i) >> shift;
-        if (last >= 0 && bucket == be64_at(k + 8 * last) >> shift) continue;
+        uint64_t bucket = get_u64(k + 8 * i) >> shift;
+        if (last >= 0 && bucket == get_u64(k + 8 * last) >> shift) continue;
         PyObject *key = be64_bytes(bucket);
         if (key == NULL || PyList_Append(out, key) < 0) {
             Py_XDECREF(key);
@@ -909,13 +903,13 @@ static PyObject *merged_bucket(const unsigned char *old, Py_ssize_t old_len, con
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(value), *at = out;
     const unsigned char *o = old, *o_end = old + old_len;
     while (o < o_end || k < k_end) {
-        uint64_t oid = o < o_end ? be64_at(o) : UINT64_MAX, kid = k < k_end ? be64_at(k) : UINT64_MAX;
+        uint64_t oid = o < o_end ? get_u64(o) : UINT64_MAX, kid = k < k_end ? get_u64(k) : UINT64_MAX;
         if (o < o_end && (k == k_end || oid < kid)) {  /* not dirty: kept as it was */
             memcpy(at, o, pair_size), at += pair_size, o += pair_size;
             continue;
         }
         if (o < o_end && oid == kid) o += pair_size;  /* replaced, or deleted */
-        if (*p < p_end && be64_at(*p) == kid) memcpy(at, *p, pair_size), at += pair_size, *p += pair_size;
+        if (*p < p_end && get_u64(*p) == kid) memcpy(at, *p, pair_size), at += pair_size, *p += pair_size;
         k += 8;
     }
     if (_PyBytes_Resize(&value, at - out) < 0) return NULL;
@@ -943,9 +937,9 @@ static PyObject *merge_buckets(PyObject *self, PyObject *args) {
     const unsigned char *k = joined.buf, *k_end = k + joined.len, *p = packed.buf, *p_end = p + packed.len;
     Py_ssize_t next_old = 0, n_old = PySequence_Fast_GET_SIZE(seq);
     while (k < k_end) {
-        uint64_t bucket = be64_at(k) >> shift;
+        uint64_t bucket = get_u64(k) >> shift;
         const unsigned char *first = k;
-        while (k < k_end && be64_at(k) >> shift == bucket) k += 8;
+        while (k < k_end && get_u64(k) >> shift == bucket) k += 8;
         const char *old_value = "";
         Py_ssize_t old_len = 0;
         if (next_old < n_old) {
@@ -956,7 +950,7 @@ static PyObject *merge_buckets(PyObject *self, PyObject *args) {
                 Py_CLEAR(out);
                 goto done;
             }
-            if (be64_at((const unsigned char *)PyBytes_AS_STRING(PyTuple_GET_ITEM(pair, 0))) == bucket) {
+            if (get_u64((const unsigned char *)PyBytes_AS_STRING(PyTuple_GET_ITEM(pair, 0))) == bucket) {
                 old_value = PyBytes_AS_STRING(PyTuple_GET_ITEM(pair, 1));
                 old_len = PyBytes_GET_SIZE(PyTuple_GET_ITEM(pair, 1));
                 next_old++;
