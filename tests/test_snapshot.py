@@ -241,6 +241,12 @@ def test_an_altered_bucket_of_books_in_a_valid_lmdb_is_refused(tmp_path, alter, 
         SnapshotStore(path).load(machine())
 
 
+def state_json(raw: bytes) -> tuple[int, dict]:
+    """Where a `state` record's JSON starts, and the JSON."""
+    at = STATE.size + STATE.unpack_from(raw)[4]  # after the pending effects
+    return at, json.loads(raw[at:])
+
+
 def as_format_2(path) -> None:
     """Rewrite a snapshot's books as format 2 had them, a record a book keyed by its id, with that
     format's checksum (its definition: the sum of each record's BLAKE2b-128)."""
@@ -254,11 +260,10 @@ def as_format_2(path) -> None:
             txn.put(key, record, db=books)
         held = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=orphans)]
         raw = bytes(txn.get(b"state", db=meta))
-        npend = STATE.unpack_from(raw)[4]
-        state = json.loads(raw[STATE.size + npend:])
+        at, state = state_json(raw)
         total = records_sum_pure(b"books:", records) + records_sum_pure(b"orphans:", held)
         state.update(format=2, records_sum=f"{total % 2**128:032x}")
-        txn.put(b"state", raw[:STATE.size + npend] + json.dumps(state, sort_keys=True).encode(), db=meta)
+        txn.put(b"state", raw[:at] + json.dumps(state, sort_keys=True).encode(), db=meta)
     env.close()
     assert len(records) > len(buckets) > 0
 
@@ -282,9 +287,7 @@ def test_a_format_2_snapshot_loads_and_its_next_save_writes_every_book_in_bucket
     store.load(now)
     assert (now.last_seq, now.digest(), now.books, now.orphans) == (m.last_seq, m.digest(), m.books, m.orphans)
     with store.env.begin() as txn:
-        state = json.loads(bytes(txn.get(b"state", db=store.meta))[STATE.size + STATE.unpack_from(
-            txn.get(b"state", db=store.meta))[4]:])
-        assert state["format"] == FORMAT
+        assert state_json(bytes(txn.get(b"state", db=store.meta)))[1]["format"] == FORMAT
         assert all(len(v) % PACKED_BOOK == 0 for _, v in txn.cursor(db=store.books))
 
 
