@@ -1,9 +1,10 @@
 """LMDB snapshots of the audit state machine.
 
 One write transaction holds the books and orphans that changed since the
-last snapshot (dirty keys only), the last applied seq, the clock and the
-digest chain, so that a snapshot is all-or-nothing: a crash leaves the
-previous one. A restarted replica loads it and replays from last seq + 1.
+last snapshot (the buckets of the dirty books only), the last applied seq,
+the clock and the digest chain, so that a snapshot is all-or-nothing: a
+crash leaves the previous one. A restarted replica loads it and replays
+from last seq + 1.
 
 Databases: `books` in buckets of 64 consecutive order ids (keyed by the id
 >> 6, u64 big-endian; the value the (id, record) pairs of its books, sorted),
@@ -38,7 +39,7 @@ from tape.replicas.audit import BOOK, PACKED_BOOK, AuditMachine
 ORPHAN = struct.Struct(">Q")  # seq, followed by the 75-byte message
 STATE = struct.Struct(">QQQ16sI")  # last_seq, now_ns, applied, chain, len(pending)
 FORMAT = 3  # 2: with checksums; 3: books in buckets (format 2 is read, and rewritten by the next save)
-BUCKET_SHIFT = 6  # a bucket holds the books of 64 consecutive order ids: a save writes ~20x fewer records
+BUCKET_SHIFT = 6  # a bucket holds the books of 64 consecutive order ids: a save writes ~14x fewer records
 SUM_MOD = 1 << 128
 SUM_CHUNK = 4096  # records hashed per call while loading (bounds the list of them)
 
@@ -62,8 +63,8 @@ def records_sum_pure(prefix: bytes, records: list[tuple[bytes, bytes]]) -> int:
     """The checksum share of records of one database, mod 2^128: `prefix` is the database's name
     and a colon, each record a (key, value) pair (keys are 8 bytes, so this is unambiguous). The
     definition of `records_sum`, which is this in C (`_speedups.c`) where Tape was built with a
-    compiler: a save hashes each dirty key's old and new record, and one hashlib call each was
-    two thirds of a save's time."""
+    compiler: a save hashes the old and new value of each record it rewrites, and one hashlib call
+    each was two thirds of a save's time (when a record was a book)."""
     return sum(int.from_bytes(hashlib.blake2b(prefix + k + v, digest_size=16).digest(), "big")
                for k, v in records) % SUM_MOD
 
