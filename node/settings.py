@@ -70,6 +70,7 @@ class Config:
     orphan_ttl_s: float = 10.0
     snapshot_every: int = 100_000
     snapshot_ms: int = 1000
+    books_expected: int = 0  # books a replica's table is sized and its memory written for at start
     # [keys]: the first of each list signs, any verifies (rotation); empty: that link is not authenticated
     stream_keys: list[bytes] = field(default_factory=list)  # the public stream, gap fill, replay logins
     cluster_keys: list[bytes] = field(default_factory=list)  # replication between voters, alerts to the emitter

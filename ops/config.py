@@ -8,7 +8,9 @@
     [timeouts]  client_resend_ms, gap_request_ms, election_ms (minimum election
                 timeout; each wait is drawn from [election_ms, 2 x election_ms]),
                 leader_heartbeat_ms
-    [audit]     book_ttl_s, orphan_ttl_s, snapshot_every, snapshot_ms
+    [audit]     book_ttl_s, orphan_ttl_s, snapshot_every, snapshot_ms,
+                books_expected (open books a replica sizes its table for at
+                start; 0 = start small and double)
     [[node]]    name, role ("sequencer" | "rewinder" | "replica" | "emitter"),
                 host (the address it binds), interface (its host's multicast
                 interface: an address or a name like "eth0"; default:
@@ -40,6 +42,7 @@ from pathlib import Path
 from tape.node.settings import ROLES, SINKS, VOTER_ROLES, Client, Config, Node, default_of
 from tape.node.transport import free_port
 from tape.protocol import moldudp64
+from tape.protocol.limits import MAX_BOOKS_EXPECTED
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
 from tape.replicas.emitter_core import DELIVERY
 
@@ -163,8 +166,11 @@ def _parse_audit(cfg: Config, audit: dict) -> None:
     cfg.orphan_ttl_s = _opt(audit, "orphan_ttl_s", float, "audit.")
     cfg.snapshot_every = _opt(audit, "snapshot_every", int, "audit.")
     cfg.snapshot_ms = _opt(audit, "snapshot_ms", int, "audit.")
+    cfg.books_expected = _opt(audit, "books_expected", int, "audit.")
     if cfg.book_ttl_s <= 0 or cfg.orphan_ttl_s <= 0:
         raise ConfigError("audit.book_ttl_s / audit.orphan_ttl_s: must be positive")
+    if not 0 <= cfg.books_expected <= MAX_BOOKS_EXPECTED:
+        raise ConfigError(f"audit.books_expected: must be from 0 to {MAX_BOOKS_EXPECTED:,}")
 
 
 def _parse_keys(cfg: Config, keys: dict) -> None:

@@ -9,6 +9,7 @@ from typing import Iterator
 
 from tape.protocol import messages
 
+PURCHASES = (1, 6)  # the fewest and most purchases of an order, uniformly
 CLIENTS = ("Sendence", "Acme", "Globex", "Initech", "Umbrella", "Hooli", "Stark", "Wayne")
 STOCKS = ("AAPL", "MSFT", "GOOG", "AMZN", "NVDA", "TSLA", "META", "IBM")
 
@@ -27,7 +28,7 @@ class TradeGenerator:
         self._next_id += 1
         client, stock = rng.choice(CLIENTS), rng.choice(STOCKS)
         requested = rng.randrange(100, 1001, 10)
-        n = rng.randint(1, 6)
+        n = rng.randint(*PURCHASES)
         if rng.random() < self.overfill_share:
             total = requested + rng.randrange(1, requested // 2 + 2)
         else:
@@ -56,3 +57,9 @@ class TradeGenerator:
 
     def take(self, n: int) -> list[bytes]:
         return [next(self) for _ in range(n)]
+
+
+def orders_in(trades: int) -> int:
+    """About how many orders (requests, each a book) `trades` of a generator's stream open: one in
+    1 + the mean purchases of an order."""
+    return round(trades / (1 + sum(PURCHASES) / 2))

@@ -26,6 +26,7 @@ from rich.table import Table
 from tape.ops.faults import FaultUnavailable
 from tape.ops.load import SENDING
 from tape.ops.local import ClusterError, LocalCluster
+from tape.ops.tradegen import orders_in
 from tape.ops.verdict import judge, read_run
 
 SEQUENCERS = ("seq-a", "seq-b")
@@ -52,8 +53,10 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
     """Run the cluster under load (with `drill`'s fault, if any); returns the report. A node that
     exits unbidden, or a load still running `slack_s` after `duration`, aborts the run (verdict fail).
     `lan`: over five hosts (network namespaces, ops/lan.py) instead of one host's loopback.
-    `max_packet`: the stream's packet size (`[stream] max_packet`; e.g. 8972 for jumbo frames)."""
-    extra = f"max_packet = {max_packet}" if max_packet else ""
+    `max_packet`: the stream's packet size (`[stream] max_packet`; e.g. 8972 for jumbo frames).
+    The replicas' books are sized for the orders the run's trades open (`[audit] books_expected`)."""
+    extra = (f"max_packet = {max_packet}\n" if max_packet else "") + \
+        f"[audit]\nbooks_expected = {orders_in(int(rate * duration))}"
     if not lan:
         return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, None, extra)
     from tape.ops.lan import Lan, LanUnavailable

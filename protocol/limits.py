@@ -112,6 +112,11 @@ HINT_TRIES = 8  # with keys: gap requests a heartbeat's hint is worth while the 
 RESENDS_PER_ROUND = 16  # unacknowledged batches a client resends per round
 MAX_RESEND_TIMEOUT_NS = 1_000_000_000  # the most a client's measured resend timeout grows to
 
+# --- replicas ----------------------------------------------------------------------------
+# The most books `[audit] books_expected` sizes a replica's table for at start (replicas/_audit.c's
+# MAX_EXPECTED): 2^29 slots of 72 bytes, 36 GiB.
+MAX_BOOKS_EXPECTED = 1 << 28
+
 # A gap between a voter's election ticks longer than this share of the minimum election timeout
 # is a stall of its process (not scheduled, blocked in a disk write, stopped): it holds the
 # election's timers (protocol/election.py).

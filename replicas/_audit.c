@@ -39,6 +39,7 @@
 #define STOCK_LEN 8
 #define RECORD_SIZE 57      /* a snapshot's book record: ">qq16s8sQ?Q" */
 #define MIN_CAPACITY 1024   /* slots; grown x2 whenever half full */
+#define MAX_EXPECTED (1 << 28)  /* books a table is sized for at start, at most (36 GiB of slots): limits.MAX_BOOKS_EXPECTED */
 #define MOVE_PER_INSERT 2   /* old slots moved on each insert while the table grows: the fewest that
                              * end a doubling before the next, its cost spread the thinnest (16 moved
                              * 524,288 books within 1.1 s at 250,000 msg/s, a replica's CPU x5
@@ -516,18 +517,26 @@ static PyObject *table_richcompare(PyObject *t, PyObject *other, int op) {
 }
 
 static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
-        PyErr_SetString(PyExc_TypeError, "BookTable() takes no arguments");
+    static char *kwlist[] = {"expected", NULL};
+    Py_ssize_t expected = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n:BookTable", kwlist, &expected)) return NULL;
+    if (expected < 0 || expected > MAX_EXPECTED) {
+        PyErr_Format(PyExc_ValueError, "BookTable: expected books %zd not in [0, %d]", expected, MAX_EXPECTED);
         return NULL;
     }
+    size_t cap = MIN_CAPACITY;
+    while (cap < (size_t)expected * 2) cap *= 2;  /* room for them below half full: no doubling */
     BookTable *t = (BookTable *)type->tp_alloc(type, 0);
     if (t == NULL) return NULL;
-    t->slots = PyMem_Calloc(MIN_CAPACITY, sizeof(Book));
+    t->slots = PyMem_Calloc(cap, sizeof(Book));
     if (t->slots == NULL) {
         Py_DECREF(t);
         return PyErr_NoMemory();
     }
-    t->mask = MIN_CAPACITY - 1;
+    /* Written once now, so that no page of it faults while the stream runs: a first write costs
+     * 2-7 us a page on this project's virtual machines (the kernel zeroes it, the host backs it) */
+    if (expected) memset(t->slots, 0, cap * sizeof(Book));
+    t->mask = cap - 1;
     return (PyObject *)t;
 }
 
@@ -561,6 +570,15 @@ static PyMemberDef table_members[] = {
     {NULL, 0, 0, 0, NULL},
 };
 
+static PyObject *table_capacity(BookTable *t, void *closure) {
+    return PyLong_FromSize_t(t->mask + 1);
+}
+
+static PyGetSetDef table_getset[] = {
+    {"capacity", (getter)table_capacity, NULL, "slots of the table (it doubles when half of them hold books)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject BookTableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "tape.replicas._audit.BookTable",
@@ -575,6 +593,7 @@ static PyTypeObject BookTableType = {
     .tp_doc = "order id -> book, in C (see the module's comment)",
     .tp_methods = table_methods,
     .tp_members = table_members,
+    .tp_getset = table_getset,
     .tp_new = table_new,
 };
 

@@ -143,13 +143,17 @@ class Books(dict):
 
 class AuditMachine:
     def __init__(self, book_ttl_ns: int = DEFAULT_BOOK_TTL_NS, orphan_ttl_ns: int = DEFAULT_ORPHAN_TTL_NS,
-                 compiled: bool | None = None):
+                 compiled: bool | None = None, books_expected: int = 0):
         """`compiled`: books in C and the common cases applied from packets' bytes (the default
-        where Tape was built with a compiler); False: all in Python, the definition."""
+        where Tape was built with a compiler); False: all in Python, the definition.
+        `books_expected`: the compiled books' table is sized for that many and its memory written
+        now, so that it neither doubles nor faults in fresh pages while the stream runs (each first
+        write of a page costs 2-7 us on this project's virtual machines); more still fit."""
         if compiled and apply_fast is None:
             raise RuntimeError("the compiled audit (replicas/_audit.c) was not built")
         self.compiled = apply_fast is not None if compiled is None else compiled
         self.book_ttl_ns = book_ttl_ns
+        self.books_expected = books_expected
         self.orphan_ttl_ns = orphan_ttl_ns
         self.last_seq = 0  # last applied
         self.now_ns = 0
@@ -169,7 +173,7 @@ class AuditMachine:
         self.dirty: set[int] = set()  # order ids whose book or orphans changed since the last snapshot
 
     def new_books(self):
-        return BookTable() if self.compiled else Books()
+        return BookTable(self.books_expected) if self.compiled else Books()
 
     def take_dirty(self) -> set[int]:
         """The order ids whose book or orphans changed since the last take (a snapshot's), and

@@ -84,7 +84,8 @@ class Replica(NodeProcess):
         """The state from the snapshot (a fresh one if there is none), and a listener from the seq after it."""
         cfg = self.cfg
         self.store, self.machine, raw, discarded = open_verified(
-            self.data / "lmdb", lambda: AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9)), log)
+            self.data / "lmdb", lambda: AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9),
+                                 books_expected=cfg.books_expected), log)
         self.discarded = self.discarded or discarded
         self.resumed_from = self.machine.last_seq
         outbox = [raw[i:i + ALERT_SIZE] for i in range(0, len(raw), ALERT_SIZE)]

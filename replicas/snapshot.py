@@ -265,7 +265,9 @@ class SnapshotStore:
                 if meta.get("format") not in (2, FORMAT):
                     raise SnapshotInvalid(f"snapshot format {meta.get('format')} is neither 2 nor {FORMAT}")
                 one_a_record = meta["format"] == 2
-                books, orphans, books_sum, orphans_sum = self._read_records(txn, m.new_books(), one_a_record)
+                # a fresh machine's table (sized for books_expected, its memory written) is filled in place
+                into = m.books if len(m.books) == 0 else m.new_books()
+                books, orphans, books_sum, orphans_sum = self._read_records(txn, into, one_a_record)
                 total = (books_sum + orphans_sum) % SUM_MOD
         except (lmdb.Error, struct.error, ValueError, KeyError) as e:
             raise SnapshotInvalid(f"unreadable snapshot ({type(e).__name__}: {e})") from None

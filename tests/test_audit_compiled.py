@@ -5,6 +5,7 @@ digest); and where a C compiler exists it was built."""
 
 import gc
 import random
+import resource
 import shutil
 from collections import deque
 
@@ -16,6 +17,7 @@ from strategies import packet_of as packet
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol.errors import InvariantViolation
+from tape.protocol.limits import MAX_BOOKS_EXPECTED
 from tape.replicas import audit
 from tape.replicas.audit import Alert, AuditMachine, Books
 
@@ -234,6 +236,32 @@ def home(order_id: int, slots: int = 1024) -> int:
     """The first slot _audit.c probes for an order id (a fresh table has 1,024)."""
     run = (order_id >> 6) * 0x9E3779B97F4A7C15 % 2**64
     return (((run ^ (run >> 29)) << 6 | order_id % 64) % 2**64) % slots
+
+
+def _page_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@compiled
+def test_a_table_sized_for_the_books_expected_neither_doubles_nor_faults_while_they_come():
+    """Sized at start, every page written then: the books expected go in without a doubling or a
+    page fault of the table (unsized, the same books double it nine times and fault its pages in)."""
+    books = 300_000
+    record = [0, 0, b"C" * 16, b"S" * 8, 0, False, 0]
+    for expected, grows in ((books, False), (0, True)):
+        table = audit.BookTable(expected=expected)
+        gc.collect()
+        faults, moved = _page_faults(), False
+        for order_id in range(books):
+            table[order_id] = record
+            moved = moved or table.moving > 0
+        faults = _page_faults() - faults
+        table_pages = books * 2 * 72 // 4096  # slots of 72 bytes, at most half full
+        assert moved == grows and (faults > table_pages if grows else faults < table_pages // 20), faults
+        assert len(table) == books and table[books - 1] == record
+    for wrong in (-1, MAX_BOOKS_EXPECTED + 1):
+        with pytest.raises(ValueError):
+            audit.BookTable(expected=wrong)
 
 
 @compiled

@@ -28,6 +28,8 @@ def test_default_config_is_a_loopback_cluster():
     (lambda d: d.setdefault("timeouts", {}).update(client_resend_ms=0), "timeouts.client_resend_ms: must be"),
     (lambda d: d.setdefault("timeouts", {}).update(gap_request_ms=-1), "timeouts.gap_request_ms: must be"),
     (lambda d: d.pop("client"), "client: at least one"),
+    (lambda d: d.setdefault("audit", {}).update(books_expected=-1), "audit.books_expected: must be from 0"),
+    (lambda d: d.setdefault("audit", {}).update(books_expected=1 << 40), "audit.books_expected: must be from 0"),
 ])
 def test_invalid_config_names_the_key(edit, key):
     doc = tomllib.loads(default_toml("/tmp/x"))

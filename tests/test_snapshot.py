@@ -13,13 +13,15 @@ from conftest import small_disk
 from strategies import packet_of
 
 from tape.node.journal_store import Journal
-from tape.ops.config import default_toml
+from tape.ops.config import default, default_toml
 from tape.ops.faults import fill
 from tape.ops.local import TAPE
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
+from tape.replicas import audit
 from tape.replicas.audit import DIGEST_BLOCK, PACKED_BOOK, AuditMachine
+from tape.replicas.runtime import Replica
 from tape.replicas.snapshot import (
     BOOK,
     BUCKET_SHIFT,
@@ -337,6 +339,27 @@ def test_a_replica_moves_a_bad_snapshot_aside_and_starts_from_seq_1(tmp_path, ca
     assert store.last_seq() == 0
     apply(m, stream(100), 1)
     store.save(m)  # the fresh store takes snapshots again
+
+
+@pytest.mark.skipif(audit.apply_fast is None, reason="built without a C compiler")
+def test_a_replica_sizes_its_books_for_the_books_expected_fresh_or_loaded(tmp_path):
+    path, digest, _ = saved(tmp_path)
+    tables = []  # each fresh machine's table, as made
+
+    def fresh_machine():
+        m = AuditMachine(200 * 10**6, 3 * 10**6, books_expected=50_000)
+        tables.append(m.books)
+        return m
+    store, loaded = open_verified(path, fresh_machine, logging.getLogger("test"))[:2]
+    store.close()
+    assert loaded.digest() == digest and len(tables) == 1 and loaded.books is tables[0]  # filled in place
+    assert loaded.books.capacity >= 100_000 > machine().books.capacity
+    cfg = default(tmp_path / "data")
+    cfg.books_expected = 50_000
+    cfg.nodes.append(type(cfg.nodes[0])("replica-A", "replica", data=str(tmp_path / "replica-A")))
+    replica = Replica(cfg, cfg.node("replica-A"))
+    replica.store.close()
+    assert replica.machine.books.capacity >= 100_000
 
 
 def write_journal(path, msgs) -> None:
