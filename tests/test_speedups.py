@@ -289,6 +289,24 @@ def test_c_and_pure_verify_stream_seals_alike(entries, signer, verifier, flips, 
 
 
 @compiled
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 300)), min_size=1, max_size=40))
+def test_a_seal_is_keyed_blake2b_whichever_keys_came_before(uses):
+    """More keys in turn than the C keeps the keyed state of (one a length, so that only the length
+    tells two apart), each seal equal to hashlib's keyed BLAKE2b-128 of its packet."""
+    from tape.protocol.streamauth import StreamKeys
+
+    for k, entries in uses:
+        key = bytes([7]) * (k + 1) if k < 5 else bytes([k]) * 64
+        msgs = [M.stamp(M.purchase(i, i, 5, "A", "X"), 7, b"load0     ", i + 1) for i in range(1 + entries % 40)]
+        keys = StreamKeys([key])
+        [pkt] = keys.seal_run(b"S         ", 9, msgs, len(msgs), 7, b"seq-a     ")[1]  # sealed in C
+        at = len(pkt) - M.SEQUENCED_SIZE + 17
+        unsealed = pkt[:at] + bytes(16) + pkt[at + 16:]
+        assert pkt[at:at + 16] == hashlib.blake2b(unsealed, key=key, digest_size=16).digest()
+        assert keys.verify(pkt) is None
+
+
+@compiled
 @given(st.lists(st.binary(min_size=M.SEQUENCED_SIZE, max_size=M.SEQUENCED_SIZE), max_size=60), st.integers(1, 20),
        st.integers(1, 2**63), st.integers(0, 2**64 - 1), st.sampled_from(STREAM_KEYS))
 def test_c_and_pure_seal_a_run_alike(entries, per, first, stamp, key):
