@@ -33,7 +33,7 @@ from tape.protocol.limits import REPLAY_BEHIND
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE, SESSION_END
 from tape.protocol.moldudp64 import HEADER_SIZE
 from tape.protocol.receiver import Deliver, StreamReceiver
-from tape.replicas.audit import ALERT_SIZE, DIGEST_BLOCK, AuditMachine
+from tape.replicas.audit import ALERT_SIZE, AuditMachine
 
 
 @dataclass(slots=True)  # (not frozen: made for most packets, and a frozen one's __init__ costs 3x)
@@ -84,25 +84,22 @@ class ReplicaCore:
         sent together up to each fold point's digest."""
         machine = self.machine
         out: list[ReplicaAction] = []
-        alerts: list[bytes] = []
         before = machine.last_seq
-        for run in runs:
-            first_seq, packet, skip = run.first_seq, run.packet, run.skip
-            raised = machine.apply_packet(first_seq, packet, skip)
-            if raised:
-                alerts += raised
-            last = machine.last_seq
-            if last // DIGEST_BLOCK > (first_seq - 1) // DIGEST_BLOCK:  # a fold point crossed
-                self._raised(alerts, out)
-                alerts = []
-                self.last_fold = SendDigest(last - last % DIGEST_BLOCK, machine.chain)
-                if self.linked:
-                    out.append(self.last_fold)
-            # The types of the last two messages applied: only its seal may follow the session's end.
+        alerts, folds = machine.apply_runs(runs)
+        sent = 0
+        for upto, fold_seq, chain in folds:  # each fold's digest after the alerts raised before it
+            self._raised(alerts[sent:upto], out)
+            sent = upto
+            self.last_fold = SendDigest(fold_seq, chain)
+            if self.linked:
+                out.append(self.last_fold)
+        self._raised(alerts[sent:] if sent else alerts, out)
+        # The types of the last two messages applied: only its seal may follow the session's end, so
+        # that is the drain's last run (no seq follows them; looking at every run cost ~0.4 us a packet).
+        if runs:
+            packet, skip = runs[-1].packet, runs[-1].skip
             last_two = max(HEADER_SIZE + skip * SEQUENCED_BLOCK_SIZE, len(packet) - 2 * SEQUENCED_BLOCK_SIZE)
-            if SESSION_END in packet[last_two + 2::SEQUENCED_BLOCK_SIZE]:
-                self.session_ended = True
-        self._raised(alerts, out)
+            self.session_ended = self.session_ended or SESSION_END in packet[last_two + 2::SEQUENCED_BLOCK_SIZE]
         self._since_snapshot += machine.last_seq - before
         if self._since_snapshot + self._lead >= self.snapshot_every:
             out.append(Snapshot())

@@ -18,8 +18,9 @@ from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol.errors import InvariantViolation
 from tape.protocol.limits import MAX_BOOKS_EXPECTED
+from tape.protocol.receiver import Deliver
 from tape.replicas import audit
-from tape.replicas.audit import Alert, AuditMachine, Books
+from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine, Books
 
 compiled = pytest.mark.skipif(audit.apply_fast is None, reason="built without a C compiler")
 ORIGIN = b"client1   "
@@ -82,6 +83,34 @@ def test_packets_through_the_compiled_cases_end_as_the_pure_rules_do(stream, cut
         assert [int.from_bytes(pure_state[4][i:i + 8], "big") for i in range(0, len(pure_state[4]), 8)] == \
             sorted(every_id)
         pos, k = pos - back + len(msgs), k + 1
+
+
+@compiled
+@settings(max_examples=200, deadline=None)
+@given(streams(), st.lists(st.tuples(st.integers(1, 20), st.integers(0, 3)), min_size=1, max_size=12),
+       st.integers(0, 60), st.integers(1, 6))
+def test_a_drain_applied_in_one_call_ends_as_its_packets_applied_one_by_one(stream, cuts, before_fold, per_drain):
+    """apply_runs (a replica's drain) against apply_packet of each run on the pure rules: the same
+    alerts, the same fold points (with the alerts raised before each and the chain folded there),
+    the same state; fold points fall inside and at the ends of runs."""
+    start = 2 * DIGEST_BLOCK - before_fold
+    pure, fast = AuditMachine(compiled=False), AuditMachine(compiled=True)
+    pure.last_seq = fast.last_seq = start
+    runs, pos, k = [], 0, 0
+    while pos < len(stream):
+        size, back = cuts[k % len(cuts)]
+        back = min(back, pos)
+        msgs = stream[pos - back:pos + size]
+        runs.append(Deliver(start + pos + 1, packet(start + pos - back + 1, msgs), back))
+        pos, k = pos - back + len(msgs), k + 1
+    for d in range(0, len(runs), per_drain):
+        alerts, folds = [], []
+        for run in runs[d:d + per_drain]:  # as a replica applied a drain before
+            alerts += pure.apply_packet(run.first_seq, run.packet, run.skip)
+            if pure.last_seq // DIGEST_BLOCK > (run.first_seq - 1) // DIGEST_BLOCK:
+                folds.append((len(alerts), pure.last_seq - pure.last_seq % DIGEST_BLOCK, pure.chain))
+        assert fast.apply_runs(runs[d:d + per_drain]) == (alerts, folds)
+        assert state(fast)[0] == state(pure)[0] and fast.digest() == pure.digest()
 
 
 @compiled
