@@ -38,7 +38,7 @@ def wait_exit(proc, timeout: float = 30.0) -> int:
 @pytest.mark.parametrize("node, where", [
     ("seq-a", "tape.sequencer.core:LeaderCore.on_journaled"),  # raised in the election task, as it starts leading
     ("rw-1", "tape.protocol.follower:FollowerCore.on_append"),  # raised in the voter's connection handler
-    ("replica-A", "tape.replicas.audit:AuditMachine.apply_packet"),  # raised in the stream's reader callback
+    ("replica-A", "tape.replicas.audit:AuditMachine.apply_runs"),  # raised in the stream's reader callback
     ("emitter", "tape.replicas.emitter_core:EmitterCore.on_alerts"),  # raised in the alert link's connection handler
 ])
 def test_an_impossible_state_stops_the_process_with_exit_4(tmp_path, node, where):
