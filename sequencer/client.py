@@ -27,7 +27,7 @@ from tape.node.transport import udp_socket
 from tape.protocol import moldudp64
 from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
 from tape.protocol.receiver import Deliver
-from tape.sequencer.client_core import ClientCore, Recovery, read_delivered
+from tape.sequencer.client_core import ClientCore, Recovery, read_drain
 
 log = logging.getLogger("tape.client")
 
@@ -135,8 +135,9 @@ class Client:
                 return False
         return True
 
-    def on_stream(self, first: int, pkt: bytes, skip: int, read: tuple) -> None:
-        if self.core.on_delivered(pkt, skip, time.monotonic_ns(), read):
+    def on_stream(self, read: tuple, now_ns: int) -> None:
+        """A drain of the stream, as `read_drain` read it for every client of this process."""
+        if self.core.on_read(read, now_ns):
             self._progress.set()
 
     def on_ahead(self, pkt: bytes) -> None:
@@ -173,11 +174,9 @@ def sharing_listeners(cfg: Config, names: list[str], drop: float = 0.0, seed: in
 
 def _fan_out(clients: list[Client]):
     def deliver(runs: list[Deliver]) -> None:
-        for run in runs:
-            pkt, skip = run.packet, run.skip
-            read = read_delivered(pkt, skip)  # once for all of them
-            for c in clients:
-                c.on_stream(run.first_seq, pkt, skip, read)
+        read, now = read_drain(runs), time.monotonic_ns()  # once for all of them
+        for c in clients:
+            c.on_stream(read, now)
     return deliver
 
 

@@ -9,7 +9,7 @@ A follower drops what it gets; sending it every batch only woke it.
 batch not seen sequenced in time may have gone to a leader that is gone,
 and new batches go to every one too until a packet names a leader again.
 
-`on_delivered(packet, skip)` reads the public stream: a message
+`on_read(read_drain(runs))` reads the public stream: a message
 sequenced with this client as origin acknowledges everything up to its
 client seq (the sequencer accepts each client's messages in order);
 `on_ahead(packet)` reads a sealed packet held ahead of a gap, whose
@@ -51,6 +51,7 @@ from collections import deque
 from tape.protocol import backoff, clientmac, messages, moldudp64
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import MAX_RESEND_TIMEOUT_NS, MAX_RETRY_MS, RESEND_ASK_FLOOR_NS, RESENDS_PER_ROUND
+from tape.protocol.receiver import Deliver
 from tape.protocol.rtt import RoundTrip
 from tape.protocol.streamauth import seal_origin
 
@@ -88,13 +89,23 @@ class Recovery:
         return self.head is not None and rx.next_seq >= self.head
 
 
-def read_delivered(packet: bytes, skip: int) -> tuple[bytes | None, dict[bytes, int], bool]:
-    """What every client reads in an in-order packet of the stream (messages skip..): the leader
-    its seal names, each origin's highest client seq, whether any message is a reject. Read once
-    per packet for all the clients of a process (`sharing_listeners`)."""
-    start = moldudp64.HEADER_SIZE + skip * messages.SEQUENCED_BLOCK_SIZE
-    return (seal_origin(packet), messages.client_seq_maxima(memoryview(packet)[start:], 2),
-            messages.REJECTED in packet[start + 2::messages.SEQUENCED_BLOCK_SIZE])
+def read_drain(runs: list[Deliver]) -> tuple[bytes | None, dict[bytes, int], list[tuple[bytes, int]]]:
+    """What every client reads in a drain's in-order packets of the stream (each from its `skip`):
+    the leader the newest seal names, each origin's highest client seq, and the (packet, skip) of
+    those holding a reject (rare: each client looks for its own in them). Read once a drain for all
+    the clients of a process (`sharing_listeners`): a read a packet and a call a client for each
+    cost the load ~1.5 us a packet."""
+    leader = None
+    for run in reversed(runs):
+        if leader := seal_origin(run.packet):
+            break
+    block = messages.SEQUENCED_BLOCK_SIZE
+    blocks = b"".join([memoryview(run.packet)[moldudp64.HEADER_SIZE + run.skip * block:] for run in runs])
+    rejected = []
+    if messages.REJECTED in blocks[2::block]:
+        rejected = [(run.packet, run.skip) for run in runs
+                    if messages.REJECTED in run.packet[moldudp64.HEADER_SIZE + run.skip * block + 2::block]]
+    return leader, messages.client_seq_maxima(blocks, 2), rejected
 
 
 class ClientCore:
@@ -152,12 +163,16 @@ class ClientCore:
             out.append(data)
         return out
 
-    def on_delivered(self, packet: bytes, skip: int, now_ns: int, read: tuple | None = None) -> bool:
-        """Messages skip.. of an in-order packet of the stream (`read`: its `read_delivered`, if the
-        caller read it for several clients); True if they acknowledged something."""
-        leader, maxima, rejects = read or read_delivered(packet, skip)
+    def on_delivered(self, packet: bytes, skip: int, now_ns: int) -> bool:
+        """Messages skip.. of an in-order packet of the stream; True if they acknowledged something."""
+        return self.on_read(read_drain([Deliver(0, packet, skip)]), now_ns)
+
+    def on_read(self, read: tuple, now_ns: int) -> bool:
+        """A drain of in-order packets of the stream, as `read_drain` read them; True if they
+        acknowledged something."""
+        leader, maxima, rejected = read
         self.leader = leader or self.leader
-        if rejects:  # rare: a reject; one of ours?
+        for packet, skip in rejected:  # rare: a reject; one of ours?
             self._note_rejects(packet, skip)
         top = maxima.get(self.origin, 0)
         if top <= self.acked:

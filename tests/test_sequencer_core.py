@@ -230,10 +230,13 @@ def test_follower_drops_a_conflicting_uncommitted_suffix():
     assert again.success and again.truncate_after is None and again.records == []
 
 
-def test_clients_sharing_one_read_of_each_packet_see_what_each_sees_reading_alone():
-    """`tape load`'s clients share one listener, which reads each packet once for all of them."""
+@pytest.mark.parametrize("per_drain", [1, 2, 100])
+def test_clients_sharing_one_read_of_each_drain_see_what_each_sees_reading_packets_alone(per_drain):
+    """`tape load`'s clients share one listener, which reads each drain once for all of them: the
+    leader the newest seal names, each client's acknowledgements and rejects, in order."""
+    from tape.protocol.receiver import Deliver
     from tape.protocol.streamauth import StreamKeys
-    from tape.sequencer.client_core import ClientCore, read_delivered
+    from tape.sequencer.client_core import ClientCore, read_drain
 
     # No followers (what it journals is committed); sealed packets, each naming its leader
     core = LeaderCore(S, b"seq-a     ", 1, [], {A: None, B: b"k" * 32}, stream_keys=StreamKeys([b"s" * 32]))
@@ -250,15 +253,43 @@ def test_clients_sharing_one_read_of_each_packet_see_what_each_sees_reading_alon
     for p in packets:
         for c in alone.values():
             c.on_delivered(p, 0, 3)
-        read = read_delivered(p, 0)
+    for at in range(0, len(packets), per_drain):
+        read = read_drain([Deliver(0, p, 0) for p in packets[at:at + per_drain]])
         for c in shared.values():
-            c.on_delivered(p, 0, 3, read)
+            c.on_read(read, 3)
     for origin in (A, B):
         mine, theirs = alone[origin], shared[origin]
         assert (theirs.acked, theirs.rejected, theirs.leader) == (mine.acked, mine.rejected, mine.leader)
         assert not theirs.unacked
     assert shared[A].acked == 2 and shared[A].rejected == [(2, "shares_out_of_range")] and shared[B].acked == 3
     assert shared[A].leader == shared[B].leader == b"seq-a     "
+
+
+ENTRIES = st.lists(st.builds(
+    lambda kind, origin, cseq: msg.SEQUENCED.pack(kind, 1, 1, b"X" * 16, b"Y" * 8, 0, 5, origin, cseq),
+    st.sampled_from([msg.PURCHASE, msg.REQUEST, msg.REJECTED, msg.AUTH]),
+    st.sampled_from([b"load0     ", b"load1     ", b"seq-a     "]), st.integers(0, 2**64 - 1)), min_size=1, max_size=6)
+
+
+@given(st.lists(st.tuples(ENTRIES, st.integers(0, 5)), min_size=1, max_size=8))
+def test_a_drain_read_once_is_its_packets_read_one_by_one(packets):
+    """read_drain against each packet's read from its `skip`: the newest seal's leader, each origin's
+    highest client seq over them all, and the packets holding a reject, in order."""
+    from tape.protocol.receiver import Deliver
+    from tape.protocol.streamauth import seal_origin
+    from tape.sequencer.client_core import read_drain
+
+    runs = [Deliver(0, m.encode_packet(b"S         ", 1, entries), min(skip, len(entries) - 1))
+            for entries, skip in packets]
+    leader, maxima, rejected = None, {}, []
+    for run in runs:
+        start = m.HEADER_SIZE + run.skip * msg.SEQUENCED_BLOCK_SIZE
+        leader = seal_origin(run.packet) or leader
+        for origin, top in msg.client_seq_maxima(memoryview(run.packet)[start:], 2).items():
+            maxima[origin] = max(top, maxima.get(origin, 0))
+        if msg.REJECTED in run.packet[start + 2::msg.SEQUENCED_BLOCK_SIZE]:
+            rejected.append((run.packet, run.skip))
+    assert read_drain(runs) == (leader, maxima, rejected)
 
 
 INBOUND_MSGS = st.lists(st.builds(
