@@ -39,7 +39,8 @@
 #define STOCK_LEN 8
 #define RECORD_SIZE 57      /* a snapshot's book record: ">qq16s8sQ?Q" */
 #define MIN_CAPACITY 1024   /* slots; grown x2 whenever half full */
-#define MAX_EXPECTED (1 << 28)  /* books a table is sized for at start, at most (36 GiB of slots): limits.MAX_BOOKS_EXPECTED */
+#define MAX_EXPECTED (1 << 28)  /* books a table is sized for at start, at most (36 GiB of slots):
+                                 * protocol/limits.py MAX_BOOKS_EXPECTED */
 #define MOVE_PER_INSERT 2   /* old slots moved on each insert while the table grows: the fewest that
                              * end a doubling before the next, its cost spread the thinnest (16 moved
                              * 524,288 books within 1.1 s at 250,000 msg/s, a replica's CPU x5
