@@ -39,7 +39,7 @@
 #define STOCK_LEN 8
 #define RECORD_SIZE 57      /* a snapshot's book record: ">qq16s8sQ?Q" */
 #define MIN_CAPACITY 1024   /* slots; grown x2 whenever half full */
-#define MAX_EXPECTED (1 << 28)  /* books a table is sized for at start, at most (36 GiB of slots):
+#define MAX_EXPECTED (1 << 28)  /* books a table is sized for at start, at most (36 GiB of slots): equal to
                                  * protocol/limits.py MAX_BOOKS_EXPECTED */
 #define MOVE_PER_INSERT 2   /* old slots moved on each insert while the table grows: the fewest that
                              * end a doubling before the next, its cost spread the thinnest (16 moved
@@ -913,7 +913,8 @@ PyMODINIT_FUNC PyInit__audit(void) {
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
     if (PyModule_AddObjectRef(mod, "BookTable", (PyObject *)&BookTableType) < 0 ||
-        PyModule_AddObjectRef(mod, "ExpiryQueue", (PyObject *)&ExpiryQueueType) < 0) {
+        PyModule_AddObjectRef(mod, "ExpiryQueue", (PyObject *)&ExpiryQueueType) < 0 ||
+        PyModule_AddIntConstant(mod, "MAX_EXPECTED", MAX_EXPECTED) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

@@ -275,9 +275,10 @@ class AuditMachine:
         return alerts, folds
 
     def apply_packet(self, first_seq: int, packet: bytes, skip: int = 0) -> list[bytes]:
-        """Apply a delivered packet's messages from number `skip` (at first_seq) on: the replica's
-        path. Compiled, most of them never become Python objects: the C applies the common cases
-        and hands each other message to the rules here (`_apply`), then goes on."""
+        """Apply a delivered packet's messages from number `skip` (at first_seq) on (a replica's
+        drain goes through `apply_runs`, which calls this for what the C cannot apply whole).
+        Compiled, most of them never become Python objects: the C applies the common cases and
+        hands each other message to the rules here (`_apply`), then goes on."""
         if not self.compiled:
             return self.apply_run(first_seq, messages.decode_delivered(packet, skip))
         if first_seq != self.last_seq + 1:

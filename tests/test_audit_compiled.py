@@ -288,6 +288,9 @@ def test_a_table_sized_for_the_books_expected_neither_doubles_nor_faults_while_t
         table_pages = books * 2 * 72 // 4096  # slots of 72 bytes, at most half full
         assert moved == grows and (faults > table_pages if grows else faults < table_pages // 20), faults
         assert len(table) == books and table[books - 1] == record
+    from tape.replicas import _audit
+
+    assert _audit.MAX_EXPECTED == MAX_BOOKS_EXPECTED  # the config accepts what the table does
     for wrong in (-1, MAX_BOOKS_EXPECTED + 1):
         with pytest.raises(ValueError):
             audit.BookTable(expected=wrong)
