@@ -428,12 +428,22 @@ class Listener:
         self.replica: ReplicaCore | None = None
         if self.machine is not None:  # never snapshots here: replicas do not crash in the simulation (yet)
             self.replica = ReplicaCore(self.machine, [], 1 << 62, 1 << 62, False, sim.now)
+            self.machine.apply_runs = self._keeping_alerts(self.machine.apply_runs)
             self.hello_at = -RECONNECT_NS
         self.client: ClientCore | None = None
         self.recovery: Recovery | None = None  # a restarted client reading the stream before it submits
         if name in CLIENTS:
             self.gen_seed = sim.rng.randrange(1 << 30)
             self.start_client()
+
+    def _keeping_alerts(self, apply_runs):
+        """The machine's apply_runs, keeping every alert it raised for the final check (the outbox
+        does not keep those at or below the emitter's mark)."""
+        def apply_and_keep(runs):
+            alerts, folds = apply_runs(runs)
+            self.alerts += alerts
+            return alerts, folds
+        return apply_and_keep
 
     def start_client(self) -> None:
         """A client (re)starting: it regenerates the same trades under the same client seqs."""
@@ -486,13 +496,9 @@ class Listener:
                 raise Violation(f"{self.name} delivered at seq {seq} a message other than the one published")
             self.delivered.append(raw)
         if self.replica is not None:
-            before = self.machine.alerts_raised
             for action in self.replica.on_packets([d]):
                 if isinstance(action, SendAlerts):
                     self.send_alerts(action)
-            raised = self.machine.alerts_raised - before  # the newest alerts, at the end of the outbox
-            if raised:
-                self.alerts.extend(list(self.replica.outbox)[-raised:])
             self.sim.check_digest(self.name, self.machine.last_seq, self.machine.digest())
         else:
             self.client.on_delivered(d.packet, d.skip, self.sim.now)
@@ -569,13 +575,12 @@ class Emitter:
                 raise Violation(f"divergence: {src}'s alert at emit seq {emit_seq_of(copies[differ[0]])} differs")
             if new and not self.carry_out(self.core.deliver(new)):
                 return  # crashed on the way
-            self.acknowledge(src)
 
-    def acknowledge(self, sender: str | None) -> None:
-        """As the shell: the sender, and the recorded mark to each linked replica told less."""
+    def acknowledge(self) -> None:
+        """As the shell: the recorded mark to each linked replica told less."""
         links = {r: frozenset((EMITTER, r)) for r in REPLICAS}
-        linked = [r for r, ln in links.items() if r == sender or (ln in self.sim.epochs and ln not in self.sim.broken)]
-        due = self.core.acks_due([wire(r) for r in linked], {wire(sender)} if sender else set())
+        linked = [r for r, ln in links.items() if ln in self.sim.epochs and ln not in self.sim.broken]
+        due = self.core.acks_due([wire(r) for r in linked])
         for r in linked:
             if wire(r) in due:
                 self.sim.send_ordered(EMITTER, r, ("ack", due[wire(r)]))
@@ -588,8 +593,7 @@ class Emitter:
                 self.mark = emit_seq_of(a.alerts[-1])
                 self.record_done(a.done)
                 self.core.on_recorded(a)
-                if a.delivered:  # recorded after the batches it covers: the replicas told now
-                    self.acknowledge(None)
+                self.acknowledge()
             elif isinstance(a, (DeliverAlerts, Redeliver)):
                 held = {r["alert_id"] for r in self.sink}  # the sink is idempotent by alert id
                 records = (Alert.decode(x).to_dict("SIM") for x in a.alerts)

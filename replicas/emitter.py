@@ -109,7 +109,6 @@ class Emitter(NodeProcess):
         self.recent: dict[bytes, bytes] = {}  # emit seq (its key) -> the bytes recorded, the newest RECENT_ALERTS
         self._done_timer: asyncio.TimerHandle | None = None
         self._ack_timer: asyncio.TimerHandle | None = None
-        self._senders: set[bytes] = set()  # replicas whose batches came since the last acknowledgements
         self._delivering = False  # a batch is on its way to the sinks (stopped there: it stays in doubt)
 
     @property
@@ -218,7 +217,6 @@ class Emitter(NodeProcess):
                         return self._reject("too_far_ahead", f"{name!r}: {e}")
                     except IntentNotRecorded as e:
                         return self._intent_failed(str(e))
-                self._acknowledge(name if fresh else None)
         except ProtocolError as e:
             self._reject("bad_frame", str(e))
         except sinklib.SinkStopped:
@@ -231,18 +229,14 @@ class Emitter(NodeProcess):
                 del self.by_replica[name]
             writer.close()
 
-    def _acknowledge(self, sender: bytes | None) -> None:
-        """The mark, within ACK_EVERY_NS, to the replica whose alerts were handled and to each one
-        told less (under quorum another replica's copy, or a digest, may have moved it)."""
-        if sender is not None:
-            self._senders.add(sender)
+    def _acknowledge(self) -> None:
+        """The recorded mark, within ACK_EVERY_NS, to each replica told less."""
         if self._ack_timer is None:
             self._ack_timer = asyncio.get_running_loop().call_later(ACK_EVERY_NS / 1e9, self._send_acks)
 
     def _send_acks(self) -> None:
         self._ack_timer = None
-        senders, self._senders = self._senders, set()
-        due = self.core.acks_due(sorted(set(self.links.values())), senders)
+        due = self.core.acks_due(sorted(set(self.links.values())))
         for writer, replica in self.links.items():  # every connection naming it (without keys, a
             if replica in due:                       # stranger's hello may name a real replica)
                 writer.write(alertlink.ack(due[replica]))
@@ -301,9 +295,8 @@ class Emitter(NodeProcess):
                     self.record_failures += 1
                     raise IntentNotRecorded(str(e)) from None
                 self.core.on_recorded(action)
-                if action.delivered:  # after the batches it covers (kept in `recent` as they were delivered):
-                    self._acknowledge(None)  # the replicas are told now
-                else:
+                self._acknowledge()
+                if not action.delivered:  # (delivered first: kept in `recent` as they were delivered)
                     keep_newest(self.recent, action.alerts, RECENT_ALERTS)  # copies are judged by these bytes
                     self._arm_done_timer()
             elif isinstance(action, DeliverAlerts):

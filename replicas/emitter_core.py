@@ -53,12 +53,11 @@ each channel is ordered. Two delivery modes:
 
 Acknowledgements: each replica is told the recorded mark (`recorded`: the
 highest emit seq whose record committed, `on_recorded`; a replica drops
-its alerts up to it) when it says hello, after the batches it sent, and
-whenever that mark moved past what it was last told (`acks_due`); not
-every replica after every replica's batch, as before: a copy that moves
-the mark for no one needs one answer, not three. The shell
-asks at most every ACK_EVERY_NS, for the replicas whose batches came
-meanwhile: one answer covers them all.
+its alerts up to it) when it says hello and whenever that mark moved past
+what it was last told (`acks_due`), not after every batch it sends: a copy
+it raises at or below the mark it was told it does not keep (the record
+covers it), so repeating a mark tells it nothing. The shell asks at most
+every ACK_EVERY_NS: one answer covers every record meanwhile.
 
 An alert at or below the mark was recorded before: the same bytes are a
 duplicate, other bytes (or none recorded at all) a divergence alarm.
@@ -174,12 +173,11 @@ class EmitterCore:
         self.told[replica] = min(self.told.get(replica, self.recorded), self.recorded)
         return self.recorded
 
-    def acks_due(self, linked, senders=()) -> dict[bytes, int]:
+    def acks_due(self, linked) -> dict[bytes, int]:
         """Of the `linked` replicas (those the shell can write to), the ones to acknowledge now,
-        each with the mark to tell it (the recorded one: a replica drops its alerts up to it): the
-        `senders`, whose batches were handled since (they may have raised their copies after they
-        were told a mark that covers them), and every other one told less."""
-        due = {r: self.recorded for r in linked if r in senders or self.told.get(r, -1) < self.recorded}
+        each with the mark to tell it (the recorded one: a replica drops its alerts up to it):
+        those told less."""
+        due = {r: self.recorded for r in linked if self.told.get(r, -1) < self.recorded}
         self.told.update(due)
         return due
 

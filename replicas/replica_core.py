@@ -16,7 +16,10 @@ Actions out, carried out by the shell (replicas/runtime.py):
 The outbox holds every alert the emitter has not acknowledged: on each
 (re)connection the emitter's welcome says its mark, and what follows it is
 sent again, so an alert survives the loss of the channel, the emitter or
-this process (the outbox is in every snapshot). Snapshots are taken every
+this process (the outbox is in every snapshot). An alert raised at or below
+the mark it was last told (a replica behind the others) is sent, for the
+emitter to judge the copy, but not kept: the emitter recorded it, so no
+acknowledgement need follow it. Snapshots are taken every
 `snapshot_every` messages or `snapshot_ns`, whichever comes first; the
 first one after a start comes early by `phase` of either, so that replicas
 started together (given phases 0, 1/3, 2/3) do not all save at once: a save
@@ -60,6 +63,12 @@ class Exit:
 ReplicaAction = SendAlerts | SendDigest | Snapshot | Exit
 
 
+def _record_bound(mark: int) -> bytes:
+    """An alert record starts with its emit seq, u64 big-endian: it sorts at or below this bound
+    exactly when its emit seq is at or below `mark` (one comparison a record, nothing decoded)."""
+    return mark.to_bytes(8, "big") + b"\xff" * (ALERT_SIZE - 8)
+
+
 class ReplicaCore:
     def __init__(self, machine: AuditMachine, outbox: list[bytes], snapshot_every: int, snapshot_ns: int,
                  exit_on_end: bool, now_ns: int, phase: float = 0.0):
@@ -70,6 +79,7 @@ class ReplicaCore:
         self.snapshot_ns = snapshot_ns
         self.exit_on_end = exit_on_end
         self.acked = 0  # the emitter's mark
+        self._acked_bound = _record_bound(0)
         self.linked = False  # the alert channel is up (welcomed)
         self.session_ended = False  # the session's end entry was applied
         self._since_snapshot = 0
@@ -107,21 +117,23 @@ class ReplicaCore:
 
     def _raised(self, alerts: list[bytes], out: list[ReplicaAction]) -> None:
         if alerts:
-            self.outbox.extend(alerts)
+            bound = self._acked_bound
+            self.outbox.extend(alerts if alerts[0] > bound else [a for a in alerts if a > bound])
             if self.linked:
                 out.append(SendAlerts(alerts))
 
     def on_welcome(self, mark: int) -> list[ReplicaAction]:
-        """The channel is up: everything after the emitter's mark goes (again), then the last fold's digest."""
+        """The channel is up: everything after the emitter's mark goes (again), then the last fold's digest.
+        The mark is taken as told, even below the last one (an emitter that lost its records)."""
+        self.acked = -1
         self.on_ack(mark)
         self.linked = True
         return [SendAlerts(list(self.outbox))] + ([self.last_fold] if self.last_fold else [])
 
     def on_ack(self, mark: int) -> None:
-        self.acked = max(self.acked, mark)
-        # A record starts with its emit seq, u64 big-endian: it sorts at or below this bound exactly
-        # when its emit seq is at or below the mark (one comparison a record, nothing decoded).
-        bound = mark.to_bytes(8, "big") + b"\xff" * (ALERT_SIZE - 8)
+        if mark > self.acked:
+            self.acked, self._acked_bound = mark, _record_bound(mark)
+        bound = self._acked_bound
         q = self.outbox
         while q and q[0] <= bound:
             q.popleft()

@@ -275,6 +275,10 @@ def closed_by_peer(sock: LinkSocket) -> bool:
         return True
 
 
+def emitter_metric(cluster: LocalCluster, name: str) -> float:
+    return cluster.metrics("emitter")[f'tape_emitter_{name}{{node="emitter"}}']
+
+
 def rejected(cluster: LocalCluster, reason: str) -> float:
     return cluster.metrics("emitter").get(f'tape_emitter_rejected_total{{node="emitter",reason="{reason}"}}', 0)
 
@@ -308,8 +312,9 @@ def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, end
         b = link(cluster, b"replica-B ")
         assert frames(b, 1)[0] == (alertlink.WELCOME, alertlink.MARK.pack(13))
         b.sendall(alertlink.alert(alert(12).encode()) + alertlink.alert(alert(13, cumulative=999).encode()))
-        frames(b, 1)
-        m = cluster.metrics("emitter")
+        # (B was welcomed with the mark that covers its copies: no ack follows them)
+        m = wait_for(lambda: (m := cluster.metrics("emitter"))['tape_emitter_divergences_total{node="emitter"}'] and m,
+                     "B's copies judged")
         assert m['tape_emitter_duplicates_total{node="emitter"}'] == 1
         # A's three alerts came in one write: one delivery (one intent, one write to each sink)
         assert m['tape_emitter_alerts_delivered_total{node="emitter"}'] == 3
@@ -372,10 +377,13 @@ def test_a_compromised_replica_forges_an_alert_only_under_first_delivery(tmp_pat
         for s in (a, b, c):
             frames(s, 1)  # welcome
         a.sendall(b"".join(alertlink.alert(x.encode()) for x in (alert(31, cumulative=999), alert(32), alert(33))))
-        frames(a, 1)
+        taken = "alerts_delivered_total" if delivery == "first" else "pending"  # (A's batch handled before the others)
+        wait_for(lambda: emitter_metric(cluster, taken) == 3, f"A's alerts {taken}")
         for s in (b, c):
             s.sendall(b"".join(alertlink.alert(alert(n).encode()) for n in (31, 33)))
-            frames(s, 1)
+        settled = "duplicates_total" if delivery == "first" else "alerts_delivered_total"  # (31 and 33, each side)
+        wait_for(lambda: (emitter_metric(cluster, "divergences_total"), emitter_metric(cluster, settled)) == (2, 2),
+                 "B's and C's copies judged")
         for s in (a, b, c):
             s.close()
         cluster.stop("emitter")

@@ -49,6 +49,22 @@ def test_alerts_wait_in_the_outbox_until_the_channel_is_up_and_acknowledged():
     assert c.on_welcome(4)[0].alerts == list(c.outbox)  # what the emitter has not recorded goes again
 
 
+def test_alerts_raised_at_or_below_the_mark_told_are_sent_to_be_judged_but_not_kept():
+    """A replica behind the others raises alerts the emitter recorded already: their copies go
+    (the emitter judges them), and no acknowledgement is needed to let them go."""
+    c = core()
+    c.on_welcome(0)
+    c.on_ack(3)  # the others' alerts up to emit seq 3 were recorded
+    sent, = applied(c, 1, overfill(1, 2))
+    assert [Alert.emit_seq_of(a) for a in sent.alerts] == [2, 4]
+    assert [Alert.emit_seq_of(a) for a in c.outbox] == [4]
+    c.on_ack(8)
+    c.on_link_lost()
+    assert c.on_welcome(1)[0].alerts == []  # an emitter that lost its records: its mark is the one told
+    assert [Alert.emit_seq_of(a) for a in applied(c, 5, overfill(3, 1))[0].alerts] == [6]
+    assert [Alert.emit_seq_of(a) for a in c.outbox] == [6]  # kept: above 1
+
+
 SEQS = st.integers(0, 40) | st.sampled_from([2**64 - 2, 2**64 - 1])  # marks equal to emit seqs, often
 
 
