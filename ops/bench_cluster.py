@@ -9,7 +9,9 @@ cluster idled meanwhile, for a time that grew with the run, ~0.3 µs a message a
 achieved rate and the latencies are the long run's. The time the processes' threads were ready
 to run but waited for a core (/proc/PID/task/*/schedstat) is differenced the same way: on two
 cores shared by nine processes, that queueing is what the latency's tail is made of. Figures,
-never pass/fail.
+never pass/fail. The host's speed (`tape bench protocol`'s encode rate) is measured before and
+after the ladder and printed with it: figures from hosts or hours at other speeds compare only
+beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from tape.ops.bench import host_speed
 from tape.ops.up import REPLICAS, run_up
 from tape.protocol.moldudp64 import DEFAULT_MAX_PACKET
 
@@ -54,6 +57,7 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
                   max_packet: int | None = None) -> list[dict]:
     console = Console()
     rows = []
+    speed_before = host_speed()
     with Progress(console=console) as progress:
         task = progress.add_task("cluster runs", total=2 * len(rates))
         for rate in rates:
@@ -72,7 +76,10 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
                          "submit_to_sequenced_ms": long["submit_to_sequenced_ms"],
                          "us_per_msg": marginal_us(short, long),
                          "wait_us_per_msg": marginal_us(short, long, "wait_s")})
-    console.print(_table(rows, short_s, long_s, max_packet or DEFAULT_MAX_PACKET))
+    speeds = (speed_before, host_speed())
+    for row in rows:
+        row["host_encode_msgs_per_s"] = [round(s) for s in speeds]
+    console.print(_table(rows, short_s, long_s, max_packet or DEFAULT_MAX_PACKET, speeds))
     if out:
         Path(out).write_text(json.dumps(rows, indent=1))
         console.print(f"figures: {out}")
@@ -93,9 +100,11 @@ def _run_keeping_failures(console: Console, rate: float, seconds: float, max_pac
     return report
 
 
-def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int) -> Table:
+def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int, speeds: tuple[float, float]) -> Table:
     table = Table(title=f"tape bench cluster: marginal CPU µs per message ({long_s:g} s run minus {short_s:g} s run, "
-                        f"packets of {max_packet:,} bytes)")
+                        f"packets of {max_packet:,} bytes)",
+                  caption=f"host speed, before / after: {speeds[0] / 1e6:.2f} / {speeds[1] / 1e6:.2f} M msg/s "
+                          "encoded (tape bench protocol's encode)")
     table.add_column("offered msg/s")
     for r in rows:
         table.add_column(f"{r['rate_offered']:,.0f}", justify="right")

@@ -658,7 +658,8 @@ def _add_bench(sub) -> None:
                                      "print per process the CPU µs per message (the long run's CPU minus the short "
                                      "one's, over the extra messages, read from /proc), the time all of them waited "
                                      "for a core (the same way, from /proc/PID/task/*/schedstat; per process in "
-                                     "--out), the achieved rate and the latency percentiles. A run whose verdict "
+                                     "--out), the achieved rate and the latency percentiles, and the host's speed "
+                                     "before and after (tape bench protocol's encode rate). A run whose verdict "
                                      "fails keeps its files "
                                      "(a temporary directory, named with the failed checks).")
     bc.add_argument("--rates", default="50000,100000,150000,200000,250000,300000", help="comma-separated offered rates")

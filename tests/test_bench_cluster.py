@@ -57,6 +57,9 @@ def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
     assert all(math.isfinite(row["us_per_msg"][p]) for p in PROCESSES), row["us_per_msg"]
     assert set(row["wait_us_per_msg"]) == {*PROCESSES, "whole cluster"}
     assert "whole cluster" in out.stdout and "waiting for a core" in out.stdout
+    before, after = row["host_encode_msgs_per_s"]  # the host's speed, beside the figures
+    printed = " ".join(out.stdout.split())  # (the caption may wrap)
+    assert before > 0 and after > 0 and f"{before / 1e6:.2f} / {after / 1e6:.2f} M msg/s encoded" in printed
 
 
 def test_a_failed_run_keeps_its_files_and_names_the_failed_checks(tmp_path, monkeypatch):
