@@ -249,23 +249,14 @@ class AuditMachine:
         replica ~1.5 us of Python a packet, more than the C's own work)."""
         alerts: list[bytes] = []
         folds: list[tuple[int, int, bytes]] = []
-        fast = apply_fast if self.compiled else None
+        compiled = self.compiled
         for run in runs:
             first_seq, packet, skip = run.first_seq, run.packet, run.skip
-            if fast is not None and first_seq == self.last_seq + 1:
+            if compiled and first_seq == self.last_seq + 1:
                 total = (len(packet) - HEADER_SIZE) // messages.SEQUENCED_BLOCK_SIZE
                 last = first_seq + total - skip - 1
                 if (first_seq - 1) // DIGEST_BLOCK == last // DIGEST_BLOCK:  # no fold point in the run
-                    raised, orphan_expiry = len(alerts), self._orphan_expiry
-                    try:
-                        done, self.now_ns = fast(self.books, self._codes, self._book_expiry, self.orphans,
-                                                 self.book_ttl_ns, self.now_ns,
-                                                 orphan_expiry[0][0] if orphan_expiry else _NEVER,
-                                                 packet, skip, total, first_seq, alerts)
-                    except Exception as e:  # (as in apply_packet)
-                        raise InvariantViolation(f"the compiled audit failed at seq {first_seq}: {e!r}") from e
-                    self.last_seq, self.applied = first_seq + done - 1, self.applied + done
-                    self.alerts_raised += len(alerts) - raised
+                    done = self._apply_common(packet, skip, total, first_seq, alerts)
                     if self.last_seq == last:
                         continue
                     first_seq, skip = self.last_seq + 1, skip + done  # the rest the general way
@@ -284,29 +275,34 @@ class AuditMachine:
         if first_seq != self.last_seq + 1:
             raise InvariantViolation(f"applying seq {first_seq} after {self.last_seq}")
         out: list[bytes] = []
-        orphan_expiry = self._orphan_expiry  # (the books' first expiry the C reads from their queue)
         index, total = skip, (len(packet) - HEADER_SIZE) // messages.SEQUENCED_BLOCK_SIZE
         while index < total:
             seq = self.last_seq + 1  # runs end at fold points, where the digest chain folds
             end = min(total, index + DIGEST_BLOCK - (seq - 1) % DIGEST_BLOCK)
             while index < end:
-                raised = len(out)
-                try:
-                    done, self.now_ns = apply_fast(self.books, self._codes, self._book_expiry,
-                                                   self.orphans, self.book_ttl_ns, self.now_ns,
-                                                   orphan_expiry[0][0] if orphan_expiry else _NEVER,
-                                                   packet, index, end, seq, out)
-                except Exception as e:  # (out of memory): what it applied of the run is not known
-                    raise InvariantViolation(f"the compiled audit failed at seq {seq}: {e!r}") from e
+                done = self._apply_common(packet, index, end, seq, out)
                 index, seq = index + done, seq + done
-                self.last_seq, self.applied = seq - 1, self.applied + done
-                self.alerts_raised += len(out) - raised
                 if index < end:  # not a common case: the rules
                     self._apply(seq, [messages.decode_delivered_one(packet, index)], out)
                     index, seq = index + 1, seq + 1
             if self.last_seq % DIGEST_BLOCK == 0:
                 self._fold()
         return out
+
+    def _apply_common(self, packet: bytes, index: int, end: int, seq: int, out: list) -> int:
+        """The C applies messages index..end of `packet` (the first at `seq`) while they are common
+        cases, their alerts to `out`: how many it applied."""
+        raised, orphan_expiry = len(out), self._orphan_expiry  # (the C reads the first orphan's expiry)
+        try:
+            done, self.now_ns = apply_fast(self.books, self._codes, self._book_expiry, self.orphans,
+                                           self.book_ttl_ns, self.now_ns,
+                                           orphan_expiry[0][0] if orphan_expiry else _NEVER,
+                                           packet, index, end, seq, out)
+        except Exception as e:  # (out of memory): what it applied of the run is not known
+            raise InvariantViolation(f"the compiled audit failed at seq {seq}: {e!r}") from e
+        self.last_seq, self.applied = seq + done - 1, self.applied + done
+        self.alerts_raised += len(out) - raised
+        return done
 
     def _apply(self, first_seq: int, msgs: list, out: list) -> None:
         """The hot path: the common purchase and request cases are inlined."""
