@@ -6,5 +6,6 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("tape.protocol._speedups", sources=["protocol/_speedups.c"], optional=True),
     Extension("tape.replicas._audit", sources=["replicas/_audit.c"], optional=True),
+    Extension("tape.replicas._alertlines", sources=["replicas/_alertlines.c"], optional=True),
     Extension("tape.node._batchio", sources=["node/_batchio.c"], optional=True),
 ])

@@ -85,7 +85,7 @@ class Alert(NamedTuple):
     def joined(records: list[bytes]) -> bytes:
         """Alert records end to end, for one unpack of a field of each (ValueError if one is not a
         whole record: a shorter and a longer one would misalign all that follow)."""
-        if any(len(record) != ALERT_SIZE for record in records):
+        if not set(map(len, records)) <= {ALERT_SIZE}:
             raise ValueError(f"an alert record is not {ALERT_SIZE} bytes")
         return b"".join(records)
 

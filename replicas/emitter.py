@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from operator import itemgetter
 from pathlib import Path
 
 import lmdb
@@ -62,6 +63,7 @@ class IntentNotRecorded(Exception):
     delivery): the mark is back."""
 
 
+_KEY = itemgetter(slice(0, 8))
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
 
 
@@ -70,10 +72,15 @@ def _deliver_each(sinks: list, records: list[sinklib.AlertLine]) -> None:
         sink.deliver(records)
 
 
+def keyed(records: list[bytes]):
+    """(key, record) of each alert record: its first 8 bytes, its emit seq, are its key."""
+    return zip(map(_KEY, records), records)
+
+
 def keep_newest(recent: dict, records: list, limit: int) -> None:
     """Add alert records (keyed by their first 8 bytes, the emit seq), in rising emit seq, and
     forget the oldest beyond `limit` (sinks.forget_oldest: in bulk)."""
-    recent.update((raw[:8], raw) for raw in records)
+    recent.update(keyed(records))
     sinklib.forget_oldest(recent, limit)
 
 
@@ -287,7 +294,7 @@ class Emitter(NodeProcess):
                         self._sync_sinks()
                     with self.env.begin(write=True) as txn:
                         db = self.delivered_db if action.delivered else self.outbox
-                        txn.cursor(db=db).putmulti([(raw[:8], raw) for raw in action.alerts])
+                        txn.cursor(db=db).putmulti(keyed(action.alerts))
                         txn.put(b"mark", action.alerts[-1][:8], db=self.meta)
                         self._move_done(txn, action.done)
                 except (lmdb.Error, OSError) as e:  # (OSError: a sink's sync)
@@ -367,7 +374,7 @@ class Emitter(NodeProcess):
         for raw in alerts:
             if outbox.set_key(raw[:8]):
                 outbox.delete()
-        txn.cursor(db=self.delivered_db).putmulti([(raw[:8], raw) for raw in alerts])
+        txn.cursor(db=self.delivered_db).putmulti(keyed(alerts))
 
     def _arm_done_timer(self) -> None:
         """Record the last batch's done on its own if no next batch's intent carries it soon."""
@@ -394,8 +401,7 @@ class Emitter(NodeProcess):
                     self._intent_failed(str(e))
 
     def _judge(self, copies: list[bytes]) -> None:
-        recent = self.recent
-        recorded = [recent.get(raw[:8]) for raw in copies]  # (a record's first 8 bytes: its emit seq, its key)
+        recorded = list(map(self.recent.get, map(_KEY, copies)))
         if None in recorded:  # older than the recent ones, or recorded before this process started
             with self.env.begin() as txn:
                 recorded = [kept if kept is not None else txn.get(raw[:8], db=self.delivered_db)

@@ -76,17 +76,19 @@ from __future__ import annotations
 import heapq
 import struct
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from tape.protocol.limits import MAX_PENDING_ALERTS
 from tape.replicas.audit import ALERT_SIZE, Alert
 
 emit_seq_of = Alert.emit_seq_of
 _EMIT_SEQ = struct.Struct(f">Q{ALERT_SIZE - 8}x")  # a record's emit seq alone
+_FIRST = itemgetter(0)
 
 
 def emit_seqs(alerts: list[bytes]) -> list[int]:
     """The emit seq of each alert record, in one call."""
-    return [seq for (seq,) in _EMIT_SEQ.iter_unpack(Alert.joined(alerts))]
+    return list(map(_FIRST, _EMIT_SEQ.iter_unpack(Alert.joined(alerts))))
 
 CRASH_POINTS = ("before_intent", "after_intent", "after_deliver", "after_done")
 DELIVERY = ("first", "quorum")
@@ -344,7 +346,8 @@ class EmitterCore:
         """Copies of alerts at or below the mark, each against the bytes recorded for its emit seq
         (None: none): the places of those that are divergence alarms; the others are duplicates
         (harmless)."""
-        alarms = [i for i, (alert, kept) in enumerate(zip(alerts, recorded, strict=True)) if alert != kept]
+        assert len(alerts) == len(recorded), "a recorded record (or None) for each copy"
+        alarms = [] if alerts == recorded else [i for i, (a, kept) in enumerate(zip(alerts, recorded)) if a != kept]
         self.duplicates += len(alerts) - len(alarms)
         self.divergences += len(alarms)
         return alarms

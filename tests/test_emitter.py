@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -499,3 +500,28 @@ def test_an_alert_line_is_what_json_dumps_writes(session, emit, pseq, pid, oid, 
     for raw, got in zip(records, sinks.alert_lines(records, session), strict=True):
         as_dict = Alert.decode(raw).to_dict(session)
         assert got == (as_dict["alert_id"], json.dumps(as_dict, separators=(",", ":")))
+
+
+FIELD_BYTES = b' \t\n\x0b\x0c\r\x1c\x1f\x7f\x80\xff"\\aZ'  # what rstrip strips, json escapes, ascii refuses
+CLIENT_AND_STOCK = (st.binary(min_size=24, max_size=24)
+                    | st.lists(st.sampled_from(FIELD_BYTES), min_size=24, max_size=24).map(bytes))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+def test_the_c_alert_lines_were_built_where_a_compiler_exists():
+    assert sinks._alert_lines_c is not None
+
+
+@pytest.mark.skipif(sinks._alert_lines_c is None, reason="built without a C compiler")
+@settings(max_examples=400)
+@given(st.text(st.characters(max_codepoint=127), max_size=12),
+       st.lists(st.tuples(U64, U64, CLIENT_AND_STOCK, I64), max_size=5))
+def test_c_and_pure_alert_lines_are_the_same(session, fields):
+    """The C lines (any ASCII session) are alert_lines_pure's, for client and stock bytes of every kind:
+    whitespace that str.rstrip strips (or not, inside), control bytes, quotes, backslashes, bytes above
+    127; and each is an AlertLine."""
+    records = [Alert(emit, pseq, emit ^ pseq, pseq >> 1, field[:16], field[16:], stamp, -stamp - 1, stamp).encode()
+               for emit, pseq, field, stamp in fields]
+    got = sinks.alert_lines(records, session)
+    assert got == sinks.alert_lines_pure(records, session)
+    assert all(type(line) is sinks.AlertLine for line in got)
