@@ -6,7 +6,7 @@ APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -y -qq
 
 .PHONY: demo test test-loaded bench sysdeps clean
 
-$(STAMP): pyproject.toml setup.py protocol/_speedups.c replicas/_audit.c
+$(STAMP): pyproject.toml setup.py $(wildcard */_*.c)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
