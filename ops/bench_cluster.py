@@ -8,7 +8,10 @@ the end of the session cancel out. (The window opens after the load built its tr
 cluster idled meanwhile, for a time that grew with the run, ~0.3 µs a message at any rate.) The
 achieved rate and the latencies are the long run's. The time the processes' threads were ready
 to run but waited for a core (/proc/PID/task/*/schedstat) is differenced the same way: on two
-cores shared by nine processes, that queueing is what the latency's tail is made of. Figures,
+cores shared by nine processes, that queueing is what the latency's tail is made of; and so are
+the times their threads were put on a core (each wake-up, each return after a preemption), a
+1,000 messages: each starts with cold caches, and the same code costs 2-4x in the cluster what
+it costs alone (docs/performance.md, eighth sitting of 2026-11-28). Figures,
 never pass/fail. The host's speed (`tape bench protocol`'s encode rate) is measured before and
 after the ladder and printed with it: figures from hosts or hours at other speeds compare only
 beside it.
@@ -33,10 +36,10 @@ from tape.protocol.moldudp64 import DEFAULT_MAX_PACKET
 PROCESSES = ("leader", "standby", "rw-1", "rw-2", *REPLICAS, "emitter", "load")
 
 
-def marginal_us(short: dict, long: dict, key: str = "cpu_s") -> dict[str, float]:
+def marginal_us(short: dict, long: dict, key: str = "cpu_s", per: float = 1e6) -> dict[str, float]:
     """Per process, CPU µs per message sequenced (`key` "wait_s": µs ready to run but waiting for
-    a core), from two runs' reports (the sequencers named by role: whichever led the long run is
-    the leader)."""
+    a core; "scheduled" with `per` 1,000: times put on a core a 1,000 messages), from two runs'
+    reports (the sequencers named by role: whichever led the long run is the leader)."""
     extra = long["sequenced"] - short["sequenced"]
     if extra <= 0:
         raise ValueError("the long run sequenced no more than the short one")
@@ -48,7 +51,7 @@ def marginal_us(short: dict, long: dict, key: str = "cpu_s") -> dict[str, float]
         return {**seconds, "leader": seconds.pop(leader, 0.0), "standby": seconds.pop(standby, 0.0)}
 
     a, b = by_role(short), by_role(long)
-    out = {p: (b.get(p, 0.0) - a.get(p, 0.0)) * 1e6 / extra for p in PROCESSES}
+    out = {p: (b.get(p, 0.0) - a.get(p, 0.0)) * per / extra for p in PROCESSES}
     out["whole cluster"] = sum(out.values())
     return out
 
@@ -75,7 +78,8 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
                          "stamped_to_published_ms": long.get("commit_ms", {}),
                          "submit_to_sequenced_ms": long["submit_to_sequenced_ms"],
                          "us_per_msg": marginal_us(short, long),
-                         "wait_us_per_msg": marginal_us(short, long, "wait_s")})
+                         "wait_us_per_msg": marginal_us(short, long, "wait_s"),
+                         "scheduled_per_1000_msgs": marginal_us(short, long, "scheduled", per=1000)})
     speeds = (speed_before, host_speed())
     for row in rows:
         row["host_encode_msgs_per_s"] = [round(s) for s in speeds]
@@ -119,4 +123,6 @@ def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int, spe
         table.add_row(p if p != "whole cluster" else "[bold]whole cluster[/bold]",
                       *(f"{r['us_per_msg'][p]:.2f}" for r in rows))
     table.add_row("waiting for a core, all processes", *(f"{r['wait_us_per_msg']['whole cluster']:.2f}" for r in rows))
+    table.add_row("put on a core a 1,000 messages, all", *(f"{r['scheduled_per_1000_msgs']['whole cluster']:.1f}"
+                                                           for r in rows))
     return table

@@ -657,8 +657,9 @@ def _add_bench(sub) -> None:
                          description="For each rate, run the whole tape up topology for --short and --long seconds; "
                                      "print per process the CPU µs per message (the long run's CPU minus the short "
                                      "one's, over the extra messages, read from /proc), the time all of them waited "
-                                     "for a core (the same way, from /proc/PID/task/*/schedstat; per process in "
-                                     "--out), the achieved rate and the latency percentiles, and the host's speed "
+                                     "for a core and how often they were put on one, a 1,000 messages (the same "
+                                     "way, from /proc/PID/task/*/schedstat; per process in --out), the achieved "
+                                     "rate and the latency percentiles, and the host's speed "
                                      "before and after (tape bench protocol's encode rate). A run whose verdict "
                                      "fails keeps its files "
                                      "(a temporary directory, named with the failed checks).")

@@ -12,7 +12,7 @@ import time
 
 from tape.node.gctune import tune_gc
 from tape.ops.config import Config
-from tape.ops.local import run_delay_seconds
+from tape.ops.local import run_delay_seconds, scheduled_count
 from tape.ops.tradegen import TradeGenerator
 from tape.sequencer.client import sharing_listeners
 
@@ -73,6 +73,7 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
     ahead = max(0, min(total, PREGENERATED_MAX) - resumed) // len(clients)
     trades = [Trades(g, min(ahead, quotas[i] - done[i])) for i, g in enumerate(gens)]
     cpu_before, wait_before = _cpu_seconds(), run_delay_seconds() or 0.0  # the measured window starts here
+    scheduled_before = scheduled_count() or 0
     log.info("%s: %d at %.0f/s", SENDING, total - resumed, rate)
     t0 = time.monotonic()
     turn = 0
@@ -108,6 +109,7 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
         "gap_requests": sum(listener.requests_sent for listener in listeners),
         "cpu_s": round(_cpu_seconds() - cpu_before, 3),  # while submitting and listening (not building trades)
         "wait_s": round((run_delay_seconds() or 0.0) - wait_before, 3),  # ready to run, without a core
+        "scheduled": (scheduled_count() or 0) - scheduled_before,  # put on a core (wake-ups, preemptions)
         "build_cpu_s": round(cpu_before, 3),  # start-up and the trades built ahead
     }
     for c in clients:

@@ -196,6 +196,16 @@ class LocalCluster:
                 out[name] = waited
         return out
 
+    def times_scheduled(self) -> dict[str, int]:
+        """How often each live process's threads were put on a core so far (each wake-up, and each
+        return after being preempted)."""
+        out = {}
+        for name, proc in self.procs.items():
+            count = scheduled_count(proc.pid)
+            if count is not None:
+                out[name] = count
+        return out
+
     def journal_dump(self, node: str) -> list[dict]:
         out = subprocess.run(TAPE + ["journal", "dump", str(self.journal_dir(node))],
                              capture_output=True, text=True, check=True)
@@ -244,7 +254,18 @@ def task_cpu_seconds(pid: int | str = "self") -> float | None:
     return _schedstat_seconds(pid, 0)
 
 
+def scheduled_count(pid: int | str = "self") -> int | None:
+    """How often the threads of process `pid` were put on a core (/proc/PID/task/*/schedstat, its
+    third field: each wake-up and each return after a preemption); None as for run_delay_seconds."""
+    return _schedstat_sum(pid, 2)
+
+
 def _schedstat_seconds(pid: int | str, field: int) -> float | None:
+    total = _schedstat_sum(pid, field)
+    return None if total is None else total / 1e9
+
+
+def _schedstat_sum(pid: int | str, field: int) -> int | None:
     total = 0
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
@@ -254,4 +275,4 @@ def _schedstat_seconds(pid: int | str, field: int) -> float | None:
                 continue  # a thread that ended meanwhile
     except OSError:
         return None
-    return total / 1e9
+    return total

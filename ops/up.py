@@ -99,6 +99,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             timing = _voter_timing(cluster)
             cpu = _since(opened[0], _cpu_when_applied(cluster)) if drill is None and opened else {}
             waited = _since(opened[1], cluster.wait_seconds()) if cpu else {}  # ready to run, without a core
+            scheduled = _since(opened[2], cluster.times_scheduled()) if cpu else {}  # put on a core
             _stop_in_order(cluster)
         except (ClusterError, FaultUnavailable) as e:  # fail now, saying why, rather than wait for a verdict
             report = _aborted(console, what, str(e), drill)
@@ -109,6 +110,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
                 load = json.loads(cluster.output("load") or "{}")
                 report["cpu_s"] = {**cpu, "load": load.get("cpu_s", 0.0)}
                 report["wait_s"] = {**waited, "load": load.get("wait_s", 0.0)}
+                report["scheduled"] = {**scheduled, "load": load.get("scheduled", 0)}
     finally:
         cluster.close()
         if drill:
@@ -216,7 +218,7 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, slack_s: floa
                 awaited = "the load to finish" if cluster.alive("load") else f"the drill's heal ({drill.name})"
                 raise ClusterError(f"still waiting for {awaited} {now - t0 - duration:.0f} s after the run's end")
             if opened is None and _load_sending(cluster):
-                opened = cluster.cpu_seconds(), cluster.wait_seconds()
+                opened = cluster.cpu_seconds(), cluster.wait_seconds(), cluster.times_scheduled()
                 t0, deadline = now, now + duration + slack_s
                 progress.update(task, description="load")
             if drill and opened:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,15 @@ from rich.console import Console
 
 from tape.ops import bench_cluster
 from tape.ops.bench_cluster import PROCESSES, marginal_us
+from tape.ops.local import scheduled_count
 
 pytestmark = pytest.mark.process
 
 
 def report(sequenced, leader, **cpu):
     return {"sequenced": sequenced, "terms": [{"leader": leader}], "cpu_s": cpu,
-            "wait_s": {name: 2 * seconds for name, seconds in cpu.items()}}
+            "wait_s": {name: 2 * seconds for name, seconds in cpu.items()},
+            "scheduled": {name: round(1000 * seconds) for name, seconds in cpu.items()}}
 
 
 def test_the_marginal_cost_is_the_difference_over_the_extra_messages_by_role():
@@ -35,8 +38,17 @@ def test_the_marginal_cost_is_the_difference_over_the_extra_messages_by_role():
     assert us["whole cluster"] == pytest.approx(sum(us[p] for p in PROCESSES))
     waited = marginal_us(short, long, "wait_s")  # the time ready to run without a core, the same way
     assert waited["leader"] == pytest.approx(2 * us["leader"]) and waited["rw-1"] == pytest.approx(8.0)
+    runs = marginal_us(short, long, "scheduled", per=1000)  # times put on a core, a 1,000 messages
+    assert runs["leader"] == pytest.approx((900 - 1000) * 1000 / 10_000) and runs["rw-1"] == pytest.approx(4.0)
     with pytest.raises(ValueError):
         marginal_us(long, short)
+
+
+def test_a_process_is_counted_put_on_a_core_once_a_wake_up():
+    before = scheduled_count()
+    for _ in range(50):
+        time.sleep(0.002)  # each sleep: off the core, then back on it when the timer fires
+    assert 50 <= scheduled_count() - before <= 500
 
 
 def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
@@ -55,8 +67,9 @@ def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
     # (seen: make test, 2026-11-27); the whole cluster's and the leader's do not.
     assert row["us_per_msg"]["whole cluster"] > 0 and row["us_per_msg"]["leader"] > 0, row["us_per_msg"]
     assert all(math.isfinite(row["us_per_msg"][p]) for p in PROCESSES), row["us_per_msg"]
-    assert set(row["wait_us_per_msg"]) == {*PROCESSES, "whole cluster"}
-    assert "whole cluster" in out.stdout and "waiting for a core" in out.stdout
+    assert set(row["wait_us_per_msg"]) == set(row["scheduled_per_1000_msgs"]) == {*PROCESSES, "whole cluster"}
+    assert row["scheduled_per_1000_msgs"]["whole cluster"] > 0 and row["scheduled_per_1000_msgs"]["leader"] > 0
+    assert "whole cluster" in out.stdout and "waiting for a core" in out.stdout and "put on a core" in out.stdout
     before, after = row["host_encode_msgs_per_s"]  # the host's speed, beside the figures
     printed = " ".join(out.stdout.split())  # (the caption may wrap)
     assert before > 0 and after > 0 and f"{before / 1e6:.2f} / {after / 1e6:.2f} M msg/s encoded" in printed

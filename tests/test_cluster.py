@@ -39,9 +39,11 @@ def test_tape_up_with_5_percent_loss_and_jumbo_packets_passes(tmp_path):
     lat = report["latency_ms"]  # inbound (sequencer stamp) to applied, measured by the replicas
     assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
     # Each process's CPU, and the time its threads were ready to run but waited for a core
-    assert set(report["cpu_s"]) == set(report["wait_s"]) == {"seq-a", "seq-b", "rw-1", "rw-2", *REPLICAS,
-                                                             "emitter", "load"}
+    assert set(report["cpu_s"]) == set(report["wait_s"]) == set(report["scheduled"]) == {
+        "seq-a", "seq-b", "rw-1", "rw-2", *REPLICAS, "emitter", "load"}
     assert all(report["cpu_s"][p] > 0 and report["wait_s"][p] > 0 for p in ("seq-a", "replica-A", "load"))
+    # ... and how often its threads were put on a core (each wake-up, each return after a preemption)
+    assert all(isinstance(n, int) and n > 0 for n in report["scheduled"].values()), report["scheduled"]
     assert (tmp_path / "alerts.jsonl").exists() and (tmp_path / "journal" / "rw-1").is_dir()
     # Each packet ends with a seal that counts its entries: more than a 1,400-byte packet holds (17).
     seals = [M.SEQUENCED.unpack(raw)[2] for _, _, raw in Journal(tmp_path / "journal" / "seq-a", readonly=True).read()
