@@ -39,9 +39,11 @@ DONE_ALONE_AFTER_NS = 100_000_000
 # long after the first batch not yet recorded, in one transaction: the replicas keep their alerts
 # (and resend them after a crash) until then, and LMDB syncs ~50 times a second, not once a batch.
 RECORD_AFTER_NS = 20_000_000
-# The emitter answers replicas' alert batches at most this often, one acknowledgement covering
-# every batch since: an answer a batch woke each replica hundreds of times a second.
-ACK_EVERY_NS = 5_000_000
+# The emitter tells each replica the recorded mark at most this often, one acknowledgement covering
+# every record since: each is a sealed write and a replica woken to trim its outbox. At 5 ms (every
+# record, 20 ms apart) the replicas' CPU was 3-9% and the emitter's 4-13% above what it is at 100 ms
+# (docs/performance.md, eighth sitting of 2026-11-28); a replica keeps ~0.1 s more alerts meanwhile.
+ACK_EVERY_NS = 100_000_000
 
 # --- the leader's batches ----------------------------------------------------------------
 # A batch is one journal append and one replication frame: the leader cuts a drain
