@@ -189,21 +189,20 @@ class LocalCluster:
 
     def wait_seconds(self) -> dict[str, float]:
         """Time each live process's threads were ready to run but waited for a core, so far."""
-        out = {}
-        for name, proc in self.procs.items():
-            waited = run_delay_seconds(proc.pid)
-            if waited is not None:
-                out[name] = waited
-        return out
+        return self._of_each_live(run_delay_seconds)
 
     def times_scheduled(self) -> dict[str, int]:
         """How often each live process's threads were put on a core so far (each wake-up, and each
         return after being preempted)."""
+        return self._of_each_live(scheduled_count)
+
+    def _of_each_live(self, read) -> dict:
+        """read(pid) of each process, for those it can still read."""
         out = {}
         for name, proc in self.procs.items():
-            count = scheduled_count(proc.pid)
-            if count is not None:
-                out[name] = count
+            value = read(proc.pid)
+            if value is not None:
+                out[name] = value
         return out
 
     def journal_dump(self, node: str) -> list[dict]:
