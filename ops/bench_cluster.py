@@ -8,11 +8,11 @@ the end of the session cancel out. (The window opens after the load built its tr
 cluster idled meanwhile, for a time that grew with the run, ~0.3 µs a message at any rate.) The
 achieved rate and the latencies are the long run's. The time the processes' threads were ready
 to run but waited for a core (/proc/PID/task/*/schedstat) is differenced the same way: on two
-cores shared by nine processes, that queueing is what the latency's tail is made of; and so are
-the times their threads were put on a core (each wake-up, each return after a preemption), a
-1,000 messages: each starts with cold caches, and the same code costs 2-4x in the cluster what
-it costs alone (docs/performance.md, eighth sitting of 2026-11-28). Figures,
-never pass/fail. The host's speed (`tape bench protocol`'s encode rate) is measured before and
+cores shared by nine processes, that queueing is what the latency's tail is made of. So is how
+often their threads were put on a core (each wake-up, each return after a preemption), given a
+1,000 messages: each time starts with cold caches, and the same code costs 2-4x in the cluster
+what it costs alone (docs/performance.md, eighth sitting of 2026-11-28). Figures, never
+pass/fail. The host's speed (`tape bench protocol`'s encode rate) is measured before and
 after the ladder and printed with it: figures from hosts or hours at other speeds compare only
 beside it.
 """

@@ -41,7 +41,7 @@ DONE_ALONE_AFTER_NS = 100_000_000
 RECORD_AFTER_NS = 20_000_000
 # The emitter tells each replica the recorded mark at most this often, one acknowledgement covering
 # every record since: each is a sealed write and a replica woken to trim its outbox. At 5 ms (every
-# record, 20 ms apart) the replicas' CPU was 3-9% and the emitter's 4-13% above what it is at 100 ms
+# record, 20 ms apart) the replicas' CPU was 4-11% and the emitter's 4-15% above what it is at 100 ms
 # (docs/performance.md, eighth sitting of 2026-11-28); a replica keeps ~0.1 s more alerts meanwhile.
 ACK_EVERY_NS = 100_000_000
 
