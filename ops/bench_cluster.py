@@ -31,7 +31,6 @@ from rich.table import Table
 
 from tape.ops.bench import host_speed
 from tape.ops.up import REPLICAS, run_up
-from tape.protocol.moldudp64 import DEFAULT_MAX_PACKET
 
 PROCESSES = ("leader", "standby", "rw-1", "rw-2", *REPLICAS, "emitter", "load")
 
@@ -73,7 +72,7 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
                 console.print(f"{rate:,.0f} msg/s: a run aborted ({short.get('aborted') or long.get('aborted')})")
                 continue
             rows.append({"rate_offered": rate, "rate_achieved": long["rate_msgs_per_s"],
-                         "verdict": long["verdict"], "terms": len(long["terms"]),
+                         "verdict": long["verdict"], "terms": len(long["terms"]), "max_packet": long["max_packet"],
                          "inbound_to_applied_ms": long["latency_ms"],
                          "stamped_to_published_ms": long.get("commit_ms", {}),
                          "submit_to_sequenced_ms": long["submit_to_sequenced_ms"],
@@ -83,7 +82,7 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
     speeds = (speed_before, host_speed())
     for row in rows:
         row["host_encode_msgs_per_s"] = [round(s) for s in speeds]
-    console.print(_table(rows, short_s, long_s, max_packet or DEFAULT_MAX_PACKET, speeds))
+    console.print(_table(rows, short_s, long_s, rows[0]["max_packet"] if rows else max_packet, speeds))
     if out:
         Path(out).write_text(json.dumps(rows, indent=1))
         console.print(f"figures: {out}")
@@ -104,9 +103,11 @@ def _run_keeping_failures(console: Console, rate: float, seconds: float, max_pac
     return report
 
 
-def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int, speeds: tuple[float, float]) -> Table:
-    table = Table(title=f"tape bench cluster: marginal CPU µs per message ({long_s:g} s run minus {short_s:g} s run, "
-                        f"packets of {max_packet:,} bytes)",
+def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int | None,
+           speeds: tuple[float, float]) -> Table:
+    packets = f", packets of {max_packet:,} bytes" if max_packet else ""
+    table = Table(title=f"tape bench cluster: marginal CPU µs per message ({long_s:g} s run minus {short_s:g} s run"
+                        f"{packets})",
                   caption=f"host speed, before / after: {speeds[0] / 1e6:.2f} / {speeds[1] / 1e6:.2f} M msg/s "
                           "encoded (tape bench protocol's encode)")
     table.add_column("offered msg/s")

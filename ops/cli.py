@@ -411,8 +411,8 @@ def _add_up(sub) -> None:
 
 def _add_max_packet(p) -> None:
     p.add_argument("--max-packet", type=int, default=None, metavar="BYTES",
-                   help="the stream's packet size, [stream] max_packet (default 1400; e.g. 8972 for jumbo frames: "
-                        "loopback carries 64 KiB datagrams)")
+                   help="the stream's packet size, [stream] max_packet (default 8972 on loopback, a jumbo frame's "
+                        "payload; 1400 on a LAN, an Ethernet frame's)")
 
 
 def _add_sim(sub) -> None:

@@ -53,22 +53,21 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
     """Run the cluster under load (with `drill`'s fault, if any); returns the report. A node that
     exits unbidden, or a load still running `slack_s` after `duration`, aborts the run (verdict fail).
     `lan`: over five hosts (network namespaces, ops/lan.py) instead of one host's loopback.
-    `max_packet`: the stream's packet size (`[stream] max_packet`; e.g. 8972 for jumbo frames).
+    `max_packet`: the stream's packet size (`[stream] max_packet`; default: config.default_toml's).
     The replicas' books are sized for the orders the run's trades open (`[audit] books_expected`)."""
-    extra = (f"max_packet = {max_packet}\n" if max_packet else "") + \
-        f"[audit]\nbooks_expected = {orders_in(int(rate * duration))}"
+    extra = f"[audit]\nbooks_expected = {orders_in(int(rate * duration))}"
     if not lan:
-        return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, None, extra)
+        return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, None, extra, max_packet)
     from tape.ops.lan import Lan, LanUnavailable
 
     try:
         with Lan(LAN_HOSTS + (1 if getattr(drill, "webhook", False) else 0)) as net:
-            return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra)
+            return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra, max_packet)
     except LanUnavailable as e:
         return _aborted(console or Console(), "the LAN", f"cannot build it here: {e}", drill)
 
 
-def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra) -> dict:
+def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra, max_packet) -> dict:
     console = console or Console()
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="tape-up-"))
     if out and root.exists():
@@ -76,11 +75,13 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
     root.mkdir(parents=True, exist_ok=True)
     total = int(rate * duration)
     if net is None:
-        cluster = LocalCluster(root, replicas=3, sequencers=len(SEQUENCERS), delivery=delivery, extra=extra)
+        cluster = LocalCluster(root, replicas=3, sequencers=len(SEQUENCERS), delivery=delivery, extra=extra,
+                               max_packet=max_packet)
     else:
         from tape.ops.lan import LanCluster
 
-        cluster = LanCluster(root, net, extra, delivery=delivery, webhook=getattr(drill, "webhook", False))
+        cluster = LanCluster(root, net, extra, delivery=delivery, webhook=getattr(drill, "webhook", False),
+                             max_packet=max_packet)
     what = f"drill [bold]{drill.name}[/bold]" if drill else "[bold]tape up[/bold]"
     where = f"over {len(net.hosts)} hosts ({', '.join(net.addresses)})" if net else "on loopback"
     try:

@@ -29,7 +29,8 @@ BLOCK_LEN = struct.Struct(">H")
 HEARTBEAT_COUNT = 0
 END_OF_SESSION_COUNT = 0xFFFF
 MAX_BLOCKS = 0xFFFE
-DEFAULT_MAX_PACKET = 1400  # whole UDP payload, header included
+DEFAULT_MAX_PACKET = 1400  # whole UDP payload, header included: a 1,500-byte Ethernet frame's, with room to spare
+JUMBO_MAX_PACKET = 8972  # a 9,000-byte jumbo frame's UDP payload; what a loopback cluster uses (docs/decisions.md)
 MAX_UDP_PAYLOAD = 65507
 SESSION_LEN = 10
 

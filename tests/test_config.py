@@ -10,6 +10,8 @@ def test_default_config_is_a_loopback_cluster():
     assert [n.role for n in cfg.nodes] == ["sequencer", "sequencer", "rewinder", "rewinder"]  # leader + standby
     assert cfg.interface == "127.0.0.1" and cfg.group == "239.77.0.1"
     assert default("/tmp/x").port == cfg.port  # fixed: separate processes agree
+    assert cfg.max_packet == 8972  # no frame limits a datagram on loopback: a jumbo frame's packets
+    assert parse(tomllib.loads(default_toml("/tmp/x", max_packet=2000))).max_packet == 2000
 
 
 @pytest.mark.parametrize("edit, key", [
@@ -63,6 +65,7 @@ def test_a_lan_config_puts_each_voter_on_its_own_host_and_each_node_on_its_hosts
     assert [where[v] for v in ("seq-a", "seq-b", "rw-1", "rw-2")] == HOSTS[:4]
     assert {where[r] for r in ("replica-A", "replica-B", "replica-C", "emitter")} == {HOSTS[4]}
     assert all(cfg.interface_of(n) == n.host for n in cfg.nodes) and cfg.interface == ""
+    assert cfg.max_packet == 1400  # an Ethernet frame's, unless the LAN is known to carry jumbo frames
     assert cfg.interface_of(cfg.clients[0]) == HOSTS[4]
     three = {n.name: n.host for n in lan(HOSTS[:3]).nodes}  # fewer hosts than voters: round robin
     assert three["rw-2"] == HOSTS[0] and three["emitter"] in HOSTS[:3]
