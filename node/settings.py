@@ -55,6 +55,7 @@ class Config:
     # [stream]
     interface: str = ""  # one multicast interface for every node: only where each host has it (a name, loopback)
     max_packet: int = moldudp64.DEFAULT_MAX_PACKET
+    seal: str = "blake2b"  # the hash of the leader's seals (protocol/streamauth.py SEALS); listeners check either
     heartbeat_ms: int = 1000
     tick_ms: int = 1000
     # [journal]
@@ -82,7 +83,7 @@ class Config:
         """The stream's StreamKeys, or None without a stream key."""
         from tape.protocol.streamauth import StreamKeys
 
-        return StreamKeys(self.stream_keys) if self.stream_keys else None
+        return StreamKeys(self.stream_keys, self.seal) if self.stream_keys else None
 
     @property
     def cluster_link(self):

@@ -71,7 +71,7 @@ def _stream(cluster: LocalCluster, n: int) -> tuple[list[bytes], int]:
     origin = moldudp64.session_bytes(client.name)
     batches = ClientCore(origin, client.key, cfg.max_packet, 10**12).submit(TradeGenerator(seed=5).take(n), 0)
     core = LeaderCore(cfg.session_bytes, cfg.node("seq-a").wire_name, 1, [], {origin: client.key},
-                      max_packet=cfg.max_packet, stream_keys=StreamKeys(cfg.stream_keys))
+                      max_packet=cfg.max_packet, stream_keys=StreamKeys(cfg.stream_keys, cfg.seal))
     packets, stamp = [], time.time_ns()
     for i in range(0, len(batches), 40):
         for data in batches[i:i + 40]:

@@ -1,7 +1,7 @@
 """Cluster configuration: one TOML file, or the embedded loopback default.
 
     session = "TAPE"
-    [stream]    group, port, max_packet, heartbeat_ms, tick_ms; interface (one
+    [stream]    group, port, max_packet, seal, heartbeat_ms, tick_ms; interface (one
                 multicast interface for every node and client: only where
                 every host has it, e.g. loopback or a common interface name)
     [journal]   fsync ("batch" | "never" | ms), segment_mb
@@ -44,6 +44,7 @@ from tape.node.transport import free_port
 from tape.protocol import moldudp64
 from tape.protocol.limits import MAX_BOOKS_EXPECTED
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
+from tape.protocol.streamauth import BLAKE3_SEALS_FROM, SEALS
 from tape.replicas.emitter_core import DELIVERY
 
 MIN_PACKET = 120  # a header and one sequenced block, with room to spare
@@ -135,11 +136,14 @@ def _parse_stream(stream: dict, session: str) -> Config:
         port=_port(stream, "port", "stream.", required=True),
         interface=_opt(stream, "interface", str, "stream."),
         max_packet=_opt(stream, "max_packet", int, "stream."),
+        seal=_opt(stream, "seal", str, "stream."),
         heartbeat_ms=_opt(stream, "heartbeat_ms", int, "stream."),
         tick_ms=_opt(stream, "tick_ms", int, "stream."),
     )
     if not MIN_PACKET <= cfg.max_packet <= moldudp64.MAX_UDP_PAYLOAD:
         raise ConfigError(f"stream.max_packet: {cfg.max_packet} outside {MIN_PACKET}..{moldudp64.MAX_UDP_PAYLOAD}")
+    if cfg.seal not in SEALS:
+        raise ConfigError(f"stream.seal: {cfg.seal!r}: use one of {', '.join(map(repr, SEALS))}")
     _positive(cfg, "stream.", "heartbeat_ms", "tick_ms")
     return cfg
 
@@ -303,6 +307,8 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
     data = Path(data_dir)
     max_packet = max_packet or (None if hosts else moldudp64.JUMBO_MAX_PACKET)
     shared = ("" if hosts else '\ninterface = "127.0.0.1"') + (f"\nmax_packet = {max_packet}" if max_packet else "")
+    if max_packet and max_packet >= BLAKE3_SEALS_FROM:  # BLAKE3 hashes a packet's 1 KiB chunks side by side
+        shared += '\nseal = "blake3"'
     lines = [
         'session = "TAPE"',
         f'[stream]\ngroup = "{group}"\nport = {port()}{shared}\nheartbeat_ms = 200\ntick_ms = 1000',

@@ -26,8 +26,9 @@
  *                      (moldudp64.py)
  *   inbound_rejects    a client batch's blocks checked and what the ingress
  *                      checks reject (messages.py)
- *   verify_sealed      a stream packet's seal checked, its keyed BLAKE2b tag
- *                      recomputed (protocol/streamauth.py)
+ *   verify_sealed      a stream packet's seal checked, its keyed tag
+ *                      recomputed: BLAKE2b here, BLAKE3 by the tagger
+ *                      set_blake3_tagger registers (protocol/streamauth.py)
  *   good_stream_packet every check a listener makes of a data packet, in one
  *                      call, for the packets that pass them all (the Python
  *                      checks beside it name what is wrong with the others:
@@ -682,11 +683,50 @@ static void blake2b_parts(unsigned char *out, size_t outlen, int nparts, const u
 #define SEAL_SIZE SEQUENCED_SIZE
 #define SEAL_AT_TAG 17      /* inside the seal: 'A' | first seq u64 | entries i64 | tag 16 | key id 8 | ... */
 #define SEAL_AT_KEY_ID 33
+#define SEAL_AT_ALGORITHM 41  /* u64 after the key id: which hash makes the tag */
+#define SEAL_BLAKE2B 0
+#define SEAL_BLAKE3 1
 #define TAG_SIZE 16
 #define AUTH_TYPE 'A'
 
-/* Why the seal of the packet p[0..n) does not hold ("unsealed", "unknown_key", "bad_tag"), NULL if it
- * does; NULL with *failed set and an exception raised if `keys` (key id -> key) is unusable. */
+/* fn(key, packet with its tag zeroed) -> the 16-byte BLAKE3 tag: the `blake3` package's hash, the
+ * only BLAKE3 this build has (protocol/streamauth.py registers it at import). */
+static PyObject *blake3_tagger = NULL;
+
+static PyObject *set_blake3_tagger(PyObject *self, PyObject *fn) {
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "the BLAKE3 tagger must be callable");
+        return NULL;
+    }
+    Py_XSETREF(blake3_tagger, Py_NewRef(fn));
+    Py_RETURN_NONE;
+}
+
+/* The BLAKE3 tag of the packet p[0..n) with its tag (at `at`) zeroed, into out: 0, or -1 with an
+ * exception raised. */
+static int blake3_tag(unsigned char out[TAG_SIZE], PyObject *key, const unsigned char *p, Py_ssize_t n, size_t at) {
+    if (blake3_tagger == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "no BLAKE3 tagger registered (protocol/streamauth.py does it)");
+        return -1;
+    }
+    PyObject *unsigned_packet = PyBytes_FromStringAndSize((const char *)p, n);
+    if (unsigned_packet == NULL) return -1;
+    memset(PyBytes_AS_STRING(unsigned_packet) + at, 0, TAG_SIZE);
+    PyObject *tag = PyObject_CallFunctionObjArgs(blake3_tagger, key, unsigned_packet, NULL);
+    Py_DECREF(unsigned_packet);
+    if (tag == NULL) return -1;
+    if (!PyBytes_Check(tag) || PyBytes_GET_SIZE(tag) != TAG_SIZE) {
+        Py_DECREF(tag);
+        PyErr_SetString(PyExc_ValueError, "the BLAKE3 tagger must return 16 bytes");
+        return -1;
+    }
+    memcpy(out, PyBytes_AS_STRING(tag), TAG_SIZE);
+    Py_DECREF(tag);
+    return 0;
+}
+
+/* Why the seal of the packet p[0..n) does not hold ("unsealed", "unknown_seal", "unknown_key", "bad_tag"),
+ * NULL if it does; NULL with *failed set and an exception raised if `keys` (key id -> key) is unusable. */
 static const char *seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *keys, int *failed) {
     *failed = 0;
     if (n < 20 + SEALED_BLOCK) return "unsealed";
@@ -694,6 +734,8 @@ static const char *seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *
     const unsigned char *seal = p + n - SEAL_SIZE;
     if ((uint64_t)n != 20 + count * SEALED_BLOCK || seal[0] != AUTH_TYPE || get_u64(seal + 1) != seq ||
         get_u64(seal + 9) != count - 1) return "unsealed";
+    uint64_t algorithm = get_u64(seal + SEAL_AT_ALGORITHM);
+    if (algorithm != SEAL_BLAKE2B && algorithm != SEAL_BLAKE3) return "unknown_seal";
     PyObject *id = PyBytes_FromStringAndSize((const char *)seal + SEAL_AT_KEY_ID, 8);
     if (id == NULL) { *failed = 1; return NULL; }
     PyObject *key = PyDict_GetItemWithError(keys, id);  /* borrowed */
@@ -710,13 +752,17 @@ static const char *seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *
     const unsigned char *part[3] = {p, zero, p + at + TAG_SIZE};
     size_t len[3] = {at, TAG_SIZE, (size_t)n - at - TAG_SIZE};
     unsigned char tag[TAG_SIZE], diff = 0;
-    blake2b_keyed_parts(tag, TAG_SIZE, (const unsigned char *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
-                        3, part, len);
+    if (algorithm == SEAL_BLAKE3) {
+        if (blake3_tag(tag, key, p, n, at) < 0) { *failed = 1; return NULL; }
+    } else {
+        blake2b_keyed_parts(tag, TAG_SIZE, (const unsigned char *)PyBytes_AS_STRING(key),
+                            (size_t)PyBytes_GET_SIZE(key), 3, part, len);
+    }
     for (int i = 0; i < TAG_SIZE; i++) diff |= tag[i] ^ p[at + i];  /* in constant time */
     return diff ? "bad_tag" : NULL;
 }
 
-/* verify_sealed(packet, keys_by_id) -> None, or why not: "unsealed", "unknown_key", "bad_tag". */
+/* verify_sealed(packet, keys_by_id) -> None, or why not: "unsealed", "unknown_seal", "unknown_key", "bad_tag". */
 static PyObject *verify_sealed(PyObject *self, PyObject *args) {
     Py_buffer data;
     PyObject *keys;
@@ -779,22 +825,25 @@ done:
     return out == NULL ? NULL : Py_NewRef(out);
 }
 
-/* seal_run(entries, per, session, first_seq, stamp, origin, key, key_id) -> (sealed, packets): the
- * entries (sequenced messages) cut `per` to a packet, each packet ended by its seal; `sealed` the
- * entries with each seal in its place, `packets` the sealed packets. protocol/streamauth.py's
- * StreamKeys.seal_run_pure is the definition. */
+/* seal_run(entries, per, session, first_seq, stamp, origin, key, key_id, algorithm) -> (sealed, packets):
+ * the entries (sequenced messages) cut `per` to a packet, each packet ended by its seal, its tag made by
+ * `algorithm` (SEAL_BLAKE2B, SEAL_BLAKE3); `sealed` the entries with each seal in its place, `packets`
+ * the sealed packets. protocol/streamauth.py's StreamKeys.seal_run_pure is the definition. */
 static PyObject *seal_run(PyObject *self, PyObject *args) {
-    PyObject *entries;
-    Py_ssize_t per, session_len, origin_len, key_len, id_len;
+    PyObject *entries, *key_object;
+    Py_ssize_t per, session_len, origin_len, id_len;
     unsigned long long first, stamp;
-    const char *session, *origin, *key, *key_id;
-    if (!PyArg_ParseTuple(args, "Ony#KKy#y#y#:seal_run", &entries, &per, &session, &session_len, &first, &stamp,
-                          &origin, &origin_len, &key, &key_len, &key_id, &id_len))
+    int algorithm;
+    const char *session, *origin, *key_id;
+    if (!PyArg_ParseTuple(args, "Ony#KKy#O!y#i:seal_run", &entries, &per, &session, &session_len, &first, &stamp,
+                          &origin, &origin_len, &PyBytes_Type, &key_object, &key_id, &id_len, &algorithm))
         return NULL;
+    const char *key = PyBytes_AS_STRING(key_object);
+    Py_ssize_t key_len = PyBytes_GET_SIZE(key_object);
     if (session_len != 10 || origin_len != 10 || id_len != 8 || key_len > 64 || per < 1 ||
-        per > 0xFFFE) {
+        per > 0xFFFE || (algorithm != SEAL_BLAKE2B && algorithm != SEAL_BLAKE3)) {
         PyErr_SetString(PyExc_ValueError, "seal_run: a 10-byte session and origin, an 8-byte key id, a key of "
-                                          "at most 64 bytes, 1 to 65534 entries a packet");
+                                          "at most 64 bytes, 1 to 65534 entries a packet, a known algorithm");
         return NULL;
     }
     PyObject *seq_of = PySequence_Fast(entries, "entries must be a sequence of bytes");
@@ -830,11 +879,18 @@ static PyObject *seal_run(PyObject *self, PyObject *args) {
         put_u64(seal + 1, seq);
         put_u64(seal + 9, (uint64_t)count);
         memcpy(seal + SEAL_AT_KEY_ID, key_id, 8);
+        put_u64(seal + SEAL_AT_ALGORITHM, (uint64_t)algorithm);
         put_u64(seal + SEAL_AT_KEY_ID + 16, stamp);
         memcpy(seal + SEAL_AT_KEY_ID + 24, origin, 10);
         const unsigned char *part[1] = {p};
         size_t len[1] = {(size_t)(20 + (count + 1) * SEALED_BLOCK)};
-        blake2b_keyed_parts(seal + SEAL_AT_TAG, TAG_SIZE, (const unsigned char *)key, (size_t)key_len, 1, part, len);
+        if (algorithm == SEAL_BLAKE3) {
+            if (blake3_tag(seal + SEAL_AT_TAG, key_object, p, (Py_ssize_t)len[0], (size_t)(seal - p) + SEAL_AT_TAG) < 0)
+                goto done;
+        } else {
+            blake2b_keyed_parts(seal + SEAL_AT_TAG, TAG_SIZE, (const unsigned char *)key, (size_t)key_len, 1, part,
+                                len);
+        }
         PyObject *seal_entry = PyBytes_FromStringAndSize((const char *)seal, SEQUENCED_SIZE);
         if (seal_entry == NULL) goto done;
         PyList_SET_ITEM(sealed, i + k, seal_entry);
@@ -1035,6 +1091,8 @@ static PyMethodDef methods[] = {
      "(session, seq, count) of a data packet every listener check passes, else None (protocol/listener.py)."},
     {"seal_run", seal_run, METH_VARARGS,
      "Entries cut into packets, each ended by its seal (protocol/streamauth.py's StreamKeys.seal_run_pure)."},
+    {"set_blake3_tagger", set_blake3_tagger, METH_O,
+     "Register fn(key, packet with its tag zeroed) -> the 16-byte BLAKE3 tag of a seal (protocol/streamauth.py)."},
     {"bucket_keys", bucket_keys, METH_VARARGS,
      "bucket_keys(joined, shift): the buckets sorted 8-byte ids fall in (replicas/snapshot.py)."},
     {"merge_buckets", merge_buckets, METH_VARARGS,

@@ -11,6 +11,7 @@ def test_default_config_is_a_loopback_cluster():
     assert cfg.interface == "127.0.0.1" and cfg.group == "239.77.0.1"
     assert default("/tmp/x").port == cfg.port  # fixed: separate processes agree
     assert cfg.max_packet == 8972  # no frame limits a datagram on loopback: a jumbo frame's packets
+    assert cfg.seal == "blake3" and cfg.stream_auth.algorithm == 1  # which BLAKE3 hashes faster than BLAKE2b
     assert parse(tomllib.loads(default_toml("/tmp/x", max_packet=2000))).max_packet == 2000
 
 
@@ -25,6 +26,7 @@ def test_default_config_is_a_loopback_cluster():
     (lambda d: d.update(colour="blue"), "colour: unknown key"),
     (lambda d: d.update(session="WAY TOO LONG"), "session:"),
     (lambda d: d["journal"].update(fsync="sometimes"), "journal.fsync"),
+    (lambda d: d["stream"].update(seal="md5"), "stream.seal: 'md5'"),
     (lambda d: d["stream"].update(tick_ms=0), "stream.tick_ms: must be positive"),
     (lambda d: d["stream"].update(heartbeat_ms=-5), "stream.heartbeat_ms: must be positive"),
     (lambda d: d.setdefault("timeouts", {}).update(client_resend_ms=0), "timeouts.client_resend_ms: must be"),
@@ -66,6 +68,7 @@ def test_a_lan_config_puts_each_voter_on_its_own_host_and_each_node_on_its_hosts
     assert {where[r] for r in ("replica-A", "replica-B", "replica-C", "emitter")} == {HOSTS[4]}
     assert all(cfg.interface_of(n) == n.host for n in cfg.nodes) and cfg.interface == ""
     assert cfg.max_packet == 1400  # an Ethernet frame's, unless the LAN is known to carry jumbo frames
+    assert cfg.seal == "blake2b"  # at that size the faster
     assert cfg.interface_of(cfg.clients[0]) == HOSTS[4]
     three = {n.name: n.host for n in lan(HOSTS[:3]).nodes}  # fewer hosts than voters: round robin
     assert three["rw-2"] == HOSTS[0] and three["emitter"] in HOSTS[:3]

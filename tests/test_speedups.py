@@ -266,26 +266,51 @@ def test_a_records_sum_is_blake2b_128_of_prefix_and_record():
 
 
 STREAM_KEYS = [b"k" * 32, bytes(range(64)), b""]  # a usual key, the longest, none (BLAKE2b unkeyed)
+SEALS = ["blake2b", "blake3"]
 
 
 @compiled
 @given(st.integers(0, 40), st.sampled_from(STREAM_KEYS), st.sampled_from(STREAM_KEYS),
-       st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), max_size=3), st.integers(0, 3))
-def test_c_and_pure_verify_stream_seals_alike(entries, signer, verifier, flips, cut):
-    """Real sealed packets, signed with one key and checked against another, with bytes flipped
-    (header, entries, seal, tag) and tails cut: the same verdict from C and Python."""
+       st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), max_size=3), st.integers(0, 3),
+       st.sampled_from(SEALS), st.sampled_from(SEALS))
+def test_c_and_pure_verify_stream_seals_alike(entries, signer, verifier, flips, cut, made_by, checker_makes):
+    """Real sealed packets of either algorithm, signed with one key and checked against another by a
+    node that makes either, with bytes flipped (header, entries, seal, tag, algorithm) and tails cut:
+    the same verdict from C and Python."""
     from tape.protocol.streamauth import StreamKeys
 
     msgs = [M.stamp(M.purchase(i, i, 5, "A", "X"), 7, b"load0     ", i + 1) for i in range(entries)]
-    _, pkt = StreamKeys([signer]).seal_packet(b"S         ", 9, msgs, 7, b"seq-a     ")
+    _, pkt = StreamKeys([signer], made_by).seal_packet(b"S         ", 9, msgs, 7, b"seq-a     ")
     data = bytearray(pkt[:len(pkt) - cut])
     for at, value in flips:
         if data:
             data[at % len(data)] = value
-    keys = StreamKeys([verifier])
+    keys = StreamKeys([verifier], checker_makes)
     assert keys.verify(bytes(data)) == keys.verify_pure(bytes(data))
     if not flips and not cut:
         assert keys.verify(pkt) == (None if signer == verifier else "unknown_key")
+
+
+@compiled
+@given(st.sampled_from(STREAM_KEYS), st.integers(1, 120), st.integers(2, 2**64 - 1))
+def test_a_blake3_seal_is_keyed_blake3_of_a_key_derived_from_the_stream_key(key, entries, algorithm):
+    """Made in C, the tag is BLAKE3 keyed with the key derived as documented, cut to 16 bytes; a seal
+    naming an algorithm there is none of is refused by C and Python alike."""
+    from blake3 import blake3
+
+    from tape.protocol.streamauth import StreamKeys
+
+    msgs = [M.stamp(M.purchase(i, i, 5, "A", "X"), 7, b"load0     ", i + 1) for i in range(entries)]
+    keys = StreamKeys([key], "blake3")
+    [pkt] = keys.seal_run(b"S         ", 9, msgs, len(msgs), 7, b"seq-a     ")[1]
+    seal = len(pkt) - M.SEQUENCED_SIZE
+    assert int.from_bytes(pkt[seal + 41:seal + 49], "big") == 1
+    derived = blake3(key, derive_key_context="tape 2026-11-28 stream seal BLAKE3 key").digest()
+    unsealed = pkt[:seal + 17] + bytes(16) + pkt[seal + 33:]
+    assert pkt[seal + 17:seal + 33] == blake3(unsealed, key=derived).digest(16)
+    assert keys.verify(pkt) is None and StreamKeys([key]).verify(pkt) is None
+    other = pkt[:seal + 41] + algorithm.to_bytes(8, "big") + pkt[seal + 49:]
+    assert keys.verify(other) == keys.verify_pure(other) == "unknown_seal"
 
 
 @compiled
@@ -308,13 +333,13 @@ def test_a_seal_is_keyed_blake2b_whichever_keys_came_before(uses):
 
 @compiled
 @given(st.lists(st.binary(min_size=M.SEQUENCED_SIZE, max_size=M.SEQUENCED_SIZE), max_size=60), st.integers(1, 20),
-       st.integers(1, 2**63), st.integers(0, 2**64 - 1), st.sampled_from(STREAM_KEYS))
-def test_c_and_pure_seal_a_run_alike(entries, per, first, stamp, key):
+       st.integers(1, 2**63), st.integers(0, 2**64 - 1), st.sampled_from(STREAM_KEYS), st.sampled_from(SEALS))
+def test_c_and_pure_seal_a_run_alike(entries, per, first, stamp, key, seal):
     """The leader's batch cut into sealed packets: the same entries, seals and packets from C and
     Python, every packet verifying and holding its part of the entries."""
     from tape.protocol.streamauth import StreamKeys
 
-    keys = StreamKeys([key])
+    keys = StreamKeys([key], seal)
     session, origin = b"S         ", b"seq-a     "
     sealed, packets = keys.seal_run(session, first, entries, per, stamp, origin)
     assert (sealed, packets) == keys.seal_run_pure(session, first, entries, per, stamp, origin)
@@ -335,11 +360,12 @@ def test_c_seal_run_refuses_what_is_not_a_run_of_sequenced_messages():
     from tape.protocol import _speedups
 
     good = (b"S         ", 1, 7, b"seq-a     ", b"k" * 32, bytes(8))
-    for entries, per, session, key_id in (([bytes(74)], 5, good[0], good[5]), (["text" * 19], 5, good[0], good[5]),
-                                          ([bytes(75)], 0, good[0], good[5]), ([bytes(75)], 5, b"S", good[5]),
-                                          ([bytes(75)], 5, good[0], bytes(7))):
+    for entries, per, session, key_id, algorithm in (
+            ([bytes(74)], 5, good[0], good[5], 0), (["text" * 19], 5, good[0], good[5], 1),
+            ([bytes(75)], 0, good[0], good[5], 0), ([bytes(75)], 5, b"S", good[5], 0),
+            ([bytes(75)], 5, good[0], bytes(7), 1), ([bytes(75)], 5, good[0], good[5], 2)):
         with pytest.raises((TypeError, ValueError)):
-            _speedups.seal_run(entries, per, session, 1, 7, good[3], good[4], key_id)
+            _speedups.seal_run(entries, per, session, 1, 7, good[3], good[4], key_id, algorithm)
 
 
 @compiled
