@@ -289,7 +289,8 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
     `free`, free ports and a random group (tests, parallel runs). `keys` (from new_keys): every link authenticated.
     `hosts`: a LAN, each node on one of these addresses (place), which is also its multicast interface.
     `max_packet`: the stream's packet size (default: a jumbo frame's on loopback, where no frame limits a
-    datagram and each packet's costs are cut 6x; on a LAN the 1,400 bytes an Ethernet frame holds)."""
+    datagram and each packet's costs are cut 6x; on a LAN the 1,400 bytes an Ethernet frame holds). Packets
+    of BLAKE3_SEALS_FROM bytes or more are sealed with BLAKE3, smaller ones with BLAKE2b (the faster at each)."""
     if free:
         rng = random.Random(seed)
         group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
