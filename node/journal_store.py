@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import os
 import time
 from collections import deque
@@ -21,7 +22,7 @@ from tape.node import preallocate
 from tape.node.diskspace import DiskFull, no_space
 from tape.node.ratelog import RateLimitedLog
 from tape.protocol import journal as fmt
-from tape.protocol.limits import JOURNAL_RECENT_RECORDS
+from tape.protocol.limits import JOURNAL_CACHED_BYTES, JOURNAL_RECENT_RECORDS
 from tape.protocol.messages import SEQUENCED_SIZE
 
 _SEQ_TERM_MESSAGE = itemgetter(0, 1, 2)  # a scanned record less its offset
@@ -33,6 +34,8 @@ DEFAULT_INDEX_EVERY = 256
 _READ_CHUNK = 1 << 18
 _MIN_READ = 4096  # bytes: the least a bounded read asks the file for
 RESERVE_AHEAD_BYTES = 1 << 20  # disk space reserved past the tail's end for its next appends
+LARGEST_FOLIO = 2 << 20  # a page cache folio's largest size (x86-64: a PMD's)
+WHOLE_FILE = 1 << 62  # (a finished segment gives all its pages back)
 SLOW_FSYNC_S = 0.1  # an fsync longer than this is counted and logged: a disk that stalls the node
 _RECORD_GUESS = fmt.RECORD_HEADER_SIZE + SEQUENCED_SIZE  # bytes of a typical record, to size a bounded read
 
@@ -108,6 +111,8 @@ class Journal:
         self.last_term = 0
         self._fd: int | None = None
         self._reserved_to = 0  # the tail's offset up to which disk space is reserved
+        self._dropped_to = 0  # the tail's offset below which its synced pages were given back
+        self._drop_behind = True  # False once the file system refused the advice
         self._last_sync = 0.0
         self._dirty = False
         # The newest appends as they came, (first seq, records), for reads of the log's tail
@@ -309,6 +314,7 @@ class Journal:
     def _open_tail(self, path: Path) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._reserved_to = 0
+        self._dropped_to = 0
 
     def _close_tail(self) -> None:
         """Close the tail segment, giving back the space reserved past its end."""
@@ -328,6 +334,7 @@ class Journal:
         """Make a finished segment durable and persist its sparse index."""
         if self._fd is not None:
             self._fsync()
+            self._give_back(WHOLE_FILE)
             self._close_tail()
         idx = b"".join(fmt.INDEX_ENTRY.pack(s, o) for s, o in zip(seg.idx_seqs, seg.idx_offsets))
         tmp = seg.path.with_suffix(".idx.tmp")
@@ -369,6 +376,26 @@ class Journal:
                                 self.dir, took * 1000)
         self._dirty = False
         self._last_sync = time.monotonic()
+        self._give_back(self.segments[-1].size - JOURNAL_CACHED_BYTES)
+
+    def _give_back(self, below: int) -> None:
+        """Drop the tail's synced pages below offset `below` (WHOLE_FILE: all) from the page cache.
+        A journal is written once and read back rarely (its newest records are in memory), so its
+        pages would only grow the cache, each append into a page never used before; given back,
+        they are the next appends' pages, still warm (here ~10x cheaper to write; decisions.md)."""
+        below -= below % mmap.PAGESIZE
+        if not self._drop_behind or below <= self._dropped_to:
+            return
+        # The kernel drops only folios wholly inside the range, and the page cache's folios go up
+        # to 2 MiB: each range starts a folio's worth back, so one cut last time goes this time.
+        start = max(0, self._dropped_to - LARGEST_FOLIO)
+        try:
+            os.posix_fadvise(self._fd, start, below - start if below < WHOLE_FILE else 0, os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            self._drop_behind = False
+            log.warning("the file system of %s takes no page-cache advice (%s): its pages stay cached", self.dir, e)
+            return
+        self._dropped_to = below
 
     def sync(self) -> None:
         """Flush to disk now, whatever the policy (call on a timer with 'N ms')."""

@@ -61,6 +61,9 @@ COMMIT_BEAT_AFTER_NS = 5_000_000
 # gap fills and catch-ups of the log's tail (65 ms at 250,000 msg/s; ~2 MB): older reads, and any
 # after a restart, go to the files, whose damage is met there (docs/runbook.md).
 JOURNAL_RECENT_RECORDS = 16_384
+# A journal's synced bytes kept in the page cache behind its end (~260 ms at 250,000 msg/s);
+# older pages are given back after each fsync (node/journal_store.py, docs/decisions.md).
+JOURNAL_CACHED_BYTES = 4 << 20
 # Client keys whose padded HMAC-SHA256 states are kept (protocol/clientmac.py, ~0.5 KB each): a
 # cluster with more clients than this recomputes them (slower, not wrong).
 MAX_CLIENT_KEYS = 1024

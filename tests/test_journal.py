@@ -1,4 +1,8 @@
+import ctypes
+import errno
 import json
+import mmap
+import os
 import subprocess
 
 import pytest
@@ -7,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tape.node.diskspace import DiskFull
-from tape.node.journal_store import RESERVE_AHEAD_BYTES, Journal, JournalCorruption
+from tape.node.journal_store import LARGEST_FOLIO, RESERVE_AHEAD_BYTES, Journal, JournalCorruption
 from tape.ops.faults import fill as fill_disk
 from tape.protocol import journal as fmt
 from tape.protocol import messages as msg
+from tape.protocol.limits import JOURNAL_CACHED_BYTES
 
 S = b"TAPE      "
 
@@ -281,3 +286,54 @@ def test_a_record_run_slices_as_the_list_it_stands_for():
     as_list = [(s, 3, m) for s, m in enumerate(msgs, 1)]
     for sl in (slice(0, 7), slice(2, 5), slice(5, 100), slice(-3, None), slice(4, 2), slice(0, 7, 2)):
         assert run[sl] == as_list[sl]
+
+
+def cached_pages(path) -> list[bool]:
+    """Which of a file's pages the page cache holds (mincore(2) on a private mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+        window = ctypes.c_char.from_buffer(mm)
+        pages = (len(mm) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(window)), ctypes.c_size_t(len(mm)), vec)
+        del window
+    assert rc == 0, os.strerror(ctypes.get_errno())
+    return [bool(v & 1) for v in vec]
+
+
+def test_synced_pages_behind_the_tail_are_given_back_to_the_page_cache(tmp_path):
+    """After each fsync the tail's pages more than JOURNAL_CACHED_BYTES behind its end leave the
+    page cache (the next appends' pages come warm), give or take a large folio at the edge; a
+    finished segment leaves it whole; reads go to the file as before. Unsynced pages (fsync never)
+    stay, dirty."""
+    if subprocess.run(["stat", "-f", "-c", "%T", tmp_path], capture_output=True, text=True).stdout.strip() == "tmpfs":
+        pytest.skip("tmpfs keeps every page: the advice has nothing to give back")
+    page, per_batch = mmap.PAGESIZE, 2_000
+    batches = (JOURNAL_CACHED_BYTES + (6 << 20)) // (per_batch * 99) + 1
+    j = Journal(tmp_path / "synced", S, segment_bytes=1 << 30)
+    for k in range(batches):
+        j.append(batch(1 + k * per_batch, per_batch))
+    tail = j.segments[-1].path
+    cached = cached_pages(tail)
+    behind = (tail.stat().st_size - JOURNAL_CACHED_BYTES) // page
+    assert not any(cached[:behind - LARGEST_FOLIO // page]) and all(cached[behind + LARGEST_FOLIO // page:])
+    j.append(batch(1 + batches * per_batch, 10))
+    j._roll(2 + batches * per_batch + 10)  # a finished segment: synced and given back whole
+    assert not any(cached_pages(tail))
+    again = Journal(tmp_path / "synced", readonly=True)
+    assert [r[0] for r in again.read()] == list(range(1, batches * per_batch + 11))
+    unsynced = fill(tmp_path / "never", 40_000, batch=2_000, fsync="never")
+    assert all(cached_pages(unsynced.segments[-1].path))
+
+
+def test_a_file_system_that_refuses_the_advice_keeps_its_pages_and_the_journal_appends(tmp_path, monkeypatch, caplog):
+    advised = []
+
+    def refuse(fd, offset, length, advice):
+        advised.append(offset)
+        raise OSError(errno.ESPIPE, "refused")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    j = fill(tmp_path, 60_000, batch=2_000)
+    assert len(advised) == 1 and "takes no page-cache advice" in caplog.text
+    assert [r[0] for r in j.read()] == list(range(1, 60_001))
