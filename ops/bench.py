@@ -12,8 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tape.node.gctune import tune_gc
 from tape.node.journal_store import Journal
+from tape.node.memtune import tune_memory
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages, moldudp64, replication
 from tape.protocol.linkauth import LinkKeys
@@ -62,7 +62,7 @@ def bench_protocol(n: int = 1_000_000, batch: int = 1000) -> dict:
     session = moldudp64.session_bytes("BENCH")
     origin = moldudp64.session_bytes("load0")
     inbound = TradeGenerator(seed=7).take(n)
-    tune_gc()
+    tune_memory()
     results = {}
 
     # Encode: stamp inbound messages and pack them into full packets.
@@ -173,7 +173,7 @@ def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never
         journal = Journal(d, moldudp64.session_bytes("BENCH"), fsync=fsync)
         core = LeaderCore(moldudp64.session_bytes("BENCH"), moldudp64.session_bytes("seq-a"), 1, [],
                           {origin: client_key}, stream_keys=StreamKeys([os.urandom(32)]) if keys else None)
-        tune_gc()
+        tune_memory()
         t0 = clock()
         now = time.time_ns()
         for i in range(0, len(datagrams), per_drain):
@@ -213,7 +213,7 @@ def bench_rewinder(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -
         journal = Journal(d, session, fsync=fsync)
         core = VoterCore(names[2], names, False, random.Random(1), (300_000_000, 600_000_000), 1, None, 0)
         reader = replication.FrameReader()
-        tune_gc()
+        tune_memory()
         t0 = clock()
         for record in wire:
             for append in reader.feed(opener.open(record)):
@@ -292,7 +292,7 @@ def bench_replica(n: int = 1_000_000, open_orders: int = 1_000_000) -> dict:
     stamp = 1_700_000_000_000_000_000
     for i in range(0, n, 1000):  # one stamp per 1,000-message batch, 1 ms apart
         packets += builder.add_stamped(inbound[i:i + 1000], stamp + i * 1000, moldudp64.session_bytes("load0"), i + 1)
-    tune_gc()
+    tune_memory()
     rates, digests = {}, set()
     for compiled in [True, False] if audit.apply_fast else [False]:  # the replicas' path, then the definition
         machine = AuditMachine(compiled=compiled)

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tape.node import authlink
-from tape.node.gctune import tune_gc
 from tape.node.journal_store import Journal
+from tape.node.memtune import tune_memory
 from tape.node.voter import Voter, VoteStore
 from tape.ops.config import default_toml, new_keys, parse
 from tape.ops.tradegen import TradeGenerator
@@ -96,7 +96,7 @@ def bench_endpoint(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -
         ours, theirs = multiprocessing.get_context("fork").Pipe(duplex=False)
         if len(cores) > 1:
             os.sched_setaffinity(0, {min(cores)})
-        tune_gc()
+        tune_memory()
         return asyncio.run(_serve_while(cfg, follower, voter, frames, n, ours, theirs))
     finally:
         os.sched_setaffinity(0, cores)

@@ -149,13 +149,13 @@ def _node(cfg, name: str, role: str):
 
 
 def _run_node(runtime) -> int:
-    """Serve the runtime's metrics, tune the GC for the long run, and run it (fail-stop: exit 4)."""
-    from tape.node.gctune import tune_gc
+    """Serve the runtime's metrics, tune its memory for the long run, and run it (fail-stop: exit 4)."""
+    from tape.node.memtune import tune_memory
     from tape.ops import metrics
 
     node = runtime.node
     metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.metrics, node.host)
-    tune_gc()
+    tune_memory()
     return runtime.run()
 
 

@@ -10,7 +10,7 @@ import resource
 import signal
 import time
 
-from tape.node.gctune import tune_gc
+from tape.node.memtune import tune_memory
 from tape.ops.config import Config
 from tape.ops.local import run_delay_seconds, scheduled_count
 from tape.ops.tradegen import TradeGenerator
@@ -126,7 +126,7 @@ def _cpu_seconds() -> float:
 
 def main(cfg: Config, names: list[str] | None, rate: float, duration: float | None, messages: int | None,
          seed: int, drop: float, overfill: float, resume: bool = False) -> int:
-    tune_gc()
+    tune_memory()
     names = names or [c.name for c in cfg.clients]
     total = messages if messages is not None else int(rate * (duration or 10.0))
     try:

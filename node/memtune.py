@@ -1,0 +1,45 @@
+"""Memory settings for the long-running processes and benchmarks: the garbage collector's and
+the C heap's.
+
+The hot paths allocate many short-lived tuples; the default gen-0 threshold
+(700) runs a collection every few packets. Freezing the start-up heap and
+raising the thresholds roughly halves per-message cost (see NOTES/perf docs).
+
+A link's reads, frames and encoded records are buffers of 64 KiB to a few MiB, made and freed
+hundreds of times a second. glibc maps a buffer above its threshold (128 KiB at first) fresh from
+the kernel and unmaps it when freed, and gives the heap's free top back above another: each such
+buffer's pages are faulted in and zeroed again (a follower at 250,000 msg/s: ~4,000 page faults a
+second, ~15% of its CPU; docs/performance.md, first sitting of 2026-11-29). Kept, the heap's
+chunks are reused warm; a process holds at most its peak heap plus HEAP_KEPT_BYTES.
+"""
+
+import ctypes
+import gc
+import logging
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+HEAP_MAPPED_FROM = 16 << 20  # buffers this large or larger are still mapped (and unmapped) apart
+HEAP_KEPT_BYTES = 64 << 20  # free memory at the heap's top kept rather than given back
+
+log = logging.getLogger("tape.memory")
+
+
+def tune_memory() -> None:
+    tune_gc()
+    keep_heap()
+
+
+def tune_gc() -> None:
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+
+
+def keep_heap() -> bool:
+    """Set glibc's thresholds (mallopt); False where the C library has none (another libc)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None or not (mallopt(M_MMAP_THRESHOLD, HEAP_MAPPED_FROM)
+                               and mallopt(M_TRIM_THRESHOLD, HEAP_KEPT_BYTES)):
+        log.info("the C library takes no heap thresholds: large buffers are mapped fresh each time")
+        return False
+    return True
