@@ -9,7 +9,7 @@ A link's reads, frames and encoded records are buffers of 64 KiB to a few MiB, m
 hundreds of times a second. glibc maps a buffer above its threshold (128 KiB at first) fresh from
 the kernel and unmaps it when freed, and gives the heap's free top back above another: each such
 buffer's pages are faulted in and zeroed again (a follower at 250,000 msg/s: ~4,000 page faults a
-second, ~15% of its CPU; docs/performance.md, first sitting of 2026-11-29). Kept, the heap's
+second, each a wait where the host took the memory back; docs/decisions.md). Kept, the heap's
 chunks are reused warm; a process holds at most its peak heap plus HEAP_KEPT_BYTES.
 """
 
