@@ -111,8 +111,8 @@ def test_the_c_crc_is_zlibs_at_every_length(message):
 @compiled
 @given(st.binary(max_size=600))
 def test_both_ways_of_the_c_crc_are_zlibs(data):
-    """Folded by carry-less multiplication (where the processor can: the records' path) and sliced
-    by eight (the others', and every block's tail), at every length and for any bytes."""
+    """Folded by carry-less multiplication (where the processor can: the records' path, from 16
+    bytes) and sliced by eight (the others'), at every length and for any bytes."""
     from tape.protocol import _speedups
 
     assert _speedups.crc32(data, True) == _speedups.crc32(data, False) == zlib.crc32(data)
@@ -126,6 +126,17 @@ def test_the_folded_crc_is_zlibs_for_every_length_of_tail():
     data = bytes(range(256)) * 2
     for n in range(16, 16 * 9 + 16):
         assert _speedups.crc32(data[:n], True) == zlib.crc32(data[:n]), n
+
+
+@compiled
+def test_a_runs_sums_four_at_a_time_are_zlibs_for_every_size():
+    """encode_run sums four records side by side, then one at a time: runs of 1 to 9 records
+    (two fours and a rest) of every size up to 80 bytes, so every tail of a record's last block."""
+    for size in range(1, 81):
+        messages = bytes((size * 7 + i) % 251 for i in range(9 * size))
+        for count in (1, 4, 5, 9):
+            blob = messages[:count * size]
+            assert fmt.encode_run(2**40, 3, blob, size) == fmt.encode_run_pure(2**40, 3, blob, size), (size, count)
 
 
 @compiled
