@@ -49,6 +49,15 @@ def alert(record: bytes) -> bytes:
     return frame(ALERT, record)
 
 
+def alerts(records: list[bytes]) -> bytes:
+    """alert() of each record, joined: records of one size (every alert record is ALERT_SIZE
+    bytes) share one frame header, so a replica's batch is framed in one join, not a call each."""
+    if len(set(map(len, records))) != 1:
+        return b"".join(map(alert, records))
+    head = FRAME.pack(1 + len(records[0]), ALERT)
+    return head + head.join(records)
+
+
 def digest(fold_seq: int, chain: bytes) -> bytes:
     return frame(DIGEST, FOLD.pack(fold_seq, chain))
 

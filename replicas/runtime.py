@@ -211,7 +211,7 @@ class Replica(NodeProcess):
         for a in actions:
             if isinstance(a, SendAlerts):
                 if self._writer is not None and a.alerts:
-                    self._send(b"".join(map(alertlink.alert, a.alerts)))
+                    self._send(alertlink.alerts(a.alerts))
             elif isinstance(a, SendDigest):
                 if self._writer is not None:
                     self._send(alertlink.digest(a.fold_seq, a.chain))

@@ -78,6 +78,17 @@ def record(seq: int) -> sinks.AlertLine:
     return sinks.alert_lines([alert(seq).encode()], "TAPE")[0]
 
 
+@given(st.lists(st.binary(min_size=0, max_size=90), min_size=1, max_size=20), st.booleans())
+def test_a_batch_of_alert_frames_is_each_alert_framed(records, one_size):
+    """alertlink.alerts frames records of one size by one join, others one at a time: either way
+    the bytes of framing each, read back as the records in order."""
+    if one_size:
+        records = [r.ljust(90, b"x") for r in records]
+    framed = alertlink.alerts(records)
+    assert framed == b"".join(map(alertlink.alert, records))
+    assert alertlink.Reader().feed(framed) == [(alertlink.ALERT, r) for r in records]
+
+
 def test_webhook_retries_with_backoff_and_sends_the_idempotency_key(endpoint):
     sink = WebhookSink(endpoint.url, backoff_s=0.01)
     assert sink.deliver([record(1), record(2)]) == 2
