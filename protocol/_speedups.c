@@ -86,8 +86,9 @@ static uint32_t crc32_sliced(uint32_t c, const unsigned char *p, size_t n) {
 /* CRC-32 by carry-less multiplication (Intel's "Fast CRC Computation for Generic Polynomials Using
  * PCLMULQDQ", bit-reflected, with the constants of Linux's and zlib-ng's CRC-32): each 16-byte
  * block folded into the next, a tail of r bytes by the last block's first r bytes folded into the
- * 16 bytes that end the data, and the last 128 bits reduced to 32. ~5x fewer instructions than
- * slicing for a 95-byte record. */
+ * 16 bytes that end the data, and the last 128 bits reduced to 32. With four records summed side
+ * by side (crc32_folded_x4) a journal record's sum, 95 bytes, went from 61 to 19.5 ns (the tail
+ * sliced, one record at a time, before: docs/performance.md). */
 #define FOLDED __attribute__((target("pclmul,sse4.1"), always_inline)) static inline
 
 /* pshufb masks: loaded at SHIFT_BYTES + 16 + s they move a vector's bytes s places down (byte i

@@ -129,7 +129,7 @@ def test_the_folded_crc_is_zlibs_for_every_length_of_tail():
 
 
 @compiled
-def test_a_runs_sums_four_at_a_time_are_zlibs_for_every_size():
+def test_the_sums_of_a_run_four_at_a_time_are_zlibs_for_every_size():
     """encode_run sums four records side by side, then one at a time: runs of 1 to 9 records
     (two fours and a rest) of every size up to 80 bytes, so every tail of a record's last block."""
     for size in range(1, 81):
