@@ -14,7 +14,9 @@ often their threads were put on a core (each wake-up, each return after a preemp
 what it costs alone (docs/performance.md, eighth sitting of 2026-11-28). Figures, never
 pass/fail. The host's speed (`tape bench protocol`'s encode rate) is measured before and
 after the ladder and printed with it: figures from hosts or hours at other speeds compare only
-beside it.
+beside it. So is the long run's steal (the CPU a virtual machine's host took from it while the load
+sent, /proc/stat): a run with a sixth of a core stolen had four times the tail of one without
+(docs/performance.md, second sitting of 2026-11-29).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
                          "inbound_to_applied_ms": long["latency_ms"],
                          "stamped_to_published_ms": long.get("commit_ms", {}),
                          "submit_to_sequenced_ms": long["submit_to_sequenced_ms"],
+                         "host_steal_cores": long.get("host_steal_cores"),
                          "us_per_msg": marginal_us(short, long),
                          "wait_us_per_msg": marginal_us(short, long, "wait_s"),
                          "scheduled_per_1000_msgs": marginal_us(short, long, "scheduled", per=1000)})
@@ -120,6 +123,8 @@ def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int | No
                        ("submit to sequenced", "submit_to_sequenced_ms")):
         table.add_row(f"{label} p50 / p99 ms",
                       *(f"{r.get(key, {}).get('p50') or 0:.1f} / {r.get(key, {}).get('p99') or 0:.1f}" for r in rows))
+    table.add_row("the host's steal while sending, cores",
+                  *("-" if r["host_steal_cores"] is None else f"{r['host_steal_cores']:.2f}" for r in rows))
     for p in (*PROCESSES, "whole cluster"):
         table.add_row(p if p != "whole cluster" else "[bold]whole cluster[/bold]",
                       *(f"{r['us_per_msg'][p]:.2f}" for r in rows))

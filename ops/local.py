@@ -240,6 +240,17 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def host_steal_seconds(stat: str | None = None) -> float | None:
+    """CPU seconds this machine's host has taken from its virtual CPUs so far, summed over them
+    (steal: a virtual CPU ready to run and not run), from /proc/stat (or `stat`, its text); None
+    where the kernel does not say."""
+    try:
+        fields = (Path("/proc/stat").read_text() if stat is None else stat).split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" else None
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def run_delay_seconds(pid: int | str = "self") -> float | None:
     """Seconds the threads of process `pid` have waited on a run queue, ready but without a core
     (/proc/PID/task/*/schedstat, its second field); None if the process is gone or the kernel

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from tape.ops.faults import FaultUnavailable
 from tape.ops.load import SENDING
-from tape.ops.local import ClusterError, LocalCluster
+from tape.ops.local import ClusterError, LocalCluster, host_steal_seconds
 from tape.ops.tradegen import orders_in
 from tape.ops.verdict import judge, read_run
 
@@ -99,6 +99,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
                 drill.finish(cluster)
             timing = _voter_timing(cluster)
             cpu = _since(opened[0], _cpu_when_applied(cluster)) if drill is None and opened else {}
+            steal = _steal_cores(opened[3]) if cpu else None
             waited = _since(opened[1], cluster.wait_seconds()) if cpu else {}  # ready to run, without a core
             scheduled = _since(opened[2], cluster.times_scheduled()) if cpu else {}  # put on a core
             _stop_in_order(cluster)
@@ -112,6 +113,10 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
                 report["cpu_s"] = {**cpu, "load": load.get("cpu_s", 0.0)}
                 report["wait_s"] = {**waited, "load": load.get("wait_s", 0.0)}
                 report["scheduled"] = {**scheduled, "load": load.get("scheduled", 0)}
+                if steal is not None:
+                    report["host_steal_cores"] = steal
+                    console.print(f"the host's steal while the load sent: {steal:.2f} of a core (what a virtual "
+                                  "machine's host ran instead: compare latencies only with runs that had as little)")
     finally:
         cluster.close()
         if drill:
@@ -156,6 +161,15 @@ def _cpu_when_applied(cluster: LocalCluster) -> dict[str, float]:
             break
         time.sleep(0.05)
     return cluster.cpu_seconds()
+
+
+def _steal_cores(opened: tuple[float | None, float]) -> float | None:
+    """The host's steal since `opened` (its steal seconds then, and the monotonic clock), in cores:
+    what the other tenants of a virtual machine's host took while the cluster ran."""
+    (before, t0), now = opened, host_steal_seconds()
+    if before is None or now is None:
+        return None
+    return round((now - before) / max(time.monotonic() - t0, 1e-9), 3)
 
 
 def _voter_timing(cluster: LocalCluster) -> dict:
@@ -219,7 +233,8 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, slack_s: floa
                 awaited = "the load to finish" if cluster.alive("load") else f"the drill's heal ({drill.name})"
                 raise ClusterError(f"still waiting for {awaited} {now - t0 - duration:.0f} s after the run's end")
             if opened is None and _load_sending(cluster):
-                opened = cluster.cpu_seconds(), cluster.wait_seconds(), cluster.times_scheduled()
+                opened = (cluster.cpu_seconds(), cluster.wait_seconds(), cluster.times_scheduled(),
+                          (host_steal_seconds(), now))
                 t0, deadline = now, now + duration + slack_s
                 progress.update(task, description="load")
             if drill and opened:

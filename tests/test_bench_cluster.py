@@ -16,7 +16,7 @@ from rich.console import Console
 
 from tape.ops import bench_cluster
 from tape.ops.bench_cluster import PROCESSES, marginal_us
-from tape.ops.local import scheduled_count
+from tape.ops.local import host_steal_seconds, scheduled_count
 
 pytestmark = pytest.mark.process
 
@@ -42,6 +42,16 @@ def test_the_marginal_cost_is_the_difference_over_the_extra_messages_by_role():
     assert runs["leader"] == pytest.approx((900 - 1000) * 1000 / 10_000) and runs["rw-1"] == pytest.approx(4.0)
     with pytest.raises(ValueError):
         marginal_us(long, short)
+
+
+def test_the_hosts_steal_is_read_from_the_cpu_line_of_proc_stat():
+    """/proc/stat's first line sums every CPU: user nice system idle iowait irq softirq steal ...,
+    in clock ticks; steal is the eighth number."""
+    tick = os.sysconf("SC_CLK_TCK")
+    assert host_steal_seconds(f"cpu  5250753 0 854110 4799147 167367 0 155237 {3 * tick} 0 0\ncpu0 1 2") == 3.0
+    assert host_steal_seconds("cpu0 1 2 3 4 5 6 7 8 9 10\n") is None  # not the machine's line
+    assert host_steal_seconds("cpu  1 2 3\n") is None  # a kernel too old to count steal
+    assert host_steal_seconds() >= 0  # this machine's
 
 
 def test_a_process_is_counted_put_on_a_core_once_a_wake_up():
@@ -70,6 +80,7 @@ def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
     assert set(row["wait_us_per_msg"]) == set(row["scheduled_per_1000_msgs"]) == {*PROCESSES, "whole cluster"}
     assert row["scheduled_per_1000_msgs"]["whole cluster"] > 0 and row["scheduled_per_1000_msgs"]["leader"] > 0
     assert "whole cluster" in out.stdout and "waiting for a core" in out.stdout and "put on a core" in out.stdout
+    assert row["host_steal_cores"] >= 0 and "the host's steal while sending" in out.stdout  # (Linux says it)
     before, after = row["host_encode_msgs_per_s"]  # the host's speed, beside the figures
     printed = " ".join(out.stdout.split())  # (the caption may wrap)
     assert before > 0 and after > 0 and f"{before / 1e6:.2f} / {after / 1e6:.2f} M msg/s encoded" in printed

@@ -3,6 +3,7 @@ restarts from LMDB, emitter crashes at every point of its delivery step."""
 
 import json
 import operator
+import os
 import re
 import subprocess
 from collections import Counter
@@ -45,6 +46,7 @@ def test_tape_up_with_5_percent_loss_and_ethernet_sized_packets_passes(tmp_path)
     assert all(report["cpu_s"][p] > 0 and report["wait_s"][p] > 0 for p in ("seq-a", "replica-A", "load"))
     # ... and how often its threads were put on a core (each wake-up, each return after a preemption)
     assert all(isinstance(n, int) and n > 0 for n in report["scheduled"].values()), report["scheduled"]
+    assert 0 <= report["host_steal_cores"] <= os.cpu_count()  # ... and what this machine's host took meanwhile
     assert (tmp_path / "alerts.jsonl").exists() and (tmp_path / "journal" / "rw-1").is_dir()
     # Each packet ends with a seal that counts its entries: as many as a 1,400-byte packet holds (17), no more.
     seals = [M.SEQUENCED.unpack(raw)[2] for _, _, raw in Journal(tmp_path / "journal" / "seq-a", readonly=True).read()
