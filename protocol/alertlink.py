@@ -19,6 +19,8 @@ from seq 1 (docs/replicas.md, "A replica that diverged").
 from __future__ import annotations
 
 import struct
+from itertools import groupby
+from operator import itemgetter
 
 from . import framing
 
@@ -72,3 +74,11 @@ class Reader:
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         return [(kind, payload) for kind, payload, _ in self._reader.frames(data)]
+
+    def runs(self, data: bytes) -> list[tuple[int, list[bytes]]]:
+        """feed(data) as runs of frames of one kind, in order: (kind, [payload, ...]). A replica's
+        alerts come a few dozen to a read, so the emitter takes them a run at a time, not a frame."""
+        return [(kind, list(map(_PAYLOAD, run))) for kind, run in groupby(self._reader.frames(data), _KIND)]
+
+
+_KIND, _PAYLOAD = itemgetter(0), itemgetter(1)

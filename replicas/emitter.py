@@ -194,27 +194,30 @@ class Emitter(NodeProcess):
                 if not data:
                     return
                 fresh = []
-                for kind, payload in frames.feed(data):
-                    if name is None:
-                        mark = self.core.on_hello(payload) if kind == alertlink.HELLO else None
+                for kind, payloads in frames.runs(data):
+                    if name is None:  # the first frame: the replica's hello
+                        mark = self.core.on_hello(payloads[0]) if kind == alertlink.HELLO else None
                         if mark is None:
-                            return self._reject("unknown_replica", f"hello {payload[:16]!r}")
-                        name = payload
+                            return self._reject("unknown_replica", f"hello {payloads[0][:16]!r}")
+                        name, payloads = payloads[0], payloads[1:]
                         self.links[writer] = name
                         self.by_replica[name] = writer
                         writer.write(alertlink.welcome(mark))
                         if name in self.core.diverged:  # (one that already rebuilds for it ignores this)
                             writer.write(alertlink.rebuild(self.core.diverged[name]))
-                    elif kind == alertlink.ALERT:
-                        if len(payload) != ALERT_SIZE:
-                            return self._reject("malformed_alert", f"from {name!r}: {len(payload)} bytes, "
-                                                f"not {ALERT_SIZE}")
-                        fresh.append(payload)
-                    elif kind == alertlink.DIGEST and len(payload) == alertlink.FOLD.size:
-                        try:
-                            await self._on_digest(name, *alertlink.FOLD.unpack(payload))
-                        except IntentNotRecorded as e:
-                            return self._intent_failed(str(e))
+                    if not payloads:
+                        continue
+                    if kind == alertlink.ALERT:
+                        if not set(map(len, payloads)) <= {ALERT_SIZE}:
+                            size = next(len(p) for p in payloads if len(p) != ALERT_SIZE)
+                            return self._reject("malformed_alert", f"from {name!r}: {size} bytes, not {ALERT_SIZE}")
+                        fresh += payloads
+                    elif kind == alertlink.DIGEST and set(map(len, payloads)) == {alertlink.FOLD.size}:
+                        for payload in payloads:
+                            try:
+                                await self._on_digest(name, *alertlink.FOLD.unpack(payload))
+                            except IntentNotRecorded as e:
+                                return self._intent_failed(str(e))
                     else:
                         return self._reject("unexpected_frame", f"type {kind!r} from {name!r}")
                 if fresh:

@@ -87,6 +87,10 @@ def test_a_batch_of_alert_frames_is_each_alert_framed(records, one_size):
     framed = alertlink.alerts(records)
     assert framed == b"".join(map(alertlink.alert, records))
     assert alertlink.Reader().feed(framed) == [(alertlink.ALERT, r) for r in records]
+    mixed = framed + alertlink.digest(7, bytes(16)) + framed  # the emitter reads runs of one kind
+    assert alertlink.Reader().runs(mixed) == [(alertlink.ALERT, records),
+                                              (alertlink.DIGEST, [alertlink.FOLD.pack(7, bytes(16))]),
+                                              (alertlink.ALERT, records)]
 
 
 def test_webhook_retries_with_backoff_and_sends_the_idempotency_key(endpoint):
@@ -316,6 +320,11 @@ def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, end
         junk.sendall(b"\x00\x00\x00\x05Zjunk")  # unknown frame type
         assert closed_by_peer(junk)
         assert rejected(cluster, "bad_frame") == 1
+        again = link(cluster, b"replica-A ")
+        frames(again, 1)
+        again.sendall(alertlink.alert(alert(1).encode()) + alertlink.hello(b"replica-A "))  # a second hello
+        assert closed_by_peer(again)
+        assert rejected(cluster, "unexpected_frame") == 1
 
         a = link(cluster, b"replica-A ")
         frames(a, 1)
