@@ -58,6 +58,7 @@ class Config:
     seal: str = "blake2b"  # the hash of the leader's seals (protocol/streamauth.py SEALS); listeners check either
     heartbeat_ms: int = 1000
     tick_ms: int = 1000
+    batch_interval_ms: int = 0  # pace batches while messages come fast (sequencer/core.py batch_due_ns); 0: never
     # [journal]
     fsync: str | float = "batch"
     segment_mb: int = 64

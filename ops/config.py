@@ -1,7 +1,7 @@
 """Cluster configuration: one TOML file, or the embedded loopback default.
 
     session = "TAPE"
-    [stream]    group, port, max_packet, seal, heartbeat_ms, tick_ms; interface (one
+    [stream]    group, port, max_packet, seal, heartbeat_ms, tick_ms, batch_interval_ms; interface (one
                 multicast interface for every node and client: only where
                 every host has it, e.g. loopback or a common interface name)
     [journal]   fsync ("batch" | "never" | ms), segment_mb
@@ -49,6 +49,11 @@ from tape.replicas.emitter_core import DELIVERY
 
 MIN_PACKET = 120  # a header and one sequenced block, with room to spare
 MIN_KEY_BYTES = 16
+# Generated configs pace the leader's batches while messages come fast: their nine processes share a
+# machine's cores (or a few hosts'), where a batch's fixed cost decides what a message costs
+# (docs/performance.md, third sitting of 2026-11-29).
+GENERATED_BATCH_INTERVAL_MS = 10
+MAX_BATCH_INTERVAL_MS = 100  # a message waits at most this for its batch: more is a mistake, not a setting
 KEY_BYTES = 32  # what `tape config` generates
 
 __all__ = ["Client", "Config", "ConfigError", "Node", "default", "default_toml", "load", "parse"]
@@ -139,12 +144,15 @@ def _parse_stream(stream: dict, session: str) -> Config:
         seal=_opt(stream, "seal", str, "stream."),
         heartbeat_ms=_opt(stream, "heartbeat_ms", int, "stream."),
         tick_ms=_opt(stream, "tick_ms", int, "stream."),
+        batch_interval_ms=_opt(stream, "batch_interval_ms", int, "stream."),
     )
     if not MIN_PACKET <= cfg.max_packet <= moldudp64.MAX_UDP_PAYLOAD:
         raise ConfigError(f"stream.max_packet: {cfg.max_packet} outside {MIN_PACKET}..{moldudp64.MAX_UDP_PAYLOAD}")
     if cfg.seal not in SEALS:
         raise ConfigError(f"stream.seal: {cfg.seal!r}: use one of {', '.join(map(repr, SEALS))}")
     _positive(cfg, "stream.", "heartbeat_ms", "tick_ms")
+    if not 0 <= cfg.batch_interval_ms <= MAX_BATCH_INTERVAL_MS:
+        raise ConfigError(f"stream.batch_interval_ms: must be from 0 (no pacing) to {MAX_BATCH_INTERVAL_MS}")
     return cfg
 
 
@@ -312,7 +320,8 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         shared += '\nseal = "blake3"'
     lines = [
         'session = "TAPE"',
-        f'[stream]\ngroup = "{group}"\nport = {port()}{shared}\nheartbeat_ms = 200\ntick_ms = 1000',
+        f'[stream]\ngroup = "{group}"\nport = {port()}{shared}\nheartbeat_ms = 200\ntick_ms = 1000\n'
+        f'batch_interval_ms = {GENERATED_BATCH_INTERVAL_MS}',
         '[journal]\nfsync = "batch"',
     ]
     names = [*("seq-a", "seq-b", "seq-c")[:sequencers], *(f"rw-{i}" for i in range(1, rewinders + 1)),

@@ -49,6 +49,9 @@ ACK_EVERY_NS = 100_000_000
 # A batch is one journal append and one replication frame: the leader cuts a drain
 # into batches of at most this many messages.
 MAX_BATCH_MESSAGES = 65_536
+# A batch this large says messages come fast: the leader paces the next one (stream.batch_interval_ms;
+# sequencer/core.py batch_due_ns). Below it (at 25,000 msg/s a batch holds ~125) each is stamped at once.
+PACE_FROM_MESSAGES = 256
 CATCHUP_CHUNK = 2_000  # journal entries per catch-up append to a follower behind
 FETCH_MAX = 100_000  # entries one fetch answer carries at most
 MAX_LIVE_BUFFER = 32 << 20  # bytes queued to a follower before it is caught up from the journal instead

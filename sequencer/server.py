@@ -209,7 +209,7 @@ class Sequencer(NodeProcess):
             {c.name.encode().ljust(10): c.key for c in self.cfg.clients},
             last_seq=j.last_seq, last_term=j.last_term, client_last=dict(self.voter.log.client_last),
             max_packet=self.cfg.max_packet, tick_ns=self.cfg.tick_ms * 1_000_000,
-            heartbeat_ns=self.cfg.heartbeat_ms * 1_000_000,
+            heartbeat_ns=self.cfg.heartbeat_ms * 1_000_000, batch_interval_ns=self.cfg.batch_interval_ms * 1_000_000,
             last_stamp_ns=M.SEQUENCED.unpack(last[2])[M.STAMP] if last else 0, stream_keys=keys,
             open_range=open_range)
         self.followers_core = FollowerLinks(self.cfg.leader_heartbeat_ms * 1_000_000)
@@ -325,6 +325,12 @@ class Sequencer(NodeProcess):
         event loop: the followers' acknowledgements that came during the last fsync (readable
         in the same turn as the inbound socket, which became readable first) commit and publish
         before this batch's own fsync holds the loop."""
+        if self.core is not None:
+            now = time.time_ns()
+            due = self.core.batch_due_ns(now)
+            if due > now:  # paced: what the drains read meanwhile joins this batch
+                asyncio.get_running_loop().call_later((due - now) / 1e9, self._flush_inbound)
+                return
         self._flush_due = False
         if self.core is not None:
             batch = self.core.flush(time.time_ns())

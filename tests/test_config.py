@@ -13,6 +13,10 @@ def test_default_config_is_a_loopback_cluster():
     assert cfg.max_packet == 8972  # no frame limits a datagram on loopback: a jumbo frame's packets
     assert cfg.seal == "blake3" and cfg.stream_auth.algorithm == 1  # which BLAKE3 hashes faster than BLAKE2b
     assert parse(tomllib.loads(default_toml("/tmp/x", max_packet=2000))).max_packet == 2000
+    assert cfg.batch_interval_ms == 10  # nine processes on two cores: batches paced while messages come fast
+    doc = tomllib.loads(default_toml("/tmp/x"))
+    del doc["stream"]["batch_interval_ms"]
+    assert parse(doc).batch_interval_ms == 0  # a config that does not ask for pacing gets none
 
 
 @pytest.mark.parametrize("edit, key", [
@@ -29,6 +33,8 @@ def test_default_config_is_a_loopback_cluster():
     (lambda d: d["stream"].update(seal="md5"), "stream.seal: 'md5'"),
     (lambda d: d["stream"].update(tick_ms=0), "stream.tick_ms: must be positive"),
     (lambda d: d["stream"].update(heartbeat_ms=-5), "stream.heartbeat_ms: must be positive"),
+    (lambda d: d["stream"].update(batch_interval_ms=-1), "stream.batch_interval_ms: must be from 0"),
+    (lambda d: d["stream"].update(batch_interval_ms=101), "stream.batch_interval_ms: must be from 0"),
     (lambda d: d.setdefault("timeouts", {}).update(client_resend_ms=0), "timeouts.client_resend_ms: must be"),
     (lambda d: d.setdefault("timeouts", {}).update(gap_request_ms=-1), "timeouts.gap_request_ms: must be"),
     (lambda d: d.pop("client"), "client: at least one"),

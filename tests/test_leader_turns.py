@@ -8,7 +8,9 @@ import socket
 from tape.node.transport import multicast_sender
 from tape.ops.local import LocalCluster
 from tape.ops.tradegen import TradeGenerator
+from tape.protocol import messages as M
 from tape.protocol import moldudp64
+from tape.protocol.limits import PACE_FROM_MESSAGES
 from tape.sequencer.client_core import ClientCore
 from tape.sequencer.server import Sequencer
 
@@ -54,3 +56,57 @@ def test_acknowledgements_ready_with_the_inbound_run_before_the_batchs_fsync(tmp
         leader.journal.close()
         cluster.close()
     assert during == started and after >= started + 5  # the batch's five trades only after it
+
+
+def test_after_a_large_batch_the_next_waits_for_the_batch_interval(tmp_path):
+    """Pacing in the real leader: a batch of PACE_FROM_MESSAGES or more makes the next one wait
+    until `stream.batch_interval_ms` after it (what arrives meanwhile joins it); the turns in
+    between read and journal nothing."""
+    cluster = LocalCluster(tmp_path)
+    cfg = cluster.cfg
+    cfg.batch_interval_ms = 60
+    leader = Sequencer(cfg, cfg.node("seq-a"))
+    client = cfg.clients[0]
+    submitter = ClientCore(moldudp64.session_bytes(client.name), client.key, cfg.max_packet, 10**12)
+    trades = TradeGenerator(seed=2).take(PACE_FROM_MESSAGES + 10)
+    large, small = submitter.submit(trades[:PACE_FROM_MESSAGES], 0), submitter.submit(trades[PACE_FROM_MESSAGES:], 0)
+
+    async def send_and_drain(sock, datagrams) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            for d in datagrams:
+                sender.sendto(d, sock.getsockname())
+        assert select.select([sock], [], [], 5)[0], "the batch never arrived"
+        await asyncio.sleep(0.01)  # (every datagram in the socket: one drain reads them all)
+        leader._on_inbound()
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    async def run() -> list[int]:
+        leader.inbound = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        leader.inbound.bind(("127.0.0.1", 0))
+        leader.inbound.setblocking(False)
+        leader.publisher, leader.dest = multicast_sender("127.0.0.1"), (cfg.group, cfg.port)
+        leader._lead(1)
+        started = leader.journal.last_seq
+        try:
+            await send_and_drain(leader.inbound, large)  # after the term start (small): at once
+            after_large = leader.journal.last_seq
+            await send_and_drain(leader.inbound, small)
+            held = leader.journal.last_seq
+            await asyncio.sleep(0.1)
+            return [started, after_large, held, leader.journal.last_seq]
+        finally:
+            for task in leader._leader_tasks:
+                task.cancel()
+            leader.inbound.close()
+            leader.publisher.close()
+
+    try:
+        started, after_large, held, done = asyncio.run(run())
+        stamps = {seq: M.SEQUENCED.unpack(raw)[M.STAMP] for seq, _, raw in leader.journal.read(after_large, done)}
+    finally:
+        leader.journal.close()
+        cluster.close()
+    assert after_large >= started + PACE_FROM_MESSAGES  # (and a seal ending each packet's worth)
+    assert held == after_large and done >= after_large + 10  # held back, then stamped
+    assert stamps[done] - stamps[after_large] >= 60_000_000

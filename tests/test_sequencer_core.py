@@ -9,6 +9,7 @@ from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol import replication as rep
 from tape.protocol.follower import FollowerCore
+from tape.protocol.limits import PACE_FROM_MESSAGES
 from tape.sequencer.core import InvariantViolation, LeaderCore, rebuild_client_state
 
 S = b"TAPE      "
@@ -105,6 +106,34 @@ def test_stamps_never_go_backwards():
     core.on_inbound(batch(A, 2, 1), 0)
     b2 = core.flush(10)  # the clock stepped back
     assert msg.decode(b2.messages[0])[msg.STAMP] >= msg.decode(b1.messages[0])[msg.STAMP]
+
+
+def fill(core, client, cseq, n, now):
+    """`n` messages from `client` from `cseq` on, in datagrams of 20; returns the next cseq."""
+    for first in range(cseq, cseq + n, 20):
+        assert core.on_inbound(batch(client, first, min(20, cseq + n - first)), now) is None
+    return cseq + n
+
+
+def test_batches_are_paced_only_after_a_large_one():
+    ms = 1_000_000
+    core, _ = leader(batch_interval_ns=10 * ms)
+    assert core.batch_due_ns(0) == 0  # the term start was small: at once
+    cseq = fill(core, A, 1, PACE_FROM_MESSAGES - 1, 0)
+    core.flush(1 * ms)
+    cseq = fill(core, A, cseq, 20, 2 * ms)
+    assert core.batch_due_ns(2 * ms) == 2 * ms  # after a small batch: at once (low rates keep their latency)
+    core.flush(2 * ms)
+    cseq = fill(core, A, cseq, PACE_FROM_MESSAGES, 3 * ms)
+    core.flush(3 * ms)
+    fill(core, A, cseq, 20, 4 * ms)
+    assert core.batch_due_ns(4 * ms) == 13 * ms  # after a large one: an interval after it began
+    assert core.batch_due_ns(14 * ms) == 14 * ms  # (overdue: at once)
+    assert core.batch_due_ns(1 * ms) == 11 * ms  # a clock stepped back waits one interval at most
+    unpaced, _ = leader()
+    fill(unpaced, A, 1, PACE_FROM_MESSAGES, 0)
+    unpaced.flush(1 * ms)
+    assert unpaced.batch_due_ns(2 * ms) == 2 * ms  # batch_interval_ns 0: never paced
 
 
 def test_a_new_leader_whose_clock_is_behind_stamps_no_earlier_than_the_log():
