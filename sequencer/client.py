@@ -58,6 +58,7 @@ class Client:
     next_cseq = property(lambda self: self.core.next_cseq)
     acked = property(lambda self: self.core.acked)
     in_flight = property(lambda self: self.core.in_flight)
+    per_batch = property(lambda self: self.core.per_batch)  # messages one datagram holds
     resends = property(lambda self: self.core.resends)
     rejected = property(lambda self: self.core.rejected)  # [(client seq, reason)] sequenced as rejects
     latencies_ns = property(lambda self: self.core.latencies_ns)

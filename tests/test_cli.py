@@ -51,3 +51,11 @@ def test_a_node_started_on_the_wrong_host_says_so_and_exits_2(tmp_path):
     checked = subprocess.run(TAPE + ["config", "check", str(cfg), "--node", "seq-a"], capture_output=True,
                              text=True)
     assert checked.returncode == 2 and "seq-a: host 203.0.113.1 is not an address of this host" in checked.stdout
+
+
+def test_the_load_submits_whole_datagrams_a_turn():
+    """Each client's turn is whole datagrams: one of 174 trades (8,972-byte packets), seven of
+    26 (1,400-byte), one larger than a turn whole; never a full datagram and a stub."""
+    from tape.ops.load import TURN_TRADES, turn_trades  # (the module imports asyncio and the client)
+    assert [turn_trades(n) for n in (174, 26, 300, 1)] == [174, 182, 300, TURN_TRADES]
+    assert all(turn_trades(n) % n == 0 for n in range(1, 400))
