@@ -4,6 +4,7 @@ import pytest
 from conftest import TAPE
 
 from tape.ops.cli import build_parser
+from tape.ops.load import TURN_TRADES, turn_trades
 
 
 def subcommand_paths(parser, prefix=()):
@@ -56,6 +57,5 @@ def test_a_node_started_on_the_wrong_host_says_so_and_exits_2(tmp_path):
 def test_the_load_submits_whole_datagrams_a_turn():
     """Each client's turn is whole datagrams: one of 174 trades (8,972-byte packets), seven of
     26 (1,400-byte), one larger than a turn whole; never a full datagram and a stub."""
-    from tape.ops.load import TURN_TRADES, turn_trades  # (the module imports asyncio and the client)
     assert [turn_trades(n) for n in (174, 26, 300, 1)] == [174, 182, 300, TURN_TRADES]
     assert all(turn_trades(n) % n == 0 for n in range(1, 400))
