@@ -59,6 +59,10 @@ from tape.sequencer.core import LeaderCore
 from tape.sequencer.followers import FollowerLinks
 
 MS = 1_000_000
+# Odd seeds' leaders pace their batches (sequencer/core.py batch_due_ns) after one of this many
+# messages (a client's batch here holds a few; the processes' threshold is 256).
+PACE_FROM = 3
+PACED_INTERVAL_NS = 10 * MS
 SESSION = moldudp64.session_bytes("SIM")
 STREAM_KEYS = StreamKeys([b"sim stream key, 32 bytes long..."])
 SEQUENCERS = ("seq-a", "seq-b")
@@ -212,12 +216,21 @@ class Voter:
         last_seq, last_term = self.core.position()
         self.leader = LeaderCore(SESSION, self.wire, term, [wire(v) for v in VOTERS if v != self.name],
                                  {wire(c): None for c in CLIENTS}, last_seq, last_term, dict(self.core.log.client_last),
-                                 tick_ns=100 * MS, heartbeat_ns=50 * MS,
+                                 tick_ns=100 * MS, heartbeat_ns=50 * MS, batch_interval_ns=self.sim.batch_interval_ns,
+                                 pace_from=PACE_FROM,
                                  last_stamp_ns=M.SEQUENCED.unpack(self.log[-1][1])[M.STAMP] if self.log else 0,
                                  stream_keys=STREAM_KEYS, open_range=self.open_range())
         self.links = FollowerLinks(LEADER_BEAT_NS)  # followers join as their hellos arrive
         self.invite()
         self.process(self.leader.start_term(self.clock()))
+
+    def flush_if_due(self) -> None:
+        """Stamp what is pending unless the leader paces it (`batch_due_ns`), as the shell does."""
+        now = self.clock()
+        if self.leader is not None and self.leader.batch_due_ns(now) <= now:
+            batch = self.leader.flush(now)
+            if batch is not None:
+                self.process(batch)
 
     def open_range(self) -> tuple[int, list[bytes]] | None:
         """The entries after the log's last seal (a range cut short), which a new leader seals first."""
@@ -304,6 +317,7 @@ class Voter:
         batch, heartbeat = c.on_timer(self.clock())
         if batch is not None:
             self.process(batch)
+        self.flush_if_due()  # a paced batch whose interval ended (the shell's timer)
         if heartbeat is not None:
             self.sim.publish(self.name, [heartbeat])
         if self.sim.now - self.invited >= RECONNECT_NS:
@@ -383,9 +397,7 @@ class Voter:
                 self.leader.note_drain(self.sim.now >= self.sim.busy.get(self.name, 0), now)
                 for client, data in self.leader.take_advice():
                     self.sim.send(self.name, client, ("advice", data))
-                batch = self.leader.flush(self.clock())
-                if batch is not None:
-                    self.process(batch)
+                self.flush_if_due()
         elif msg[0] == "gap" and not self.can_lead:
             answer = self.gapfill.on_request(msg[1], address(src), now / 1e9, self.commit_seq)
             if isinstance(answer, Answer):
@@ -630,6 +642,7 @@ class Sim:
         self.busy: dict[str, int] = {}  # sequencer -> until when its inbound socket is never emptied (overload)
         self.loss = self.rng.choice((0.0, 0.01, 0.05, 0.15))
         self.dup = self.rng.choice((0.0, 0.02))
+        self.batch_interval_ns = PACED_INTERVAL_NS if seed % 2 else 0  # (not drawn: the other draws stay a seed's)
         self.voters = {n: Voter(self, n) for n in VOTERS}
         self.listeners = {n: Listener(self, n) for n in (*CLIENTS, *REPLICAS)}
         self.emitter = Emitter(self)

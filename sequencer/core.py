@@ -67,14 +67,14 @@ class LeaderCore:
         max_packet: int = moldudp64.DEFAULT_MAX_PACKET,
         tick_ns: int = 1_000_000_000,
         heartbeat_ns: int = 1_000_000_000,
-        batch_interval_ns: int = 0,
+        batch_interval_ns: int = 0, pace_from: int = PACE_FROM_MESSAGES,
         last_stamp_ns: int = 0,
         stream_keys: StreamKeys | None = None,
         open_range: tuple[int, list[bytes]] | None = None,
     ):
         """`stream_keys`: seal every packet (protocol/streamauth.py). `open_range`: (first seq,
-        entries) after the log's last seal, which this leader's first entry seals. `batch_interval_ns`:
-        the pacing of batches while messages come fast (`batch_due_ns`); 0, none."""
+        entries) after the log's last seal, which this leader's first entry seals. `batch_interval_ns`,
+        `pace_from`: the pacing of batches while messages come fast (`batch_due_ns`; 0, none)."""
         if term <= last_term:
             raise InvariantViolation(f"new term {term} must exceed the log's last term {last_term}")
         self.session = session
@@ -93,7 +93,7 @@ class LeaderCore:
         self.match = {f: 0 for f in self.followers}
         self.tick_ns = tick_ns
         self.heartbeat_ns = heartbeat_ns
-        self.batch_interval_ns = batch_interval_ns
+        self.batch_interval_ns, self.pace_from = batch_interval_ns, pace_from
         self._last_batch = (0, 0)  # (when it was stamped, its messages)
         self._builder = PacketBuilder(session, last_seq + 1, max_packet)
         self.keys = stream_keys
@@ -297,14 +297,14 @@ class LeaderCore:
         return batch
 
     def batch_due_ns(self, now_ns: int) -> int:
-        """When to stamp what is pending: now, unless the last batch held PACE_FROM_MESSAGES or
+        """When to stamp what is pending: now, unless the last batch held `pace_from` messages or
         more (messages come fast) and began less than `batch_interval_ns` ago; then that long
         after it, and what arrives meanwhile joins this batch. A batch costs the cluster the same
         whatever it holds (four fsyncs, a wake-up of every process on its path): paced at 10 ms,
         at 250,000 msg/s a batch held 2,700-3,800 messages, not 1,200-1,800 (docs/performance.md). Never
         further off than one interval (a wall clock stepped back does not hold a batch longer)."""
         at, size = self._last_batch
-        if size < PACE_FROM_MESSAGES or not self.batch_interval_ns:
+        if size < self.pace_from or not self.batch_interval_ns:
             return now_ns
         return max(now_ns, min(at + self.batch_interval_ns, now_ns + self.batch_interval_ns))
 
