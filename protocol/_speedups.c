@@ -90,6 +90,7 @@ static uint32_t crc32_sliced(uint32_t c, const unsigned char *p, size_t n) {
  * by side (crc32_folded_x4) a journal record's sum, 95 bytes, went from 61 to 19.5 ns (the tail
  * sliced, one record at a time, before: docs/performance.md). */
 #define FOLDED __attribute__((target("pclmul,sse4.1"), always_inline)) static inline
+#define K3K4 _mm_set_epi64x(0x0ccaa009e, 0x1751997d0)  /* x^(128-32), x^(128+32) mod P: one fold */
 
 /* pshufb masks: loaded at SHIFT_BYTES + 16 + s they move a vector's bytes s places down (byte i
  * takes byte i + s), at SHIFT_BYTES + 16 - s s places up; a byte from outside reads as zero. */
@@ -100,14 +101,14 @@ static const signed char SHIFT_BYTES[48] = {
 
 /* x (the register over the data up to `at`) folded 128 bits on, into the 16 bytes at `at`. */
 FOLDED __m128i fold_into(__m128i x, const unsigned char *at) {
-    const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);  /* x^(128-32), x^(128+32) mod P */
+    const __m128i k3k4 = K3K4;
     return _mm_xor_si128(_mm_xor_si128(_mm_loadu_si128((const __m128i *)at), _mm_clmulepi64_si128(x, k3k4, 0x00)),
                          _mm_clmulepi64_si128(x, k3k4, 0x11));
 }
 
 /* x (up to `end` - r, at least 16 bytes in) taken on over the r (1 to 15) bytes before `end`. */
 FOLDED __m128i fold_tail(__m128i x, const unsigned char *end, size_t r) {
-    const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
+    const __m128i k3k4 = K3K4;
     __m128i up = _mm_loadu_si128((const __m128i *)(SHIFT_BYTES + r));  /* byte i takes byte i - (16 - r) */
     __m128i spill = _mm_shuffle_epi8(x, up);  /* x's first r bytes, a block before the last */
     __m128i kept = _mm_shuffle_epi8(x, _mm_loadu_si128((const __m128i *)(SHIFT_BYTES + 16 + r)));
@@ -118,7 +119,7 @@ FOLDED __m128i fold_tail(__m128i x, const unsigned char *end, size_t r) {
 
 /* The CRC register that the 128 bits of x leave. */
 FOLDED uint32_t reduce(__m128i x) {
-    const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
+    const __m128i k3k4 = K3K4;
     const __m128i k5 = _mm_set_epi64x(0, 0x163cd6124);               /* x^64 mod P */
     const __m128i pu = _mm_set_epi64x(0x1f7011641, 0x1db710641);     /* Barrett's u', P' */
     const __m128i low32 = _mm_set_epi32(0, 0, 0, -1);

@@ -50,7 +50,7 @@ ACK_EVERY_NS = 100_000_000
 # into batches of at most this many messages.
 MAX_BATCH_MESSAGES = 65_536
 # A batch this large says messages come fast: the leader paces the next one (stream.batch_interval_ms;
-# sequencer/core.py batch_due_ns). Below it (at 25,000 msg/s a batch holds ~125) each is stamped at once.
+# sequencer/core.py batch_due_ns). Below it (at 25,000 msg/s a batch held 76-84) each is stamped at once.
 PACE_FROM_MESSAGES = 256
 CATCHUP_CHUNK = 2_000  # journal entries per catch-up append to a follower behind
 FETCH_MAX = 100_000  # entries one fetch answer carries at most

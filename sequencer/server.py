@@ -324,18 +324,16 @@ class Sequencer(NodeProcess):
         """Stamp and process what the drains read, after the other callbacks of this turn of the
         event loop: the followers' acknowledgements that came during the last fsync (readable
         in the same turn as the inbound socket, which became readable first) commit and publish
-        before this batch's own fsync holds the loop."""
-        if self.core is not None:
-            now = time.time_ns()
-            due = self.core.batch_due_ns(now)
-            if due > now:  # paced: what the drains read meanwhile joins this batch
-                asyncio.get_running_loop().call_later((due - now) / 1e9, self._flush_inbound)
-                return
+        before this batch's own fsync holds the loop. A paced batch (`batch_due_ns`) waits
+        for its time, and what the drains read meanwhile joins it."""
+        now = time.time_ns()
+        if self.core is not None and (due := self.core.batch_due_ns(now)) > now:
+            asyncio.get_running_loop().call_later((due - now) / 1e9, self._flush_inbound)
+            return
         self._flush_due = False
-        if self.core is not None:
-            batch = self.core.flush(time.time_ns())
-            if batch is not None:
-                self._process(batch)
+        batch = self.core.flush(now) if self.core is not None else None
+        if batch is not None:
+            self._process(batch)
 
     def _process(self, batch: Batch) -> None:
         """Replicate to live followers, journal, publish what commits.
