@@ -130,13 +130,10 @@ class SealedReader:
         self._reader = reader
         self._opener = opener
         self._refused = refused
-        self.last_read = 0  # sealed bytes the last read took off the socket
 
     async def read(self, n: int = -1) -> bytes:
-        self.last_read = 0
         while True:
             data = await self._reader.read(n)
-            self.last_read += len(data)
             if not data:
                 return b""
             try:
@@ -150,7 +147,6 @@ class SealedReader:
     def hand_to(self, arrive) -> None:
         """LinkReader.hand_to, each chunk opened first (a record that does not verify is counted
         and handed on as its ProtocolError)."""
-        self.last_read = 0
         if arrive is None:
             self._reader.hand_to(None)
             return
@@ -159,7 +155,6 @@ class SealedReader:
             if isinstance(data, BaseException) or not data:
                 arrive(data)
                 return
-            self.last_read += len(data)  # (as read's: what the chunks up to a whole record took)
             try:
                 plain = self._opener.open(data)
             except ProtocolError as e:
@@ -168,7 +163,6 @@ class SealedReader:
                 return
             if plain:
                 arrive(plain)
-                self.last_read = 0
 
         self._reader.hand_to(opened)
 
@@ -268,12 +262,13 @@ def small_reads(writer: asyncio.StreamWriter) -> None:
         writer.transport.max_size = SOCKET_RECV
 
 
-def reads_to_keep_up(reader, writer: asyncio.StreamWriter, data: bytes) -> None:
-    """After a read of the link's traffic: up to BEHIND_RECV bytes a recv() while the reads come
-    full (the peer is ahead: one read, one fsync and one reply for it all), SOCKET_RECV when not."""
+def large_reads(writer: asyncio.StreamWriter) -> None:
+    """Make a voter's inbound link read up to BEHIND_RECV bytes a recv(): an append of a paced
+    batch (hundreds of KB) is one read, one fsync and one reply, not one turn of the event loop a
+    SOCKET_RECV. With the heap kept (node/memtune.py) a large buffer shrunk to a small read costs
+    what a small one does."""
     if hasattr(type(writer.transport), "max_size"):
-        got = getattr(reader, "last_read", len(data))
-        writer.transport.max_size = BEHIND_RECV if got >= SOCKET_RECV else SOCKET_RECV
+        writer.transport.max_size = BEHIND_RECV
 
 
 def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refused: dict[str, int]):

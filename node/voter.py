@@ -265,9 +265,9 @@ class Voter:
             return
         frames = rep.FrameReader()
         closed_by_peer = False
+        authlink.large_reads(writer)
         def on_read(data: bytes) -> None:
             writer.write(self._on_read(frames.feed(data), writer))
-            authlink.reads_to_keep_up(reader, writer, data)
 
         try:
             await authlink.read_each(reader, on_read)

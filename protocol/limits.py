@@ -90,9 +90,9 @@ CONTROL_READ = 65536  # bytes per read() on a low-rate connection (hellos, acks,
 # frame, cost an mmap, an mremap, a munmap and a page fault (~15 µs against ~3 µs here,
 # docs/performance.md); a larger frame takes more reads.
 SOCKET_RECV = 64 << 10
-# What one recv() asks for on a voter's inbound link while the voter is behind (its last read took
-# a whole SOCKET_RECV): a leader ahead has sent that much already, and each read costs the voter
-# one fsync and one acknowledgement for all of it (group commit), ~12 µs more allocation a read.
+# What one recv() asks for on a voter's inbound link (node/authlink.py `large_reads`): a paced batch's
+# append (200-300 KB at 250,000 msg/s) in one read, and a leader ahead of its follower has sent several
+# by the time it reads (one fsync and one acknowledgement for all of them: group commit).
 BEHIND_RECV = 1 << 20
 REPLICATION_FRAME = replication.MAX_FRAME
 REPLAY_CHUNK = 1_000  # committed messages per replay write

@@ -14,7 +14,7 @@ from tape.node.voter import Voter, VoteStore
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
-from tape.protocol.limits import STALL_SHARE
+from tape.protocol.limits import BEHIND_RECV, STALL_SHARE
 
 
 def records(first: int, last: int, term: int = 1) -> list:
@@ -86,7 +86,8 @@ class AcksAfterSync:
 
 async def test_appends_read_together_share_one_fsync_and_are_acked_after_it(tmp_path):
     """A leader ahead of a voter has sent several appends by the time it reads: one fsync covers
-    them all (group commit), and no ack leaves before it."""
+    them all (group commit), and no ack leaves before it. The voter reads its link BEHIND_RECV a
+    recv() (authlink.large_reads)."""
     cfg = parse(tomllib.loads(default_toml(tmp_path, free=True)))
     rw_1 = cfg.node("rw-1")
     Path(rw_1.data).mkdir(parents=True)
@@ -116,6 +117,7 @@ async def test_appends_read_together_share_one_fsync_and_are_acked_after_it(tmp_
     finally:
         server.close()
     assert acks == [10, 20, 30, 40, 50] == spies[0].acked
+    assert spies[0].transport.max_size == BEHIND_RECV
     assert journal.last_seq == 50 and journal.syncs == 1 and journal.fsyncs == 1
 
 
