@@ -66,6 +66,13 @@ def _bench_cluster(args) -> int:
     return 0
 
 
+def _bench_disk(args) -> int:
+    from tape.ops.bench_disk import bench_disk
+
+    bench_disk(args.writers, args.appends, args.messages, args.every_ms, args.dir)
+    return 0
+
+
 def _bench_spark(args) -> int:
     from tape.ops.bench import bench_spark
 
@@ -669,6 +676,21 @@ def _add_bench(sub) -> None:
     bc.add_argument("--out", default=None, help="write the figures as JSON to this file")
     _add_max_packet(bc)
     bc.set_defaults(func=_bench_cluster)
+    bd = bsub.add_parser("disk", help="how long a journal append waits for the disk, journals flushing at once",
+                         description="Start --writers processes at once, each appending to its own journal (the real "
+                                     "Journal, fsync per append) --appends times, --messages sequenced messages an "
+                                     "append, one every --every-ms: a one-host cluster's voters flushing each batch "
+                                     "together. Prints the append's (write and fdatasync) p50, p90, p99 and max: a "
+                                     "floor under the stream's latency tail. Run it on the journals' disk (--dir).")
+    bd.add_argument("--writers", type=int, default=4, help="journals flushing at once (default 4: the voters of a "
+                    "one-host cluster; 1 for a voter with a disk of its own)")
+    bd.add_argument("--appends", type=int, default=500, help="appends per writer (default 500)")
+    bd.add_argument("--messages", type=int, default=3000, help="messages an append (default 3000: a paced batch "
+                    "at 250,000 msg/s)")
+    bd.add_argument("--every-ms", type=float, default=12.0, help="ms from one append's start to the next "
+                    "(default 12: ~80 batches a second)")
+    bd.add_argument("--dir", default=None, help="where to write (default the system's temporary directory)")
+    bd.set_defaults(func=_bench_disk)
     bk = bsub.add_parser("spark", help="audit and analytics time over a generated journal",
                          description="Write a journal of --messages generated trades and its delivered alerts, then "
                                      "time in Spark: a count, the Parquet export, the audit (zero findings asserted) "

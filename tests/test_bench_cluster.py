@@ -183,3 +183,25 @@ def test_one_core_benchmarks_can_time_by_cpu_time():
     out = subprocess.run(TAPE + ["bench", "rewinder", "--messages", "2000", "--batch", "100", "--fsync", "never",
                                  "--clock", "cpu"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.rstrip().endswith("appends of 100, in CPU time"), out.stderr
+
+
+def test_bench_disk_times_every_append_of_journals_flushing_at_once(tmp_path):
+    """`tape bench disk`: real journals in real processes, started together; every append
+    journaled and flushed (the run raises otherwise), each timed, and nothing left behind."""
+    args = ["--writers", "2", "--appends", "20", "--messages", "40", "--every-ms", "2", "--dir", str(tmp_path)]
+    out = subprocess.run(TAPE + ["bench", "disk", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = " ".join(out.stdout.split())
+    figures = re.search(r"2 x 20, .* 40 \(3,000\) │ ([\d.]+) │ ([\d.]+) │ ([\d.]+) │ ([\d.]+) │", said)
+    assert figures and 0 < float(figures[1]) <= float(figures[3]) <= float(figures[4]), said
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_disk_fails_when_an_append_is_not_flushed(monkeypatch, tmp_path):
+    """A journal that never syncs (fsync "never") is not what the benchmark times: it raises."""
+    from tape.ops import bench_disk
+
+    real = bench_disk.Journal
+    monkeypatch.setattr(bench_disk, "Journal", lambda d, *a, fsync="batch", **k: real(d, *a, fsync="never", **k))
+    with pytest.raises(RuntimeError, match=r"fsyncs, not 50 after 5 each"):
+        bench_disk.bench_disk(1, 5, 10, 1.0, str(tmp_path))
