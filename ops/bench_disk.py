@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import shutil
 import tempfile
 import time
@@ -46,6 +47,21 @@ def _writer(directory: str, appends: int, per_append: int, every_s: float, start
     out.put((seconds, journal.fsyncs))
 
 
+def _results(procs: list, out, deadline: float) -> list:
+    """Each writer's (seconds, fsyncs) once all are done; raises as soon as one died without them."""
+    got = []
+    while len(got) < len(procs):
+        try:
+            got.append(out.get(timeout=0.5))
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                raise RuntimeError(f"writers failed (exit codes {failed}) or did not finish in time") from None
+    for p in procs:
+        p.join()
+    return got
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -71,9 +87,7 @@ def bench_disk(writers: int, appends: int, per_append: int, every_ms: float, whe
                                                    start_at, out)) for i in range(writers)]
         for p in procs:
             p.start()
-        got = [out.get(timeout=60 + appends * (every_ms / 1e3 + 1.0)) for _ in procs]
-        for p in procs:
-            p.join()
+        got = _results(procs, out, deadline=start_at + 60 + appends * (every_ms / 1e3 + 1.0))
         samples, fsyncs = [seconds for seconds, _ in got], [n for _, n in got]
         held = [_records(root / f"voter-{i}") for i in range(writers)]
         if held != [appends * per_append] * writers or fsyncs != [appends] * writers:

@@ -205,3 +205,17 @@ def test_bench_disk_fails_when_an_append_is_not_flushed(monkeypatch, tmp_path):
     monkeypatch.setattr(bench_disk, "Journal", lambda d, *a, fsync="batch", **k: real(d, *a, fsync="never", **k))
     with pytest.raises(RuntimeError, match=r"fsyncs, not 50 after 5 each"):
         bench_disk.bench_disk(1, 5, 10, 1.0, str(tmp_path))
+
+
+def test_bench_disk_fails_at_once_when_a_writer_dies(monkeypatch, tmp_path):
+    """A writer that cannot open its journal ends the run with an error, not a wait of minutes."""
+    from tape.ops import bench_disk
+
+    def refused(*args, **kwargs):
+        raise OSError("no journal here")
+
+    monkeypatch.setattr(bench_disk, "Journal", refused)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exit codes \[1\]"):
+        bench_disk.bench_disk(1, 500, 10, 12.0, str(tmp_path))
+    assert time.monotonic() - t0 < 10
