@@ -28,6 +28,7 @@ from tape.protocol.journal import RecordRun
 from tape.protocol.messages import SEQUENCED_SIZE
 
 SESSION = moldudp64.session_bytes("BENCH")
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")  # an fdatasync there waits for no disk
 
 
 def _writer(directory: str, appends: int, per_append: int, every_s: float, start_at: float, out) -> None:
@@ -104,8 +105,26 @@ def bench_disk(writers: int, appends: int, per_append: int, every_ms: float, whe
     return result
 
 
+def filesystem(path: str) -> str:
+    """The type of the file system `path` is on, from the longest mount point above it
+    (/proc/self/mounts; "unknown" where there is none)."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                point = fields[1].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if len(fields) > 2 and inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
 def _print(r: dict, where: str) -> None:
-    table = Table(title=f"tape bench disk: a journal append (write + fdatasync) in {where}, "
+    kind = filesystem(os.path.realpath(where))
+    table = Table(title=f"tape bench disk: a journal append (write + fdatasync) in {where} ({kind}), "
                         f"{r['writers']} journals flushing at once")
     for column in ("appends", "messages (bytes) an append", "p50 ms", "p90 ms", "p99 ms", "max ms",
                    "p99 ms of each writer"):
@@ -116,5 +135,7 @@ def _print(r: dict, where: str) -> None:
                   " / ".join(f"{v:.2f}" for v in r["writer_p99_ms"]))
     console = Console()
     console.print(table)
+    if kind in MEMORY_FILE_SYSTEMS:
+        console.print(f"[bold red]{where} is {kind}: memory, not a disk; give --dir on the journals' disk")
     console.print("A batch commits once the leader and two of its three followers hold it: on one disk their "
                   "flushes wait together, and this tail is a floor under the stream's.")

@@ -219,3 +219,15 @@ def test_bench_disk_fails_at_once_when_a_writer_dies(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match=r"exit codes \[1\]"):
         bench_disk.bench_disk(1, 500, 10, 12.0, str(tmp_path))
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_bench_disk_names_the_file_system_and_warns_of_memory(capsys):
+    """Figures from a file system in memory would say nothing of a disk: the run says so."""
+    from tape.ops import bench_disk
+
+    assert bench_disk.filesystem("/dev/shm") in bench_disk.MEMORY_FILE_SYSTEMS
+    assert bench_disk.filesystem("/") != "unknown"
+    bench_disk.bench_disk(1, 3, 10, 1.0, "/dev/shm")
+    said = " ".join(capsys.readouterr().out.split())
+    assert "(tmpfs)" in said and "memory, not a disk" in said, said
