@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tape.node.journal_store import Journal
+from tape.ops.load import percentile
 from tape.protocol import moldudp64
 from tape.protocol.journal import RecordRun
 from tape.protocol.messages import SEQUENCED_SIZE
@@ -63,11 +64,6 @@ def _results(procs: list, out, deadline: float) -> list:
     return got
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _records(directory: Path) -> int:
     journal = Journal(directory, readonly=True)
     try:
@@ -82,6 +78,7 @@ def bench_disk(writers: int, appends: int, per_append: int, every_ms: float, whe
     root = Path(tempfile.mkdtemp(prefix="tape-bench-disk-", dir=where))
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
+    procs: list = []
     try:
         start_at = time.monotonic() + 0.5  # all of them started by then
         procs = [ctx.Process(target=_writer, args=(str(root / f"voter-{i}"), appends, per_append, every_ms / 1e3,
@@ -95,12 +92,15 @@ def bench_disk(writers: int, appends: int, per_append: int, every_ms: float, whe
             raise RuntimeError(f"the journals hold {held} records after {fsyncs} fsyncs, not {appends * per_append} "
                                f"after {appends} each")
     finally:
+        for p in procs:
+            if p.is_alive():  # (a writer stuck past the deadline)
+                p.kill()
         shutil.rmtree(root, ignore_errors=True)
     every = [s * 1e3 for w in samples for s in w]
     result = {"writers": writers, "appends": appends, "messages_an_append": per_append,
               "bytes_an_append": per_append * SEQUENCED_SIZE, "every_ms": every_ms, "fsyncs": sum(fsyncs),
-              **{k: _percentile(every, q) for k, q in (("p50_ms", 0.5), ("p90_ms", 0.9), ("p99_ms", 0.99))},
-              "max_ms": max(every), "writer_p99_ms": [_percentile([s * 1e3 for s in w], 0.99) for w in samples]}
+              **{k: percentile(every, q) for k, q in (("p50_ms", 0.5), ("p90_ms", 0.9), ("p99_ms", 0.99))},
+              "max_ms": max(every), "writer_p99_ms": [percentile([s * 1e3 for s in w], 0.99) for w in samples]}
     _print(result, str(root.parent))
     return result
 
@@ -111,11 +111,10 @@ def filesystem(path: str) -> str:
     best, kind = "", "unknown"
     try:
         with open("/proc/self/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                point = fields[1].replace("\\040", " ")
-                inside = path == point or path.startswith(point.rstrip("/") + "/")
-                if len(fields) > 2 and inside and len(point) >= len(best):
+            for fields in map(str.split, mounts):
+                point = fields[1].replace("\\040", " ") if len(fields) > 2 else ""
+                inside = point and (path == point or path.startswith(point.rstrip("/") + "/"))
+                if inside and len(point) >= len(best):
                     best, kind = point, fields[2]
     except OSError:
         pass
