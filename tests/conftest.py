@@ -1,3 +1,4 @@
+import asyncio
 import contextlib
 import os
 import socket
@@ -86,3 +87,19 @@ def run_dir(tmp_path_factory):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return out
+
+
+FAST_TIER = os.environ.get("TAPE_TEST_TIER") == "fast"  # set by `make test-fast`
+
+
+@pytest.fixture(autouse=True)
+def _no_process_in_the_fast_tier(monkeypatch):
+    """In the fast tier no test starts a process: one that tries is missing its `process` marker."""
+    if not FAST_TIER:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a test of the fast tier started a process: mark it `process` (pyproject.toml)")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)

@@ -104,6 +104,7 @@ def streams(draw):
 
 @settings(max_examples=200, deadline=None)
 @given(streams(), st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]))
+@pytest.mark.slow
 def test_alerts_and_rejects_equal_the_reference(stream, book_ttl, orphan_ttl):
     m = AuditMachine(book_ttl_ns=book_ttl, orphan_ttl_ns=orphan_ttl)
     alerts = run(m, stream)
@@ -123,6 +124,7 @@ def test_alerts_and_rejects_equal_the_reference(stream, book_ttl, orphan_ttl):
 
 @settings(max_examples=300, deadline=None)
 @given(streams(), st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]))
+@pytest.mark.slow
 def test_the_digest_equals_the_one_recomputed_from_its_definition(stream, book_ttl, orphan_ttl):
     m = AuditMachine(book_ttl_ns=book_ttl, orphan_ttl_ns=orphan_ttl)
     for end in sorted({len(stream) // 3, len(stream)}):  # mid-stream too: what has expired by then, no more
@@ -149,6 +151,7 @@ def test_the_digest_equals_the_recomputed_one_across_folds(seed):
 
 @settings(max_examples=100, deadline=None)
 @given(streams(), st.lists(st.integers(1, 20), max_size=10))
+@pytest.mark.slow
 def test_two_replicas_fed_the_same_stream_agree_at_every_seq(stream, cuts):
     a, b = AuditMachine(book_ttl_ns=100, orphan_ttl_ns=50), AuditMachine(book_ttl_ns=100, orphan_ttl_ns=50)
     digests_a = []

@@ -67,6 +67,7 @@ def state(m: AuditMachine) -> tuple:
 @settings(max_examples=300, deadline=None)
 @given(streams(), st.lists(st.tuples(st.integers(1, 20), st.integers(0, 3)), min_size=1, max_size=12),
        st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]))
+@pytest.mark.slow
 def test_packets_through_the_compiled_cases_end_as_the_pure_rules_do(stream, cuts, book_ttl, orphan_ttl):
     pure = AuditMachine(book_ttl, orphan_ttl, compiled=False)
     fast = AuditMachine(book_ttl, orphan_ttl, compiled=True)
@@ -89,6 +90,7 @@ def test_packets_through_the_compiled_cases_end_as_the_pure_rules_do(stream, cut
 @settings(max_examples=200, deadline=None)
 @given(streams(), st.lists(st.tuples(st.integers(1, 20), st.integers(0, 3)), min_size=1, max_size=12),
        st.integers(0, 60), st.integers(1, 6))
+@pytest.mark.slow
 def test_a_drain_applied_in_one_call_ends_as_its_packets_applied_one_by_one(stream, cuts, before_fold, per_drain):
     """apply_runs (a replica's drain) against apply_packet of each run on the pure rules: the same
     alerts, the same fold points (with the alerts raised before each and the chain folded there),
@@ -237,6 +239,7 @@ def test_the_compiled_books_stay_a_dict_through_many_deletes(seed):
 
 
 @compiled
+@pytest.mark.slow
 @pytest.mark.parametrize("stride", [1, 1024, 0x9E3779B97F4A7C15])
 def test_a_doubling_moves_the_books_a_few_at_a_time_and_they_stay_found(stride):
     """The 513th book doubles a fresh table; its books move over the next inserts (none stalls for

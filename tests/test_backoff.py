@@ -233,6 +233,7 @@ def test_the_resend_timeout_follows_the_measured_submit_to_sequenced_time():
 
 # --- the processes ------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_an_overloaded_leader_tells_the_clients_to_back_off_and_nothing_is_lost(tmp_path):
     """Two clients send 300,000 trades as fast as they can build them (a datagram costs a client
     far less than sequencing its trades costs the leader, so its socket backs up past the

@@ -23,11 +23,19 @@ def test_the_expected_commands_exist():
 
 
 @pytest.mark.parametrize("path", PATHS, ids=" ".join)
-def test_every_subcommand_has_help(path):
-    out = subprocess.run(TAPE + list(path) + ["--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "usage: tape" in out.stdout
+def test_every_subcommand_has_help(path, capsys):
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([*path, "--help"])
+    assert done.value.code == 0 and f"usage: tape {' '.join(path)}" in capsys.readouterr().out
 
 
+@pytest.mark.process
+def test_the_installed_command_prints_its_help():
+    out = subprocess.run(TAPE + ["journal", "dump", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "usage: tape journal dump" in out.stdout
+
+
+@pytest.mark.process
 def test_bad_arguments_give_one_clear_error():
     out = subprocess.run(TAPE + ["journal", "dump"], capture_output=True, text=True)
     assert out.returncode == 2 and "path" in out.stderr
@@ -35,6 +43,7 @@ def test_bad_arguments_give_one_clear_error():
     assert out.returncode == 1 and "no journal segments" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.process
 def test_a_node_started_on_the_wrong_host_says_so_and_exits_2(tmp_path):
     """A LAN config's node started where its address does not exist: one CRITICAL line naming
     the node and this host's addresses, exit 2 (systemd does not restart it), no traceback."""

@@ -104,6 +104,7 @@ def test_zero_filled_tail_is_torn_not_corrupt(tmp_path):
     assert j.last_seq == 10 and j.recovery.truncated_bytes == 4096
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where", ["crc", "length", "seq", "message"])
 def test_flipped_byte_mid_file_is_reported_with_seq_and_offset(tmp_path, where):
     fill(tmp_path, 40).close()
@@ -182,6 +183,7 @@ def test_session_of_a_segment_must_match(tmp_path):
         Journal(tmp_path, b"OTHER     ")
 
 
+@pytest.mark.process
 def test_dump_cli_prints_every_record(tmp_path):
     fill(tmp_path, 60, segment_bytes=2000).close()
     out = subprocess.run(
@@ -198,6 +200,7 @@ def test_dump_cli_prints_every_record(tmp_path):
     assert out.returncode == 0 and "60 records" in out.stdout
 
 
+@pytest.mark.process
 def test_a_write_refused_for_want_of_space_leaves_the_journal_as_it_was(tmp_path):
     """A real full file system (a 2 MiB tmpfs): the refused append raises DiskFull and leaves no
     partial record; with space back the same seqs append, and a reopen reads every record once."""
@@ -220,6 +223,7 @@ def allocated(path) -> int:
     return path.stat().st_blocks * 512
 
 
+@pytest.mark.process
 def test_the_tail_has_its_next_appends_space_reserved_and_gives_it_back(tmp_path):
     """The tail segment holds disk space past its end for the next appends (its size is still its
     data, byte for byte); a roll, a truncation and a close give it back. On a 2 MiB tmpfs filled
@@ -301,6 +305,7 @@ def cached_pages(path) -> list[bool]:
     return [bool(v & 1) for v in vec]
 
 
+@pytest.mark.process
 def test_synced_pages_behind_the_tail_are_given_back_to_the_page_cache(tmp_path):
     """After each fsync the tail's pages more than JOURNAL_CACHED_BYTES behind its end leave the
     page cache (the next appends' pages come warm), give or take a large folio at the edge; a

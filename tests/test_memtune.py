@@ -27,6 +27,7 @@ def faults_of_reads(how: str) -> int:
     return int(out.stdout)
 
 
+@pytest.mark.process
 def test_a_kept_heap_reuses_large_buffers_instead_of_faulting_them_in_again():
     """With glibc's defaults each read's buffer is mapped fresh (every page faulted in again:
     300 reads of 150 KB, ~11,000 faults); with the heap kept they come warm from it."""

@@ -179,6 +179,7 @@ def test_a_snapshot_is_all_or_nothing(tmp_path):
     assert fresh.last_seq == 1000
 
 
+@pytest.mark.process
 def test_a_save_the_full_disk_refuses_leaves_the_last_snapshot_and_the_next_save_catches_up(tmp_path):
     """On a real 4 MiB tmpfs: the refused save raises lmdb.Error (the replica logs it and goes on);
     the snapshot before it still verifies; with space back the next save writes all that changed."""
@@ -306,6 +307,7 @@ def test_an_altered_outbox_is_refused(tmp_path):
         store.outbox()
 
 
+@pytest.mark.process
 def test_a_truncated_or_zeroed_file_is_refused_not_a_sigbus(tmp_path):
     path, _, _ = saved(tmp_path, 20_000)
     data = path / "data.mdb"
@@ -378,6 +380,7 @@ def replay_cli(tmp_path, *extra):
     return out.returncode, json.loads(out.stdout) if out.returncode == 0 else out.stderr
 
 
+@pytest.mark.process
 def test_replay_rebuilds_from_scratch_unless_told_to_resume(tmp_path):
     msgs = stream(6000)
     whole = machine()
