@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import Counter
+from collections import Counter, deque
 
 from tape.node.settings import Config, default_of
 from tape.ops.reference import expected_alerts
 from tape.ops.tradegen import TradeGenerator
 from tape.ops.verdict import RunFiles, judge
-from tape.protocol import backoff, moldudp64
+from tape.protocol import alertlink, backoff, moldudp64
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
+from tape.protocol.actions import Close, Send
 from tape.protocol.election import Lead, Persist, Refused, RequestVotes, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import CATCHUP_CHUNK, STALL_SHARE
@@ -52,7 +53,8 @@ from tape.replicas.emitter_core import (
     Redeliver,
     emit_seq_of,
 )
-from tape.replicas.replica_core import ReplicaCore, SendAlerts
+from tape.replicas.emitter_node import Divergence, EmitterNode, LookUp
+from tape.replicas.replica_core import ReplicaCore, SendAlerts, SendDigest
 from tape.rewinder.gapfill import Answer, GapFillCore
 from tape.sequencer.client_core import ClientCore, Recovery
 from tape.sequencer.core import LeaderCore
@@ -442,6 +444,7 @@ class Listener:
             self.replica = ReplicaCore(self.machine, [], 1 << 62, 1 << 62, False, sim.now)
             self.machine.apply_runs = self._keeping_alerts(self.machine.apply_runs)
             self.hello_at = -RECONNECT_NS
+            self.alert_frames = alertlink.Reader()
         self.client: ClientCore | None = None
         self.recovery: Recovery | None = None  # a restarted client reading the stream before it submits
         if name in CLIENTS:
@@ -472,12 +475,13 @@ class Listener:
         self.recovery = Recovery()
 
     def receive(self, src: str, msg) -> None:
-        if msg[0] == "welcome":  # the alert channel is up: what the emitter lacks goes again
-            for action in self.replica.on_welcome(msg[1]):
-                if isinstance(action, SendAlerts):  # (runs here end before a fold point: no digests)
-                    self.send_alerts(action)
-        elif msg[0] == "ack":
-            self.replica.on_ack(msg[1])
+        if msg[0] == "data":  # the emitter's frames on the alert link
+            for kind, payload in self.alert_frames.feed(msg[1]):
+                if kind == alertlink.WELCOME:  # the channel is up: what the emitter lacks goes again
+                    for action in self.replica.on_welcome(alertlink.MARK.unpack(payload)[0]):
+                        self.send_alerts(action)
+                elif kind == alertlink.ACK:
+                    self.replica.on_ack(alertlink.MARK.unpack(payload)[0])
         elif msg[0] == "link_lost":
             self.replica.on_link_lost()
         elif msg[0] == "advice" and self.client is not None:
@@ -509,8 +513,7 @@ class Listener:
             self.delivered.append(raw)
         if self.replica is not None:
             for action in self.replica.on_packets([d]):
-                if isinstance(action, SendAlerts):
-                    self.send_alerts(action)
+                self.send_alerts(action)
             self.sim.check_digest(self.name, self.machine.last_seq, self.machine.digest())
         else:
             self.client.on_delivered(d.packet, d.skip, self.sim.now)
@@ -521,7 +524,8 @@ class Listener:
             self.sim.send(self.name, REWINDERS[ask.index], ("gap", ask.request))
         if self.replica is not None and not self.replica.linked and now - self.hello_at >= RECONNECT_NS:
             self.hello_at = now  # the replica's (re)connect loop to the emitter
-            self.sim.send_ordered(self.name, EMITTER, ("hello",))
+            self.alert_frames = alertlink.Reader()
+            self.sim.send_ordered(self.name, EMITTER, ("connect", alertlink.hello(wire(self.name))))
         if self.client is None:
             return
         c = self.client
@@ -544,14 +548,20 @@ class Listener:
         for s in named or SEQUENCERS:
             self.sim.send(self.name, s, ("inbound", data))
 
-    def send_alerts(self, action: SendAlerts) -> None:
-        if action.alerts and self.replica.linked:
-            self.sim.send_ordered(self.name, EMITTER, ("alerts", list(action.alerts)))
+    def send_alerts(self, action) -> None:
+        """A replica core's alerts and digests, as frames on the alert link."""
+        if not self.replica.linked:
+            return
+        if isinstance(action, SendAlerts) and action.alerts:
+            self.sim.send_ordered(self.name, EMITTER, ("data", alertlink.alerts(list(action.alerts))))
+        elif isinstance(action, SendDigest):
+            self.sim.send_ordered(self.name, EMITTER, ("data", alertlink.digest(action.fold_seq, action.chain)))
 
 
 class Emitter:
-    """The emitter: the EmitterCore the process runs, its LMDB (mark, outbox, delivered) and
-    an idempotent JSON-lines sink as durable state; it crashes at the core's crash points."""
+    """The emitter: the EmitterNode the process runs, over the alert links' bytes; its LMDB
+    (mark, outbox, delivered) and an idempotent JSON-lines sink are the durable state here. It
+    crashes at the core's crash points."""
 
     def __init__(self, sim: "Sim"):
         self.sim, self.name, self.up = sim, EMITTER, True
@@ -563,68 +573,67 @@ class Emitter:
         self.restart()
 
     def restart(self) -> None:
-        self.recent: dict[int, bytes] = {}  # emit seq -> alert delivered since this start (the shell's memory)
         delivery = "quorum" if self.sim.seed % 2 else "first"  # both modes, without drawing from the seed's rng
         deliver_first = self.sim.seed % 4 >= 2  # (its sink is idempotent: both orders are the shell's)
-        self.core = EmitterCore({wire(r) for r in REPLICAS}, self.mark, delivery=delivery,
-                                deliver_first=deliver_first)
-        self.carry_out(self.core.recover([self.outbox[k] for k in sorted(self.outbox)]))
+        self.node = EmitterNode(EmitterCore({wire(r) for r in REPLICAS}, self.mark, delivery=delivery,
+                                            deliver_first=deliver_first))
+        self.core = self.node.core
+        self.carry_out(self.node.start([self.outbox[k] for k in sorted(self.outbox)], self.sim.now))
 
     def receive(self, src: str, msg) -> None:
-        if msg[0] == "hello":
-            mark = self.core.on_hello(wire(src))
-            if mark is not None:
-                self.sim.send_ordered(EMITTER, src, ("welcome", mark))
-        elif msg[0] == "alerts":
-            new, copies, alarms = self.core.on_alerts(wire(src), msg[1])
-            if alarms:
-                raise Violation(f"divergence: alerts at emit seqs {[emit_seq_of(a) for a in alarms]} reached no "
-                                "quorum")
-            recorded = [self.recent.get(seq) or self.recorded.get(seq, self.outbox.get(seq))
-                        for seq in map(emit_seq_of, copies)]
-            differ = self.core.judge_copies(copies, recorded)
-            if differ:
-                raise Violation(f"divergence: {src}'s alert at emit seq {emit_seq_of(copies[differ[0]])} differs")
-            if new and not self.carry_out(self.core.deliver(new)):
-                return  # crashed on the way
+        conn = (src, self.sim.epochs.get(frozenset((EMITTER, src)), 0))  # its connection: the channel's epoch
+        now = self.sim.now
+        if msg[0] == "connect":
+            self.carry_out(self.node.on_connected(conn, now))
+        if msg[0] == "closed":  # (the connection's own epoch: a newer one may stand)
+            self.carry_out(self.node.on_closed((src, msg[1]), now))
+        else:
+            self.carry_out(self.node.on_data(conn, msg[1], now))
 
-    def acknowledge(self) -> None:
-        """As the shell: the recorded mark to each linked replica told less."""
-        links = {r: frozenset((EMITTER, r)) for r in REPLICAS}
-        linked = [r for r, ln in links.items() if ln in self.sim.epochs and ln not in self.sim.broken]
-        due = self.core.acks_due([wire(r) for r in linked])
-        for r in linked:
-            if wire(r) in due:
-                self.sim.send_ordered(EMITTER, r, ("ack", due[wire(r)]))
-
-    def carry_out(self, actions: list) -> bool:
-        """As the emitter shell does; False if a crash point was reached."""
-        for a in actions:
-            if isinstance(a, RecordIntent):
+    def carry_out(self, actions: list) -> None:
+        """As the emitter shell does: in order, what a step leads to after the rest of its list."""
+        queue = deque(actions)
+        while queue:
+            a, now = queue.popleft(), self.sim.now
+            if isinstance(a, Send):
+                replica, epoch = a.conn
+                if self.sim.epochs.get(frozenset((EMITTER, replica)), 0) == epoch:
+                    self.sim.send_ordered(EMITTER, replica, ("data", a.data))
+            elif isinstance(a, Close):
+                raise Violation(f"the emitter refused {a.conn[0]}'s link: {a.reason} ({a.detail})")
+            elif isinstance(a, RecordIntent):
                 (self.recorded if a.delivered else self.outbox).update((emit_seq_of(x), x) for x in a.alerts)
                 self.mark = emit_seq_of(a.alerts[-1])
                 self.record_done(a.done)
-                self.core.on_recorded(a)
-                self.acknowledge()
+                queue.extend(self.node.on_recorded(a, now))
             elif isinstance(a, (DeliverAlerts, Redeliver)):
                 held = {r["alert_id"] for r in self.sink}  # the sink is idempotent by alert id
                 records = (Alert.decode(x).to_dict("SIM") for x in a.alerts)
                 self.sink += [r for r in records if r["alert_id"] not in held]
-                self.recent.update((emit_seq_of(x), x) for x in a.alerts)  # the shell's memory of them
+                if isinstance(a, DeliverAlerts):
+                    queue.extend(self.node.on_delivered(a, now))
             elif isinstance(a, RecordDone):
                 self.record_done(a.alerts)
+            elif isinstance(a, LookUp):
+                stored = [kept or self.recorded.get(emit_seq_of(x), self.outbox.get(emit_seq_of(x)))
+                          for x, kept in zip(a.copies, a.recorded)]
+                queue.extend(self.node.on_looked_up(a, stored, now))
+            elif isinstance(a, Divergence):
+                seq = emit_seq_of(a.alert) if a.alert else a.fold_seq
+                raise Violation(f"divergence: {a.why.value} at emit seq {seq}")
             elif isinstance(a, Crash):
                 self.sim.crash_emitter(self.crash_at[1])
-                return False
-        return True
+                return
 
     def record_done(self, alerts: list) -> None:
         for x in alerts:
             self.recorded[emit_seq_of(x)] = self.outbox.pop(emit_seq_of(x), x)
 
     def tick(self) -> None:
-        """As the shell's timer: a done no next intent carried is recorded on its own."""
-        self.carry_out(self.core.done_due())
+        """As the shell's timer: at the node's deadline (acknowledgements, a done alone, a record)."""
+        due = self.node.next_deadline()
+        if due is not None and due <= self.sim.now:
+            self.carry_out(self.node.on_timer(self.sim.now))
 
 
 class Sim:
@@ -673,13 +682,14 @@ class Sim:
         lost while a later one arrives. A partition or a peer down breaks the connection: nothing
         more goes through it, the replica end learns so, and its next hello opens a new one."""
         link = frozenset((src, dst))
-        if msg[0] == "hello":
+        if msg[0] == "connect":
             self.epochs[link] = self.epochs.get(link, 0) + 1  # a new connection
             self.broken.discard(link)
         if link in self.cut or link in self.broken or not self.nodes[dst].up or not self.nodes[src].up:
             self.broken.add(link)
             replica = src if src in REPLICAS else dst
             self.at(self.now + MS, self.deliver, EMITTER, replica, ("link_lost",))
+            self.at(self.now + MS, self.deliver, replica, EMITTER, ("closed", self.epochs.get(link, 0)))
             return
         when = max(self.now + self.rng.randint(100_000, 3 * MS), self.channel_at.get((src, dst), 0) + 1)
         self.channel_at[(src, dst)] = when

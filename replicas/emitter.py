@@ -1,10 +1,12 @@
-"""`tape emitter`: delivers each alert exactly once; the shell around EmitterCore.
+"""`tape emitter`: delivers each alert exactly once; the shell around EmitterNode.
 
 Replicas connect over TCP and send their alerts in emit-seq order. The
 emitter keeps in LMDB the highest emit seq recorded (the mark), an outbox of
-alerts in flight and every delivered alert (for divergence checks). What to
-do with each alert is EmitterCore's decision (replicas/emitter_core.py);
-this shell carries it out. With every sink idempotent (deliver_first), a
+alerts in flight and every delivered alert (for divergence checks). Every
+decision (what a link may carry, what is delivered, when to acknowledge and
+record) is the node core's (replicas/emitter_node.py, around EmitterCore);
+this shell moves the links' bytes, runs its timer and carries out its
+actions: LMDB transactions and the sinks. With every sink idempotent (deliver_first), a
 new batch is written to every sink, and what was delivered is recorded
 (delivered + mark, one transaction) RECORD_AFTER_NS after the first batch
 not yet recorded. Otherwise a new batch is recorded as intent (outbox +
@@ -31,6 +33,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from operator import itemgetter
 from pathlib import Path
 
@@ -40,29 +43,14 @@ from tape.node.latency import LatencySamples
 from tape.node.process import NodeProcess
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
-from tape.protocol import alertlink
-from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import ACK_EVERY_NS, CONTROL_READ, DONE_ALONE_AFTER_NS, RECENT_ALERTS, RECORD_AFTER_NS
+from tape.protocol.actions import Close, Send
+from tape.protocol.limits import CONTROL_READ
 from tape.replicas import sinks as sinklib
-from tape.replicas.audit import ALERT_SIZE, ALERT_STAMP, Alert
-from tape.replicas.emitter_core import (
-    Crash,
-    DeliverAlerts,
-    EmitterCore,
-    RecordDone,
-    RecordIntent,
-    Redeliver,
-    TooFarAhead,
-)
+from tape.replicas.audit import ALERT_STAMP, Alert
+from tape.replicas.emitter_core import Crash, DeliverAlerts, EmitterCore, RecordDone, RecordIntent, Redeliver
+from tape.replicas.emitter_node import Divergence, EmitterNode, LookUp
 
 log = logging.getLogger("tape.emitter")
-
-
-class IntentNotRecorded(Exception):
-    """The disk refused the transaction that records a batch (its intent, or with deliver_first its
-    delivery): the mark is back."""
-
-
 _KEY = itemgetter(slice(0, 8))
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
 
@@ -75,13 +63,6 @@ def _deliver_each(sinks: list, records: list[sinklib.AlertLine]) -> None:
 def keyed(records: list[bytes]):
     """(key, record) of each alert record: its first 8 bytes, its emit seq, are its key."""
     return zip(map(_KEY, records), records)
-
-
-def keep_newest(recent: dict, records: list, limit: int) -> None:
-    """Add alert records (keyed by their first 8 bytes, the emit seq), in rising emit seq, and
-    forget the oldest beyond `limit` (sinks.forget_oldest: in bulk)."""
-    recent.update(keyed(records))
-    sinklib.forget_oldest(recent, limit)
 
 
 class Emitter(NodeProcess):
@@ -100,27 +81,21 @@ class Emitter(NodeProcess):
                                    self.stopping)
         with self.env.begin() as txn:
             raw = txn.get(b"mark", db=self.meta)
-        self.core = EmitterCore({n.wire_name for n in cfg.by_role("replica")}, int.from_bytes(raw, "big") if raw
-                                else 0, crash_at, crash_after, node.delivery,
-                                deliver_first=all(sink.idempotent for sink in self.sinks))
+        core = EmitterCore({n.wire_name for n in cfg.by_role("replica")}, int.from_bytes(raw, "big") if raw else 0,
+                           crash_at, crash_after, node.delivery, deliver_first=all(s.idempotent for s in self.sinks))
+        self.node_core = EmitterNode(core)  # every decision; this shell moves bytes and writes
         for sink in self.sinks:  # with deliver_first a record syncs the sinks first (_sync_sinks), not each batch
-            sink.sync_each_batch = not self.core.deliver_first
+            sink.sync_each_batch = not core.deliver_first
         self.latency = LatencySamples()  # the triggering purchase's stamp to delivered (wall clock: a figure only)
         self.in_doubt_listed = 0
-        self.rejected: dict[str, int] = {}
-        self._lock = asyncio.Lock()  # one delivery at a time, whichever replica it came from
-        self.links: dict = {}  # every welcomed replica connection -> the replica it named
+        self._lock = asyncio.Lock()  # one event's actions at a time, whichever replica it came from
         self.record_failures = 0
         self.refusal_log = RateLimitedLog(log)
-        self.by_replica: dict[bytes, asyncio.StreamWriter] = {}  # its latest connection: where a rebuild order goes
-        self.recent: dict[bytes, bytes] = {}  # emit seq (its key) -> the bytes recorded, the newest RECENT_ALERTS
-        self._done_timer: asyncio.TimerHandle | None = None
-        self._ack_timer: asyncio.TimerHandle | None = None
-        self._delivering = False  # a batch is on its way to the sinks (stopped there: it stays in doubt)
+        self._timer: asyncio.TimerHandle | None = None  # at the node core's next deadline
+        self._timer_due: int | None = None
 
-    @property
-    def mark(self) -> int:
-        return self.core.mark
+    core = property(lambda self: self.node_core.core)
+    mark = property(lambda self: self.node_core.core.mark)
 
     def report(self):
         c = self.core
@@ -140,7 +115,7 @@ class Emitter(NodeProcess):
             self.record_failures
         yield "in_doubt_listed", "counter", "alerts in doubt listed for the operator (non-idempotent sink)", \
             self.in_doubt_listed
-        yield "rejected", "counter", "connections or frames refused, by reason", self.rejected
+        yield "rejected", "counter", "connections or frames refused, by reason", self.node_core.rejected
         yield "sink_retries", "counter", "deliveries retried, by sink", \
             {s.name: getattr(s, "retries", 0) for s in self.sinks}, "sink"
         yield "sink_refused", "counter", "alerts a sink refused for good (webhook 4xx), by sink", \
@@ -151,7 +126,7 @@ class Emitter(NodeProcess):
         try:
             with self.env.begin() as txn:
                 doubt = [v for _, v in txn.cursor(db=self.outbox)]
-            await self._carry_out(self.core.recover(doubt))
+            await self._carry_out(self.node_core.start(doubt, time.monotonic_ns()))
             server = await self.serve_links(self._on_replica, self.cfg.cluster_link, self.node.host,
                                             self.node.alert_port)
             log.info("emitter at mark %d, listening on :%d, sinks: %s", self.mark, self.node.alert_port,
@@ -163,168 +138,116 @@ class Emitter(NodeProcess):
             self.stopping.set()
             if server is not None:
                 server.close()
-            for timer in (self._done_timer, self._ack_timer):
-                if timer is not None:
-                    timer.cancel()
             async with self._lock:  # let a delivery in its thread finish or give up
-                if not self._delivering:  # the last batch reached every sink: its done is due, not a doubt
-                    try:
-                        await self._carry_out(self.core.done_due())
-                    except IntentNotRecorded as e:  # (sent again from the mark at the next start)
-                        log.error("alerts delivered and not recorded at the stop (%s)", e)
+                await self._carry_out(self.node_core.on_stop(time.monotonic_ns()))
+                if self._timer is not None:
+                    self._timer.cancel()
                 for sink in self.sinks:
                     sink.close()
                 self.env.close()
         c = self.core
         status = {"mark": c.mark, "delivered": c.delivered, "duplicates": c.duplicates,
-                  "divergences": c.divergences, "in_doubt": c.in_doubt, "rejected": self.rejected,
+                  "divergences": c.divergences, "in_doubt": c.in_doubt, "rejected": self.node_core.rejected,
                   "delivery": c.delivery, "latency_ms": self.latency.summary_ms()}
         (self.data / "status.json").write_text(json.dumps(status, indent=1))
 
-    def _reject(self, reason: str, detail: str) -> None:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        log.warning("alert link: %s (%s); connection closed", reason.replace("_", " "), detail)
-
     async def _on_replica(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        frames = alertlink.Reader()
-        name = None
+        self.node_core.on_connected(writer, time.monotonic_ns())
         try:
-            while True:
+            while not writer.is_closing():
                 data = await reader.read(CONTROL_READ)
                 if not data:
                     return
-                fresh = []
-                for kind, payloads in frames.runs(data):
-                    if name is None:  # the first frame: the replica's hello
-                        mark = self.core.on_hello(payloads[0]) if kind == alertlink.HELLO else None
-                        if mark is None:
-                            return self._reject("unknown_replica", f"hello {payloads[0][:16]!r}")
-                        name, payloads = payloads[0], payloads[1:]
-                        self.links[writer] = name
-                        self.by_replica[name] = writer
-                        writer.write(alertlink.welcome(mark))
-                        if name in self.core.diverged:  # (one that already rebuilds for it ignores this)
-                            writer.write(alertlink.rebuild(self.core.diverged[name]))
-                    if not payloads:
-                        continue
-                    if kind == alertlink.ALERT:
-                        if not set(map(len, payloads)) <= {ALERT_SIZE}:
-                            size = next(len(p) for p in payloads if len(p) != ALERT_SIZE)
-                            return self._reject("malformed_alert", f"from {name!r}: {size} bytes, not {ALERT_SIZE}")
-                        fresh += payloads
-                    elif kind == alertlink.DIGEST and set(map(len, payloads)) == {alertlink.FOLD.size}:
-                        for payload in payloads:
-                            try:
-                                await self._on_digest(name, *alertlink.FOLD.unpack(payload))
-                            except IntentNotRecorded as e:
-                                return self._intent_failed(str(e))
-                    else:
-                        return self._reject("unexpected_frame", f"type {kind!r} from {name!r}")
-                if fresh:
-                    try:
-                        await self._handle(fresh, name)
-                    except TooFarAhead as e:
-                        return self._reject("too_far_ahead", f"{name!r}: {e}")
-                    except IntentNotRecorded as e:
-                        return self._intent_failed(str(e))
-        except ProtocolError as e:
-            self._reject("bad_frame", str(e))
-        except sinklib.SinkStopped:
-            pass
-        except (ConnectionError, asyncio.CancelledError):
+                async with self._lock:
+                    if self.stopping.is_set():
+                        return
+                    await self._carry_out(self.node_core.on_data(writer, data, time.monotonic_ns()))
+        except (sinklib.SinkStopped, ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            self.links.pop(writer, None)
-            if name is not None and self.by_replica.get(name) is writer:
-                del self.by_replica[name]
+            self.node_core.on_closed(writer, time.monotonic_ns())
             writer.close()
 
-    def _acknowledge(self) -> None:
-        """The recorded mark, within ACK_EVERY_NS, to each replica told less."""
-        if self._ack_timer is None:
-            self._ack_timer = asyncio.get_running_loop().call_later(ACK_EVERY_NS / 1e9, self._send_acks)
+    # --- carrying out the node core's actions -------------------------------------------
 
-    def _send_acks(self) -> None:
-        self._ack_timer = None
-        due = self.core.acks_due(sorted(set(self.links.values())))
-        for writer, replica in self.links.items():  # every connection naming it (without keys, a
-            if replica in due:                       # stranger's hello may name a real replica)
-                writer.write(alertlink.ack(due[replica]))
+    async def _carry_out(self, actions: list) -> None:
+        """In order; what a durable step or a delivery leads to is carried out after the rest of
+        its list (a refused record replaces the rest of it)."""
+        queue = deque(actions)
+        node = self.node_core
+        while queue:
+            a = queue.popleft()
+            if isinstance(a, Send):
+                a.conn.write(a.data)
+            elif isinstance(a, Close):
+                if a.reason is not None:
+                    log.warning("alert link: %s (%s); connection closed", a.reason.value.replace("_", " "), a.detail)
+                a.conn.close()
+            elif isinstance(a, RecordIntent):
+                try:
+                    self._record(a)
+                except (lmdb.Error, OSError) as e:  # (OSError: a sink's sync)
+                    self.record_failures += 1
+                    self._record_refused(e)
+                    queue = deque(node.on_record_failed(a, time.monotonic_ns()))
+                    continue
+                queue.extend(node.on_recorded(a, time.monotonic_ns()))
+            elif isinstance(a, DeliverAlerts):
+                await self._deliver(sinklib.alert_lines(a.alerts, self.cfg.session))
+                now = time.time_ns()
+                self.latency.extend([now - stamp for (stamp,) in ALERT_STAMP.iter_unpack(Alert.joined(a.alerts))])
+                queue.extend(node.on_delivered(a, time.monotonic_ns()))
+            elif isinstance(a, Redeliver):
+                await self._redeliver(a.alerts)
+            elif isinstance(a, RecordDone):
+                self._done(a.alerts)
+            elif isinstance(a, LookUp):
+                queue.extend(node.on_looked_up(a, self._look_up(a), time.monotonic_ns()))
+            elif isinstance(a, Divergence):
+                _log_divergence(a)
+            elif isinstance(a, Crash):
+                log.error("crash hook: dying %s (batch %d)", a.point, a.batch)
+                os._exit(CRASH_EXIT)
+        self._rearm()
 
-    def _intent_failed(self, error: str) -> None:
+    def _rearm(self) -> None:
+        """The timer at the node core's next deadline (acks, a done alone, a record)."""
+        due = self.node_core.next_deadline()
+        if due == self._timer_due or self.stopping.is_set():
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = None if due is None else asyncio.get_running_loop().call_later(
+            max(due - time.monotonic_ns(), 0) / 1e9, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = self._timer_due = None
+        self.spawn(self._on_timer())
+
+    async def _on_timer(self) -> None:
+        async with self._lock:
+            if not self.stopping.is_set():
+                await self._carry_out(self.node_core.on_timer(time.monotonic_ns()))
+
+    def _record(self, a: RecordIntent) -> None:
+        """The outbox (or, delivered first, the delivered alerts), the new mark and the previous
+        batch's done, in one transaction (an alert record's first 8 bytes, its emit seq, are its key)."""
+        if a.delivered:
+            self._sync_sinks()
+        with self.env.begin(write=True) as txn:
+            db = self.delivered_db if a.delivered else self.outbox
+            txn.cursor(db=db).putmulti(keyed(a.alerts))
+            txn.put(b"mark", a.alerts[-1][:8], db=self.meta)
+            self._move_done(txn, a.done)
+
+    def _record_refused(self, error: Exception) -> None:
         """The mark is back: every replica sends again from it. Nothing was delivered, or (with
         deliver_first) the sinks, all idempotent, take again what they hold."""
         self.refusal_log.warn("intent", "alerts not recorded (%s; a full or failing disk?): every replica link "
-                              "closed, they send again from mark %d (%s)", error, self.mark,
+                              "closed, they send again from mark %d (%s)", error, self.core.recorded,
                               "the sinks take again what they hold" if self.core.deliver_first
                               else "none was delivered")
-        for link in list(self.links):
-            link.close()
-
-    async def _on_digest(self, replica: bytes, fold_seq: int, chain: bytes) -> None:
-        async with self._lock:
-            rebuild, ready, alarms = self.core.on_digest(replica, fold_seq, chain)
-            for r in rebuild:
-                log.error("DIVERGENCE: %s's digest at fold seq %d differs from the one a quorum of replicas agree "
-                          "on: told to rebuild from seq 1; its alerts are ignored until it agrees again",
-                          r.decode(errors="replace").strip(), fold_seq)
-                if r in self.by_replica:
-                    self.by_replica[r].write(alertlink.rebuild(fold_seq))
-            await self._settled(ready, alarms)
-
-    async def _handle(self, alerts: list[bytes], replica: bytes) -> None:
-        async with self._lock:
-            if self.stopping.is_set():
-                raise sinklib.SinkStopped("stopping")
-            new, copies, alarms = self.core.on_alerts(replica, alerts)
-            if copies:
-                self._judge(copies)
-            await self._settled(new, alarms)
-
-    async def _settled(self, new: list[bytes], alarms: list[bytes]) -> None:
-        for raw in alarms:
-            a = Alert.decode(raw)
-            log.error("DIVERGENCE: alert at emit seq %d reached no quorum of replicas; not delivered: %s",
-                      a.emit_seq, a)
-        if new:
-            await self._carry_out(self.core.deliver(new))
-
-    async def _carry_out(self, actions: list) -> None:
-        for action in actions:
-            if isinstance(action, RecordIntent):
-                try:  # (an alert record's first 8 bytes are its emit seq, u64 big-endian: its key)
-                    if action.delivered:
-                        self._sync_sinks()
-                    with self.env.begin(write=True) as txn:
-                        db = self.delivered_db if action.delivered else self.outbox
-                        txn.cursor(db=db).putmulti(keyed(action.alerts))
-                        txn.put(b"mark", action.alerts[-1][:8], db=self.meta)
-                        self._move_done(txn, action.done)
-                except (lmdb.Error, OSError) as e:  # (OSError: a sink's sync)
-                    self.core.on_intent_failed(action)
-                    self.record_failures += 1
-                    raise IntentNotRecorded(str(e)) from None
-                self.core.on_recorded(action)
-                self._acknowledge()
-                if not action.delivered:  # (delivered first: kept in `recent` as they were delivered)
-                    keep_newest(self.recent, action.alerts, RECENT_ALERTS)  # copies are judged by these bytes
-                    self._arm_done_timer()
-            elif isinstance(action, DeliverAlerts):
-                self._delivering = True
-                await self._deliver(sinklib.alert_lines(action.alerts, self.cfg.session))
-                self._delivering = False
-                now = time.time_ns()
-                self.latency.extend([now - stamp for (stamp,) in ALERT_STAMP.iter_unpack(Alert.joined(action.alerts))])
-                if self.core.deliver_first:
-                    keep_newest(self.recent, action.alerts, RECENT_ALERTS)
-                    self._arm_record_timer()
-            elif isinstance(action, Redeliver):
-                await self._redeliver(action.alerts)
-            elif isinstance(action, RecordDone):
-                self._done(action.alerts)
-            elif isinstance(action, Crash):
-                log.error("crash hook: dying %s (batch %d)", action.point, action.batch)
-                os._exit(CRASH_EXIT)
 
     async def _redeliver(self, doubt: list[bytes]) -> None:
         """Alerts with intent but no done: again to idempotent sinks, listed for the operator otherwise."""
@@ -379,37 +302,17 @@ class Emitter(NodeProcess):
                 outbox.delete()
         txn.cursor(db=self.delivered_db).putmulti(keyed(alerts))
 
-    def _arm_done_timer(self) -> None:
-        """Record the last batch's done on its own if no next batch's intent carries it soon."""
-        if self._done_timer is not None:
-            self._done_timer.cancel()
-        self._done_timer = asyncio.get_running_loop().call_later(DONE_ALONE_AFTER_NS / 1e9, self._done_alone)
+    def _look_up(self, lookup: LookUp) -> list[bytes | None]:
+        """The bytes recorded for each copy: the node core's, else the store's."""
+        with self.env.begin() as txn:
+            return [kept if kept is not None else txn.get(raw[:8], db=self.delivered_db)
+                    or txn.get(raw[:8], db=self.outbox) for raw, kept in zip(lookup.copies, lookup.recorded)]
 
-    def _arm_record_timer(self) -> None:
-        """With deliver_first: record what was delivered, at most RECORD_AFTER_NS after the first
-        batch not yet recorded (never put off further: the replicas hold their alerts until then)."""
-        if self._done_timer is None:
-            self._done_timer = asyncio.get_running_loop().call_later(RECORD_AFTER_NS / 1e9, self._done_alone)
 
-    def _done_alone(self) -> None:
-        self._done_timer = None
-        self.spawn(self._record_done())
-
-    async def _record_done(self) -> None:
-        async with self._lock:
-            if not self.stopping.is_set():
-                try:
-                    await self._carry_out(self.core.done_due())
-                except IntentNotRecorded as e:  # (deliver_first's record: a done alone only logs)
-                    self._intent_failed(str(e))
-
-    def _judge(self, copies: list[bytes]) -> None:
-        recorded = list(map(self.recent.get, map(_KEY, copies)))
-        if None in recorded:  # older than the recent ones, or recorded before this process started
-            with self.env.begin() as txn:
-                recorded = [kept if kept is not None else txn.get(raw[:8], db=self.delivered_db)
-                            or txn.get(raw[:8], db=self.outbox) for raw, kept in zip(copies, recorded)]
-        for i in self.core.judge_copies(copies, recorded):
-            what = "was raised by no other replica" if recorded[i] is None else "differs from the one delivered"
-            a = Alert.decode(copies[i])
-            log.error("DIVERGENCE: alert at emit seq %d %s: %s", a.emit_seq, what, a)
+def _log_divergence(d: Divergence) -> None:
+    if d.replica is not None:
+        log.error("DIVERGENCE: %s's %s at fold seq %d; its alerts are ignored until it agrees again",
+                  d.replica.decode(errors="replace").strip(), d.why.value, d.fold_seq)
+    else:
+        log.error("DIVERGENCE: alert at emit seq %d %s: %s", Alert.emit_seq_of(d.alert), d.why.value,
+                  Alert.decode(d.alert))

@@ -15,7 +15,6 @@ again to idempotent sinks and listed for the operator for the others.
 from __future__ import annotations
 
 import http.client
-import itertools
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tape.replicas.audit import ALERT_RECORD, Alert
+from tape.replicas.emitter_node import forget_oldest
 
 try:
     from tape.replicas._alertlines import alert_lines as _alert_lines_c
@@ -41,17 +41,6 @@ IDS_KEPT = 65_536  # ids the JSON-lines sink remembers: what is in doubt, or del
 
 class SinkStopped(Exception):
     """The emitter is stopping; the batch was not (known to be) delivered."""
-
-
-def forget_oldest(kept: dict, limit: int) -> None:
-    """Keep the newest `limit` entries (insertion order) of `kept` and at most an eighth more: the
-    oldest are forgotten in bulk. A dict iterated from its oldest entry steps over every entry
-    deleted before it (until the dict is next resized), so forgetting them one call at a time cost
-    ~12 us an alert at 65,536 kept (in bulk under 1; profiling, a slow host)."""
-    over = len(kept) - limit
-    if over > limit >> 3:
-        for key in list(itertools.islice(kept, over)):
-            del kept[key]
 
 
 class AlertLine(NamedTuple):

@@ -1,0 +1,41 @@
+"""What every node core asks of its shell about connections. Pure.
+
+A node core (one per process role: everything that process decides) takes
+events and returns one list of typed actions, which the shell carries out in
+order; the simulator drives the same core over the same bytes. The calling
+convention, shared by every node core:
+
+    on_connected(conn, now)        a connection is up (authenticated, where keys are set)
+    on_data(conn, data, now)       bytes read from it, cut anywhere
+    on_closed(conn, now)           it closed
+    on_timer(now)                  at or after next_deadline()
+    on_<done>(action, now)         the shell finished carrying out a durable action
+                                   (recorded, flushed, delivered) or failed to
+
+`conn` is whatever the shell names a connection by (opaque here); `now` is
+monotonic time in ns. Besides its role's own actions, a core returns these:
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Write `data` to `conn`."""
+
+    conn: Hashable
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Close `conn`; `reason` (a role's enum) when the peer sent what it must not: the shell
+    counts it by `reason.value` and logs `detail`."""
+
+    conn: Hashable
+    reason: Enum | None = None
+    detail: str = ""
