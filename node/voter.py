@@ -59,15 +59,20 @@ class VoteStore:
 
     def load(self) -> ElectionState:
         try:
-            doc = json.loads(self.path.read_text())
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return ElectionState(0, None, (0, 0), False)
-        except ValueError as e:
-            raise SystemExit(f"{self.path}: unreadable election state ({e}); refusing to guess a term") from None
-        voted = doc.get("voted_for")
-        floor = doc.get("log_floor", [0, 0])
-        return ElectionState(int(doc["term"]), voted.encode("ascii") if voted is not None else None,
-                             (int(floor[0]), int(floor[1])), True)
+        try:
+            doc = json.loads(raw)
+            voted = doc.get("voted_for")
+            floor = doc.get("log_floor", [0, 0])
+            return ElectionState(int(doc["term"]), voted.encode("ascii") if voted is not None else None,
+                                 (int(floor[0]), int(floor[1])), True)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            # Our own file, written atomically: damage is an impossible state (exit 4, an operator
+            # looks: docs/runbook.md, "A disk failed"), never a term guessed.
+            raise InvariantViolation(f"{self.path}: unreadable election state ({e!r}); refusing to guess "
+                                     "a term") from None
 
     def save(self, term: int, voted_for: bytes | None, log_floor: tuple[int, int] = (0, 0)) -> None:
         tmp = self.path.with_suffix(".tmp")

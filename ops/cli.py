@@ -155,11 +155,20 @@ def _node(cfg, name: str, role: str):
     return node
 
 
-def _run_node(runtime) -> int:
-    """Serve the runtime's metrics, tune its memory for the long run, and run it (fail-stop: exit 4)."""
+def _run_node(make) -> int:
+    """Build the runtime (`make()`), serve its metrics, tune its memory for the long run, and run it.
+    Fail-stop, from the start: an impossible state found while loading it (an unreadable election
+    state, say) is one CRITICAL line and exit 4, as it is while it runs."""
     from tape.node.memtune import tune_memory
+    from tape.node.process import EXIT_INVARIANT
     from tape.ops import metrics
+    from tape.protocol.errors import InvariantViolation
 
+    try:
+        runtime = make()
+    except InvariantViolation as e:
+        logging.getLogger("tape").critical("impossible state at start: %s; stopping (exit %d)", e, EXIT_INVARIANT)
+        return EXIT_INVARIANT
     node = runtime.node
     metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.metrics, node.host)
     tune_memory()
@@ -170,21 +179,24 @@ def _sequencer(args) -> int:
     from tape.sequencer.server import Sequencer
 
     cfg = _config(args)
-    return _run_node(Sequencer(cfg, _node(cfg, args.node, "sequencer"), args.drop, args.seed))
+    node = _node(cfg, args.node, "sequencer")
+    return _run_node(lambda: Sequencer(cfg, node, args.drop, args.seed))
 
 
 def _rewinder(args) -> int:
     from tape.rewinder.server import Rewinder
 
     cfg = _config(args)
-    return _run_node(Rewinder(cfg, _node(cfg, args.node, "rewinder"), args.drop, args.seed))
+    node = _node(cfg, args.node, "rewinder")
+    return _run_node(lambda: Rewinder(cfg, node, args.drop, args.seed))
 
 
 def _replica(args) -> int:
     from tape.replicas.runtime import Replica
 
     cfg = _config(args)
-    return _run_node(Replica(cfg, _node(cfg, args.node, "replica"), args.drop, args.seed, args.exit_on_end))
+    node = _node(cfg, args.node, "replica")
+    return _run_node(lambda: Replica(cfg, node, args.drop, args.seed, args.exit_on_end))
 
 
 def _emitter(args) -> int:
@@ -196,11 +208,13 @@ def _emitter(args) -> int:
         node.sinks = args.sinks.split(",")
     if args.webhook_url:
         node.webhook_url = args.webhook_url
-    try:
-        emitter = Emitter(cfg, node, args.crash_at, args.crash_after)
-    except ValueError as e:  # a sink's settings
-        raise SystemExit(f"tape: emitter {node.name}: {e}") from None
-    return _run_node(emitter)
+
+    def make() -> Emitter:
+        try:
+            return Emitter(cfg, node, args.crash_at, args.crash_after)
+        except ValueError as e:  # a sink's settings
+            raise SystemExit(f"tape: emitter {node.name}: {e}") from None
+    return _run_node(make)
 
 
 def _up(args) -> int:

@@ -43,17 +43,17 @@ from tape.protocol.replication import Ack, Append, Fetch, Hello, Vote, VoteReque
 from tape.protocol.streamauth import StreamKeys
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 from tape.replicas.audit import Alert, AuditMachine
-from tape.replicas.emitter_core import (
-    CRASH_POINTS,
+from tape.replicas.emitter_core import CRASH_POINTS, emit_seq_of
+from tape.replicas.emitter_node import (
     Crash,
     DeliverAlerts,
-    EmitterCore,
+    Divergence,
+    EmitterNode,
+    LookUp,
     RecordDone,
     RecordIntent,
     Redeliver,
-    emit_seq_of,
 )
-from tape.replicas.emitter_node import Divergence, EmitterNode, LookUp
 from tape.replicas.replica_core import ReplicaCore, SendAlerts, SendDigest
 from tape.rewinder.gapfill import Answer, GapFillCore
 from tape.sequencer.client_core import ClientCore, Recovery
@@ -575,8 +575,7 @@ class Emitter:
     def restart(self) -> None:
         delivery = "quorum" if self.sim.seed % 2 else "first"  # both modes, without drawing from the seed's rng
         deliver_first = self.sim.seed % 4 >= 2  # (its sink is idempotent: both orders are the shell's)
-        self.node = EmitterNode(EmitterCore({wire(r) for r in REPLICAS}, self.mark, delivery=delivery,
-                                            deliver_first=deliver_first))
+        self.node = EmitterNode({wire(r) for r in REPLICAS}, self.mark, delivery, deliver_first)
         self.core = self.node.core
         self.carry_out(self.node.start([self.outbox[k] for k in sorted(self.outbox)], self.sim.now))
 

@@ -47,8 +47,16 @@ from tape.protocol.actions import Close, Send
 from tape.protocol.limits import CONTROL_READ
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit import ALERT_STAMP, Alert
-from tape.replicas.emitter_core import Crash, DeliverAlerts, EmitterCore, RecordDone, RecordIntent, Redeliver
-from tape.replicas.emitter_node import Divergence, EmitterNode, LookUp
+from tape.replicas.emitter_node import (
+    Crash,
+    DeliverAlerts,
+    Divergence,
+    EmitterNode,
+    LookUp,
+    RecordDone,
+    RecordIntent,
+    Redeliver,
+)
 
 log = logging.getLogger("tape.emitter")
 _KEY = itemgetter(slice(0, 8))
@@ -81,11 +89,11 @@ class Emitter(NodeProcess):
                                    self.stopping)
         with self.env.begin() as txn:
             raw = txn.get(b"mark", db=self.meta)
-        core = EmitterCore({n.wire_name for n in cfg.by_role("replica")}, int.from_bytes(raw, "big") if raw else 0,
-                           crash_at, crash_after, node.delivery, deliver_first=all(s.idempotent for s in self.sinks))
-        self.node_core = EmitterNode(core)  # every decision; this shell moves bytes and writes
+        self.node_core = EmitterNode(  # every decision; this shell moves bytes and writes
+            {n.wire_name for n in cfg.by_role("replica")}, int.from_bytes(raw, "big") if raw else 0, node.delivery,
+            all(s.idempotent for s in self.sinks), crash_at, crash_after)
         for sink in self.sinks:  # with deliver_first a record syncs the sinks first (_sync_sinks), not each batch
-            sink.sync_each_batch = not core.deliver_first
+            sink.sync_each_batch = not self.core.deliver_first
         self.latency = LatencySamples()  # the triggering purchase's stamp to delivered (wall clock: a figure only)
         self.in_doubt_listed = 0
         self._lock = asyncio.Lock()  # one event's actions at a time, whichever replica it came from

@@ -38,7 +38,18 @@ from tape.protocol.actions import Close, Send
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import ACK_EVERY_NS, DONE_ALONE_AFTER_NS, RECENT_ALERTS, RECORD_AFTER_NS
 from tape.replicas.audit import ALERT_SIZE
-from tape.replicas.emitter_core import DeliverAlerts, EmitterCore, RecordIntent, TooFarAhead
+from tape.replicas.emitter_core import (  # (its actions are this node's: the shell and the simulator take them here)
+    Crash,
+    DeliverAlerts,
+    EmitterCore,
+    RecordDone,
+    RecordIntent,
+    Redeliver,
+    TooFarAhead,
+)
+
+__all__ = ["Crash", "DeliverAlerts", "Divergence", "EmitterNode", "LookUp", "RecordDone", "RecordIntent", "Redeliver",
+           "Reject", "Why", "keep_newest"]
 
 _KEY = itemgetter(slice(0, 8))  # an alert record's first 8 bytes, its emit seq: its key
 
@@ -98,8 +109,11 @@ def keep_newest(recent: dict, records: list, limit: int) -> None:
 
 
 class EmitterNode:
-    def __init__(self, core: EmitterCore):
-        self.core = core
+    def __init__(self, replicas: set[bytes], mark: int = 0, delivery: str = "first", deliver_first: bool = False,
+                 crash_at: str | None = None, crash_after: int = 1):
+        """`mark`: the recorded one; `deliver_first`: every sink is idempotent; `crash_at`,
+        `crash_after`: fault injection (EmitterCore)."""
+        self.core = EmitterCore(replicas, mark, crash_at, crash_after, delivery, deliver_first=deliver_first)
         self.links: dict[Hashable, bytes | None] = {}  # connection -> the replica it named (None: no hello yet)
         self.readers: dict[Hashable, alertlink.Reader] = {}
         self.by_replica: dict[bytes, Hashable] = {}  # its latest connection: where a rebuild order goes

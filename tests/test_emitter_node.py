@@ -5,15 +5,23 @@ from test_emitter_core import alert
 from tape.protocol import alertlink
 from tape.protocol.actions import Close, Send
 from tape.protocol.limits import ACK_EVERY_NS, DONE_ALONE_AFTER_NS, RECORD_AFTER_NS
-from tape.replicas.emitter_core import DeliverAlerts, EmitterCore, RecordDone, RecordIntent
-from tape.replicas.emitter_node import Divergence, EmitterNode, LookUp, Reject, Why
+from tape.replicas.emitter_node import (
+    DeliverAlerts,
+    Divergence,
+    EmitterNode,
+    LookUp,
+    RecordDone,
+    RecordIntent,
+    Reject,
+    Why,
+)
 
 A, B, C = b"replica-A ", b"replica-B ", b"replica-C "
 MS = 1_000_000
 
 
 def node(deliver_first: bool = False, mark: int = 0, delivery: str = "first") -> EmitterNode:
-    return EmitterNode(EmitterCore({A, B, C}, mark, delivery=delivery, deliver_first=deliver_first))
+    return EmitterNode({A, B, C}, mark, delivery, deliver_first)
 
 
 def linked(n: EmitterNode, conn, name: bytes) -> list:

@@ -5,6 +5,8 @@ delivery callback, the emitter's connection handler. Real processes; the
 impossibility is planted by a `sitecustomize` module the test writes (the
 code under test has no hook for it)."""
 
+from pathlib import Path
+
 import pytest
 
 from tape.ops.local import LocalCluster
@@ -63,5 +65,24 @@ def test_an_impossible_state_stops_the_process_with_exit_4(tmp_path, node, where
                 assert cluster.alive(other), f"{other} stopped too"
         if node in ("replica-A", "emitter"):
             load.kill()
+    finally:
+        cluster.close()
+
+
+def test_an_unreadable_election_state_stops_the_voter_at_start_with_exit_4(tmp_path):
+    """Loaded before the process runs, still the one fail-stop path: one CRITICAL line, exit 4
+    (systemd does not restart it), no traceback; the other voters go on."""
+    cluster = LocalCluster(tmp_path, replicas=1, sequencers=1, rewinders=1)
+    try:
+        cluster.start_node("rw-1")
+        election = Path(cluster.cfg.node("seq-a").data) / "election.json"
+        election.parent.mkdir(parents=True, exist_ok=True)
+        election.write_text('{"term": "three"}')
+        cluster.start_node("seq-a", wait=False)
+        code = wait_exit(cluster.procs["seq-a"])
+        log = cluster.logs["seq-a"].read_text()
+        critical = [line for line in log.splitlines() if " CRITICAL " in line]
+        assert code == 4 and len(critical) == 1 and "unreadable election state" in critical[0], log[-3000:]
+        assert "Traceback" not in log and cluster.alive("rw-1")
     finally:
         cluster.close()

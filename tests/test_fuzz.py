@@ -1,14 +1,18 @@
-"""Random and mutated bytes never raise anything but ProtocolError."""
+"""Random and mutated bytes never raise anything but ProtocolError (or, for a node's own files,
+InvariantViolation)."""
+
+import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import inbound, sequenced
 
+from tape.node.voter import VoteStore
 from tape.protocol import backoff
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol import soupbintcp as soup
-from tape.protocol.errors import ProtocolError
+from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.receiver import StreamReceiver
 
@@ -70,3 +74,28 @@ def test_random_bytes(data):
 @given(mutated())
 def test_mutated_valid_packets(data):
     every_decoder(data)
+
+
+ELECTION_JSON = st.one_of(
+    st.binary(max_size=80),
+    st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=12),
+                 lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
+                     st.sampled_from(["term", "voted_for", "log_floor", "x"]), kids, max_size=4),
+                 max_leaves=8).map(lambda doc: json.dumps(doc).encode()),
+)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ELECTION_JSON)
+def test_an_election_state_on_disk_loads_or_is_an_impossible_state(tmp_path, raw):
+    """A voter's own election.json, whatever its bytes: its state, or InvariantViolation (exit 4),
+    never another exception."""
+    path = tmp_path / "election.json"
+    path.write_bytes(raw)
+    try:
+        state = VoteStore(path).load()
+    except InvariantViolation:
+        return
+    assert state.found and isinstance(state.term, int)
+    VoteStore(path).save(state.term, state.voted_for, state.log_floor)
+    assert VoteStore(path).load() == state
