@@ -443,8 +443,7 @@ class Listener:
         if self.machine is not None:  # never snapshots here: replicas do not crash in the simulation (yet)
             self.replica = ReplicaCore(self.machine, [], 1 << 62, 1 << 62, False, sim.now)
             self.machine.apply_runs = self._keeping_alerts(self.machine.apply_runs)
-            self.hello_at = -RECONNECT_NS
-            self.alert_frames = alertlink.Reader()
+            self.hello_at = -RECONNECT_NS  # (its first tick connects: alert_frames is made there)
         self.client: ClientCore | None = None
         self.recovery: Recovery | None = None  # a restarted client reading the stream before it submits
         if name in CLIENTS:
@@ -580,14 +579,14 @@ class Emitter:
         self.carry_out(self.node.start([self.outbox[k] for k in sorted(self.outbox)], self.sim.now))
 
     def receive(self, src: str, msg) -> None:
-        conn = (src, self.sim.epochs.get(frozenset((EMITTER, src)), 0))  # its connection: the channel's epoch
         now = self.sim.now
-        if msg[0] == "connect":
-            self.carry_out(self.node.on_connected(conn, now))
         if msg[0] == "closed":  # (the connection's own epoch: a newer one may stand)
             self.carry_out(self.node.on_closed((src, msg[1]), now))
-        else:
-            self.carry_out(self.node.on_data(conn, msg[1], now))
+            return
+        conn = (src, self.sim.epochs.get(frozenset((EMITTER, src)), 0))  # its connection: the channel's epoch
+        if msg[0] == "connect":  # (its first bytes, the replica's hello, come with it)
+            self.carry_out(self.node.on_connected(conn, now))
+        self.carry_out(self.node.on_data(conn, msg[1], now))
 
     def carry_out(self, actions: list) -> None:
         """As the emitter shell does: in order, what a step leads to after the rest of its list."""

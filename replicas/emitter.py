@@ -6,8 +6,8 @@ alerts in flight and every delivered alert (for divergence checks). Every
 decision (what a link may carry, what is delivered, when to acknowledge and
 record) is the node core's (replicas/emitter_node.py, around EmitterCore);
 this shell moves the links' bytes, runs its timer and carries out its
-actions: LMDB transactions and the sinks. With every sink idempotent (deliver_first), a
-new batch is written to every sink, and what was delivered is recorded
+actions: LMDB transactions and the sinks. With every sink idempotent
+(deliver_first), a new batch is written to every sink, and what was delivered is recorded
 (delivered + mark, one transaction) RECORD_AFTER_NS after the first batch
 not yet recorded. Otherwise a new batch is recorded as intent (outbox +
 mark, and the previous batch's done, one transaction), written to every
