@@ -1,20 +1,22 @@
 """Deterministic simulation of the whole protocol (DESIGN.md section 10).
 
-The very cores the processes run -- VoterCore (with ElectionCore and
-FollowerCore), LeaderCore, FollowerLinks, GapFillCore, ListenerCore,
-ClientCore, AuditMachine, ReplicaCore, EmitterCore -- in one process on a
-seeded virtual network and clock. This module plays only what the shells
-and the disks do: it carries out the cores' actions (a journal as a list, a
-persisted vote, the emitter's LMDB and sink) and moves their messages.
-Messages are delayed, dropped, duplicated and reordered; voters crash
-(keeping their log and vote), some in the middle of a journal write (torn),
-pause, and are cut off by partitions; the emitter crashes at its crash
-points; a leader is overloaded (its inbound socket never emptied), so that
-it tells clients to back off and they pause; all at times chosen by the
-seed. After the faults the network heals
-and the run goes on until every trade is acknowledged, every replica has
-applied the log and every alert is delivered; DESIGN.md section 9 is
-checked as it runs and at the end.
+The node cores the processes run -- VoterNode (every voter's replication
+endpoint) and EmitterNode -- and the smaller cores whose glue is still written
+here until their roles have node cores (LeaderCore and FollowerLinks while a
+sequencer leads, GapFillCore, ListenerCore, ClientCore, ReplicaCore,
+AuditMachine), in one process on a seeded virtual network and clock, with the
+processes' election timeouts. Replication and alert links are connections
+carrying the real frames' bytes: ordered and never lost, held across a
+partition until it heals, closed when a process dies; datagrams (the stream,
+gap fills, inbound trades, back-offs) are delayed, dropped, duplicated and
+reordered. Voters crash (keeping their log and vote), some in the middle of a
+journal write (torn), lose their disks, find them full, pause, run slow and
+are cut off by partitions; the emitter crashes at its crash points; a leader
+is overloaded (its inbound socket never emptied), so that it tells clients to
+back off and they pause; all at times chosen by the seed. After the faults
+the network heals and the run goes on until every trade is acknowledged,
+every replica has applied the log and every alert is delivered; DESIGN.md
+section 9 is checked as it runs and at the end.
 
     tape sim --seeds 1000            # seeds 1..1000
     tape sim --first 4711 --seeds 1 -v
@@ -34,14 +36,21 @@ from tape.protocol import alertlink, backoff, moldudp64
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
 from tape.protocol.actions import Close, Send
-from tape.protocol.election import Lead, Persist, Refused, RequestVotes, StepDown
+from tape.protocol.election import Lead, Persist, Refused, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import CATCHUP_CHUNK, STALL_SHARE
 from tape.protocol.listener import Ahead, Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
-from tape.protocol.replication import Ack, Append, Fetch, Hello, Vote, VoteRequest
+from tape.protocol.replication import Ack, Hello
 from tape.protocol.streamauth import StreamKeys
-from tape.protocol.voter import AppendRecords, Truncate, VoterCore
+from tape.protocol.voter_node import (
+    AppendRecords,
+    Committed,
+    Dial,
+    ReadJournal,
+    Reload,
+    Truncate,
+    VoterNode,
+)
 from tape.replicas.audit import Alert, AuditMachine
 from tape.replicas.emitter_core import CRASH_POINTS, emit_seq_of
 from tape.replicas.emitter_node import (
@@ -74,14 +83,21 @@ CLIENTS = ("c0", "c1")
 REPLICAS = ("replica-A", "replica-B")
 EMITTER = "emitter"
 LAN = (*VOTERS, *CLIENTS, *REPLICAS, EMITTER)  # every node, in the order of its address
-FAULTS_UNTIL = 1500 * MS
+# With the processes' election timeouts (300-600 ms), faults over 3 s: as many terms a seed as
+# 1.5 s gave with timeouts of half that.
+FAULTS_UNTIL = 3000 * MS
+FAULTS_PER_RUN = (2, 8)
 FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full",
-               "overload")
+               "overload", "slow")
+SLOW_NS = (10 * MS, 150 * MS)  # what a slow host (starved, its disk or link congested) adds to a connection's bytes
 GIVE_UP = 60_000 * MS
+# A client submits 1-8 trades a tick (5 ms) with this chance: its 60 trades span most of the faults' time.
+SUBMIT_CHANCE = 0.03
 # The processes' defaults (node/settings.py): the simulator runs the policies as configured.
 GAP_REQUEST_NS = default_of(Config, "gap_request_ms") * MS
 RESEND_NS = default_of(Config, "client_resend_ms") * MS
 LEADER_BEAT_NS = default_of(Config, "leader_heartbeat_ms") * MS
+ELECTION_NS = default_of(Config, "election_ms") * MS
 RECONNECT_NS = 100 * MS  # the leader's wait before it connects again to a follower it lost
 
 
@@ -115,7 +131,10 @@ class DiskIsFull(Exception):
 
 
 class Voter:
-    """A sequencer or rewinder: durable log and vote, volatile everything else."""
+    """A sequencer or rewinder: the VoterNode the processes run over the replication links'
+    bytes (every decision of its replication endpoint), and, while it leads, the leader's side
+    (LeaderCore and FollowerLinks, glued here until the sequencer has its node core). Durable:
+    the log and the vote; volatile everything else."""
 
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name, self.wire = sim, name, wire(name)
@@ -141,75 +160,79 @@ class Voter:
         """A process (re)starting on its durable state: the log and the vote."""
         term, voted, floor = self.vote or (0, None, (0, 0))
         rng = random.Random(self.sim.rng.random())
-        self.core = VoterCore(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, (150 * MS, 300 * MS), term,
-                              voted, self.sim.now, self.records(), recovering=self.vote is None,
-                              log_floor=floor, stall_ns=int(150 * MS * STALL_SHARE))
-        self.election = self.core.election
+        self.node = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, term, voted,
+                              floor, self.vote is not None, self.records(), self.sim.now)
+        self.core, self.election = self.node.core, self.node.election
         self.leader: LeaderCore | None = None
         self.links: FollowerLinks | None = None  # while leading
+        self.lead_conns: dict[object, bytes] = {}  # the leader's connections to followers -> the follower
+        self.lead_frames: dict[object, rep.FrameReader] = {}
+        self.dials = 0
         self.invited = 0  # when the leader last tried to (re)connect its missing followers
         self.gapfill = GapFillCore(SESSION, default_of(Config, "max_packet"), STREAM_KEYS, rate_per_s=5000.0,
                                    total_rate_per_s=50_000.0, park_s=GAP_REQUEST_NS / 1e9)
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
-        self.hellos: dict[str, Hello] = {}  # voter -> its hello, while campaigning
-        self.greet()
-
-    def greet(self) -> None:
-        """While recovering the election state: ask every voter not yet heard for its hello, a round
-        per half election timeout (Voter.recover)."""
-        self.greeted = self.sim.now
-        for v in VOTERS:
-            if self.core.recovering and v != self.name and wire(v) not in self.election.heard:
-                self.sim.send(self.name, v, ("greet",))
+        self.wake_at = self.sim.now
 
     @property
     def commit_seq(self) -> int:
         return self.leader.commit_seq if self.leader else self.core.commit_seq
 
     def write(self) -> None:
-        """Before any durable write: a full disk refuses it, as Voter.disk_full handles it (the
-        node's own step-down first, then the core's)."""
+        """Before any durable write: a full disk refuses it (node/voter.py's DiskFull)."""
         if self.sim.now >= self.full_until:
             return
         if not self.election.disk_full:
             self.sim.trace.append(f"  {self.name} finds its disk full")
-        self.act([StepDown("disk full")])
-        self.act(self.core.on_disk_full(self.records()))
         raise DiskIsFull(self.name)
 
-    def act(self, actions: list) -> None:
-        """Carry out a core's actions as the voter shell does (node/voter.py)."""
-        truncated = False
-        for a in actions:
-            if isinstance(a, Persist):
-                self.write()
-                self.vote = (a.term, a.voted_for, a.log_floor)
-            elif isinstance(a, Truncate):
-                del self.log[a.after_seq:]
-                truncated = True
-            elif isinstance(a, AppendRecords):
-                self.write()
-                if a.records[0][0] != len(self.log) + 1:
-                    raise Violation(f"{self.name} appends seq {a.records[0][0]} after {len(self.log)}")
-                if self.torn_write is not None:
-                    self.tear(a.records)  # no ack: the process dies mid-write
-                self.log.extend((term, m) for _, term, m in a.records)
-            elif isinstance(a, RequestVotes):
-                for v in VOTERS:
-                    if v != self.name:
-                        self.sim.send(self.name, v, VoteRequest(a.term, self.wire, a.last_seq, a.last_term, a.pre))
-            elif isinstance(a, Lead):
-                self.lead(a.term)
-            elif isinstance(a, Refused):  # the simulated peers are honest: this is a broken rule
-                raise Violation(f"{self.name} refused: {a.detail}")
-            elif isinstance(a, StepDown):
-                if self.leader is not None:
-                    self.sim.close_links(self.name, self.leader.term)
-                    self.core.resync(self.leader.commit_seq, self.leader.sequenced_client_last())
-                    self.leader = None
-                    self.links = None
-        if truncated:
-            self.core.rebuild_log(self.records())
+    def act(self, actions: list, conn=None) -> None:
+        """Carry out the node core's actions as the voter shell does (node/voter.py): in order,
+        what one leads to before the rest; a refused write drops the rest for the node's answer."""
+        queue = deque(actions)
+        while queue:
+            try:
+                queue.extendleft(reversed(self.carry_out(queue.popleft())))
+            except DiskIsFull:
+                queue = deque(self.node.on_disk_full(conn, self.sim.now))
+
+    def carry_out(self, a) -> list:
+        if isinstance(a, Send):
+            self.sim.stream(self.name, a.conn, a.data)
+        elif isinstance(a, AppendRecords):
+            self.write()
+            if a.records[0][0] != len(self.log) + 1:
+                raise Violation(f"{self.name} appends seq {a.records[0][0]} after {len(self.log)}")
+            if self.torn_write is not None:
+                self.tear(a.records)  # no ack: the process dies mid-write
+            self.log.extend((term, m) for _, term, m in a.records)
+        elif isinstance(a, Persist):
+            self.write()
+            self.vote = (a.term, a.voted_for, a.log_floor)
+        elif isinstance(a, Truncate):
+            del self.log[a.after_seq:]
+        elif isinstance(a, ReadJournal):
+            return self.node.on_read(a, self.records()[a.first - 1:a.first - 1 + a.count], self.sim.now)
+        elif isinstance(a, Reload):
+            return self.node.on_log(a, self.records(), self.sim.now)
+        elif isinstance(a, Close):
+            if a.reason is not None:  # the simulated peers are honest: a broken rule
+                raise Violation(f"{self.name} closed a connection: {a.reason.value} ({a.detail})")
+            self.sim.hang_up(self.name, a.conn)
+        elif isinstance(a, Dial):
+            self.sim.dial(self.name, a.conn, name_of(a.peer))
+        elif isinstance(a, Committed):
+            for answer, to in self.gapfill.due(self.commit_seq, self.sim.now / 1e9):  # what waited for this commit
+                self.answer_gap(answer, ADDRESSES[to])
+        elif isinstance(a, Refused):  # the simulated peers are honest: this is a broken rule
+            raise Violation(f"{self.name} refused: {a.detail}")
+        elif isinstance(a, Lead):
+            self.lead(a.term)
+        elif isinstance(a, StepDown):
+            self.step_down()
+        return []  # (RequestVotes: its dials follow; Voted, LeaderGone, Fetched, Stalled, Recovered: logs)
+
+    # --- the leader's side, until the sequencer has its node core ---------------------------
 
     def lead(self, term: int) -> None:
         known = self.sim.leaders.setdefault(term, self.name)
@@ -226,6 +249,16 @@ class Voter:
         self.invite()
         self.process(self.leader.start_term(self.clock()))
 
+    def step_down(self) -> None:
+        if self.leader is None:
+            return
+        for conn in list(self.lead_conns):  # its connections close
+            self.sim.hang_up(self.name, conn)
+        self.lead_conns, self.lead_frames = {}, {}
+        self.core.resync(self.leader.commit_seq, self.leader.sequenced_client_last())
+        self.leader = None
+        self.links = None
+
     def flush_if_due(self) -> None:
         """Stamp what is pending unless the leader paces it (`batch_due_ns`), as the shell does."""
         now = self.clock()
@@ -240,16 +273,24 @@ class Voter:
         return None if first is None else (first, [m for _, m in self.log[first - 1:]])
 
     def invite(self) -> None:
-        """The leader's (re)connect loop: every follower it has no link to is asked for a hello."""
+        """The leader's (re)connect loop: a connection to every follower it has none to."""
         self.invited = self.sim.now
         for v in VOTERS:
-            if v != self.name and wire(v) not in self.links.links:
-                self.sim.send(self.name, v, ("follow",))
+            if v != self.name and wire(v) not in self.lead_conns.values():
+                self.dials += 1
+                conn = ("lead", v, self.dials)
+                self.lead_conns[conn] = wire(v)
+                self.lead_frames[conn] = rep.FrameReader()
+                self.sim.dial(self.name, conn, v)
 
-    def send_appends(self, v: str, prev: int, count: int) -> int:
-        """Our log after `prev` to voter `v`, as the real appends (one per run of a term); the last seq sent."""
-        for a in self.appends(prev, count):
-            self.sim.send(self.name, v, a)
+    def link_of(self, follower: bytes):
+        return next((c for c, f in self.lead_conns.items() if f == follower), None)
+
+    def send_appends(self, f: bytes, prev: int, count: int) -> int:
+        """Our log after `prev` to follower `f`, as the real appends (one per run of a term); the last seq sent."""
+        records = self.records()[prev:prev + count]
+        frames = rep.encode_runs(self.election.term, self.wire, prev, self.term_at(prev), self.commit_seq, records)
+        self.sim.stream(self.name, self.link_of(f), frames)
         return min(prev + count, len(self.log))
 
     def process(self, batch) -> None:
@@ -259,16 +300,40 @@ class Voter:
         followers hold."""
         c = self.leader
         send, _ = self.links.live_for(batch.first_seq, batch.last_seq, c.commit_seq, self.sim.now)
+        frame = rep.encode_append(c.term, self.wire, batch.prev_seq, batch.prev_term, c.commit_seq, batch.term,
+                                  batch.messages)
         for f in send:
-            self.sim.send(self.name, name_of(f), Append(c.term, self.wire, batch.prev_seq, batch.prev_term,
-                                                        c.commit_seq, batch.term, len(batch.messages),
-                                                        b"".join(batch.messages)))
-        self.write()  # after replicating the batch: only followers may hold it
+            self.sim.stream(self.name, self.link_of(f), frame)
+        try:
+            self.write()  # after replicating the batch: only followers may hold it
+        except DiskIsFull:
+            self.act(self.node.on_disk_full(None, self.sim.now))
+            return
         if self.torn_write is not None:  # after replicating the batch: only followers may hold all of it
             self.tear(batch.records())
         self.log.extend((batch.term, m) for m in batch.messages)
         self.core.note_own(batch.first_seq, batch.last_seq, batch.term, batch.messages[-1][0] == M.AUTH)
         self.sim.publish(self.name, c.on_journaled(batch.last_seq))
+
+    def on_follower_frames(self, conn, data: bytes) -> None:
+        f = self.lead_conns[conn]
+        for fr in self.lead_frames[conn].feed(data):
+            now = self.sim.now
+            if isinstance(fr, Hello):
+                self.act(self.election.on_higher_term(fr.term, fr.node, now))
+                if self.leader is not None:
+                    self.links.connected(f, fr.last_seq, self.leader.last_seq)
+            elif isinstance(fr, Ack):
+                self.act(self.election.on_ack(fr.follower, fr.term, now))
+                if self.leader is None:
+                    return
+                packets = self.leader.on_ack(fr.follower, fr.term, fr.success, fr.last_seq)
+                if packets is None:
+                    return
+                if not fr.success:
+                    self.links.refused(fr.follower, fr.last_seq)
+                if packets:
+                    self.sim.publish(self.name, packets)
 
     def tear(self, records: list) -> None:
         """The process dies in the middle of writing `records`: a prefix of them reached the
@@ -279,40 +344,15 @@ class Voter:
         self.sim.crash(self.name, self.torn_write)
         raise Crashed(self.name)
 
-    def appends(self, prev: int, count: int) -> list:
-        """Our log after `prev`, as the append frames a real voter's fetch answer holds."""
-        records = self.records()[prev:prev + count]
-        frames = rep.encode_runs(self.election.term, self.wire, prev, self.term_at(prev), self.commit_seq, records)
-        return rep.FrameReader().feed(frames)
-
-    def take_fetched(self, appends: list) -> None:
-        """A fetch answer: entries another voter holds beyond our log, taken as Voter.fetch_from does."""
-        for a in appends:
-            if self.leader is not None:
-                return
-            cut = self.core.fetched_conflict(a)
-            if cut is not None:
-                self.act([Truncate(cut)])
-            records = self.core.take_fetched(a)
-            if records is None:
-                return
-            self.write()
-            self.log.extend((term, m) for _, term, m in records)
+    # --- events ----------------------------------------------------------------------------
 
     def tick(self) -> None:
-        if self.election.disk_full and self.sim.now >= self.full_until:
-            self.core.on_disk_ok(self.sim.now)  # the shell saw space again
-        try:
-            self.tick_core()
-        except DiskIsFull:
-            pass
-
-    def tick_core(self) -> None:
-        if self.core.absent:
-            if self.core.recovering and self.sim.now - self.greeted >= 75 * MS:
-                self.greet()
-            return
-        self.act(self.election.on_tick(self.sim.now))
+        now = self.sim.now
+        if self.election.disk_full and now >= self.full_until:
+            self.act(self.node.on_disk_ok(now))  # the shell saw space again
+        if now >= self.wake_at:  # the shell's timer: the node's next deadline as it stood at the last one
+            self.act(self.node.on_timer(now))
+            self.wake_at = self.node.next_deadline(now)
         c = self.leader
         if c is None:
             return
@@ -322,6 +362,8 @@ class Voter:
         self.flush_if_due()  # a paced batch whose interval ended (the shell's timer)
         if heartbeat is not None:
             self.sim.publish(self.name, [heartbeat])
+        if self.leader is None:
+            return
         if self.sim.now - self.invited >= RECONNECT_NS:
             self.invite()
         for f in list(self.links.links):  # one catch-up chunk per follower behind, as the feeder's drain
@@ -329,70 +371,29 @@ class Voter:
             if chunk is not None and chunk[0] > len(self.log):  # the shell's check before it reads its journal
                 raise Violation(f"{self.name} the journal has no seq {chunk[0]}, which this leader stamped")
             if chunk is not None:
-                self.links.sent(f, self.send_appends(name_of(f), chunk[0] - 1, chunk[1]))
+                self.links.sent(f, self.send_appends(f, chunk[0] - 1, chunk[1]))
+        beat = rep.encode_append(c.term, self.wire, c.last_seq, c.last_term, c.commit_seq, c.term, [])
         for f in self.links.beat(self.sim.now, c.commit_seq):
-            self.sim.send(self.name, name_of(f), Append(c.term, self.wire, c.last_seq, c.last_term, c.commit_seq,
-                                                        c.term, 0, b""))
+            self.sim.stream(self.name, self.link_of(f), beat)
 
     def receive(self, src: str, msg) -> None:
-        try:
-            self.receive_core(src, msg)
-        except DiskIsFull:
-            if isinstance(msg, (Append, VoteRequest)):
-                self.sim.send(self.name, src, ("gone",))  # no reply: the connection closes
-
-    def receive_core(self, src: str, msg) -> None:
-        if self.core.absent and self.receive_absent(src, msg):
-            return
         now = self.sim.now
-        if isinstance(msg, Append):
-            ack, actions = self.core.on_append(msg, src, now)
-            self.act(actions)
-            self.sim.send(self.name, src, ack)
-            for answer, to in self.gapfill.due(self.commit_seq, now / 1e9):  # what waited for this commit
-                self.answer_gap(answer, ADDRESSES[to])
-        elif isinstance(msg, Ack):
-            self.act(self.election.on_ack(msg.follower, msg.term, now))
-            if self.leader is None:
-                return
-            packets = self.leader.on_ack(msg.follower, msg.term, msg.success, msg.last_seq)
-            if packets is None:
-                return
-            if not msg.success:
-                self.links.refused(msg.follower, msg.last_seq)
-            if packets:
-                self.sim.publish(self.name, packets)
-        elif isinstance(msg, VoteRequest):
-            vote, actions = self.core.on_vote_request(msg, now)
-            self.act(actions)
-            self.sim.send(self.name, src, self.core.hello())  # as the voter's endpoint greets every connection
-            self.sim.send(self.name, src, vote)
-        elif isinstance(msg, Vote):
-            self.act(self.election.on_vote(msg.term, msg.voter, msg.granted, msg.pre, now))
-            theirs = self.hellos.pop(src, None)
-            if not msg.granted and theirs and self.election.leader is None and \
-                    (theirs.last_term, theirs.last_seq) > (self.core.last_term, self.core.last_seq):
-                self.sim.send(self.name, src, ("fetch", *self.core.fetch_from_seq()))  # behind
-        elif msg[0] == "fetch":
-            start = self.core.fetch_start(Fetch(msg[1], msg[2]))
-            if start is not None:
-                self.sim.send(self.name, src, ("fetched", self.appends(start[0], CATCHUP_CHUNK)))
-        elif msg[0] in ("follow", "greet"):  # a leader, or a recovering voter, connects: the hello
-            self.sim.send(self.name, src, self.core.hello())
-        elif isinstance(msg, Hello):  # to a leader connecting, or a candidate asking for a vote
-            self.act(self.election.on_higher_term(msg.term, msg.node, now))
-            if self.leader is not None:
-                self.links.connected(msg.node, msg.last_seq, self.leader.last_seq)
-            else:
-                self.hellos[src] = msg
-        elif msg[0] == "gone":  # a follower's connection closed
-            if self.links is not None:
-                self.links.disconnected(wire(src))
-        elif msg[0] == "fetched":
-            self.take_fetched(msg[1])
-        elif msg[0] == "closed":
-            self.core.on_closed(src, True, now)
-        elif msg[0] == "inbound":
+        kind, conn = msg[0], msg[1]
+        if conn in self.lead_conns:
+            if kind == "bytes":
+                self.on_follower_frames(conn, msg[2])
+            elif kind == "shut":
+                f = self.lead_conns.pop(conn)
+                del self.lead_frames[conn]
+                if self.links is not None:
+                    self.links.disconnected(f)
+        elif kind == "open":
+            self.act(self.node.on_connected(conn, now), conn)
+        elif kind == "bytes":
+            self.act(self.node.on_data(conn, msg[2], now), conn)
+        elif kind == "shut":
+            self.act(self.node.on_closed(conn, now))
+        elif kind == "inbound":
             if self.leader is not None:
                 now = self.clock()
                 self.leader.on_inbound(msg[1], now, src)  # bad input comes back as a reason: counted, dropped
@@ -400,7 +401,7 @@ class Voter:
                 for client, data in self.leader.take_advice():
                     self.sim.send(self.name, client, ("advice", data))
                 self.flush_if_due()
-        elif msg[0] == "gap" and not self.can_lead:
+        elif kind == "gap" and not self.can_lead:
             answer = self.gapfill.on_request(msg[1], address(src), now / 1e9, self.commit_seq)
             if isinstance(answer, Answer):
                 self.answer_gap(answer, src)
@@ -410,21 +411,6 @@ class Voter:
         first, entries = self.gapfill.entries(answer, read, True, self.commit_seq)
         for pkt in PacketBuilder(SESSION, first).add_sequenced(entries):
             self.sim.send(self.name, to, ("packet", pkt))
-
-
-    def receive_absent(self, src: str, msg) -> bool:
-        """What a voter recovering its election state, or whose disk is full, does instead
-        (node/voter.py): it takes hellos, greets every connection and hangs up. True if `msg`
-        was handled so."""
-        if isinstance(msg, Hello):
-            self.act(self.core.on_peer_hello(msg, self.sim.now))
-        elif isinstance(msg, (VoteRequest, Append)) or msg[0] in ("follow", "greet", "fetch"):
-            if not isinstance(msg, Append):
-                self.sim.send(self.name, src, self.core.hello())
-            self.sim.send(self.name, src, ("gone",))  # the connection closes after the greeting
-        else:
-            return False
-        return True
 
 
 class Listener:
@@ -533,7 +519,7 @@ class Listener:
                 return
             self.recovery = None
             self.gen.take(c.resume())  # what the log holds is not sent again
-        if c.next_cseq <= self.sim.per_client and self.sim.rng.random() < 0.2 and not c.pause_left_ns(now):
+        if c.next_cseq <= self.sim.per_client and self.sim.rng.random() < SUBMIT_CHANCE and not c.pause_left_ns(now):
             count = min(self.sim.rng.randint(1, 8), self.sim.per_client - c.next_cseq + 1)
             for data in c.submit(self.gen.take(count), now):
                 self.submit(data, c.leader)
@@ -645,7 +631,11 @@ class Sim:
         self.leaders: dict[int, str] = {}
         self.published: dict[int, bytes] = {}  # seq -> the message first published there
         self.cut: set[frozenset] = set()  # links down
+        self.cut_until: dict[frozenset, int] = {}  # until when (what a connection sends across waits)
+        self.conns: dict[tuple, dict[str, object]] = {}  # replication connections: (dialer, its name) -> ends
+        self.handles: dict[tuple, tuple] = {}  # (node, its name for a connection) -> the connection
         self.paused: dict[str, list] = {}  # node -> messages waiting for it
+        self.slow: dict[str, int] = {}  # voter -> until when its connections are slow
         self.busy: dict[str, int] = {}  # sequencer -> until when its inbound socket is never emptied (overload)
         self.loss = self.rng.choice((0.0, 0.01, 0.05, 0.15))
         self.dup = self.rng.choice((0.0, 0.02))
@@ -711,12 +701,73 @@ class Sim:
         self.emitter.up = True
         self.emitter.restart()
 
-    def close_links(self, src: str, term: int) -> None:
-        """A leader crashed or stepped down: its connections close. A FIN is
-        not lost (TCP resends it) but a partition stops it."""
-        for dst in VOTERS:
-            if dst != src and frozenset((src, dst)) not in self.cut:
-                self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, src, dst, ("closed", term))
+    # --- replication connections (TCP): ordered, never lost; held across a partition ---------
+
+    def dial(self, src: str, conn, dst: str) -> None:
+        """`src` connects to `dst`'s replication port (`conn`: its name for it; `dst` names it
+        (src, conn)). Refused at once if `dst` is down, timed out across a partition."""
+        key = (src, conn)
+        if frozenset((src, dst)) in self.cut or not self.nodes[dst].up:
+            wait = ELECTION_NS if frozenset((src, dst)) in self.cut else self.rng.randint(100_000, 3 * MS)
+            self.at(self.now + wait, self.deliver, dst, src, ("shut", conn))
+            return
+        self.conns[key] = {src: conn, dst: key}  # each end's name for it, while that end is open
+        self.handles[(src, conn)] = self.handles[(dst, key)] = key
+        self.at(self.now + self.rng.randint(100_000, 3 * MS), self.accept, key, src, dst)
+
+    def accept(self, key, src: str, dst: str) -> None:
+        """The connection reaches `dst`: it is open there, then at `src` (first on the way back)."""
+        if dst not in self.conns.get(key, ()):
+            return  # its process died meanwhile: the dialler learns it from that end's close
+        self.deliver(src, dst, ("open", key))
+        self.stream_to(key, dst, src, ("open", key[1]))
+
+    def stream(self, src: str, conn, data: bytes) -> None:
+        """Bytes `src` writes on its connection `conn`."""
+        key = self.handles.get((src, conn))
+        if key is not None and len(ends := self.conns[key]) == 2:  # (else closed at the other end)
+            dst = next(n for n in ends if n != src)
+            self.stream_to(key, src, dst, ("bytes", ends[dst], data))
+
+    def stream_to(self, key, src: str, dst: str, msg) -> None:
+        """In order on the connection; across a partition held until it heals (TCP resends)."""
+        when = self.now + self.rng.randint(100_000, 3 * MS)
+        link = frozenset((src, dst))
+        if link in self.cut:
+            when = max(when, self.cut_until[link] + self.rng.randint(100_000, 3 * MS))
+        if self.slow.get(src, 0) > self.now or self.slow.get(dst, 0) > self.now:
+            when += self.rng.randint(*SLOW_NS)
+        when = max(when, self.channel_at.get((key, src), 0) + 1)
+        self.channel_at[(key, src)] = when
+        self.at(when, self.arrive, key, src, dst, msg)
+
+    def arrive(self, key, src: str, dst: str, msg) -> None:
+        if dst not in self.conns.get(key, ()):
+            return  # closed at that end (or that process died) meanwhile
+        if msg[0] == "shut":
+            self.close_end(key, dst)
+        self.deliver(src, dst, msg)
+
+    def close_end(self, key, node: str) -> None:
+        ends = self.conns[key]
+        del self.handles[(node, ends.pop(node))]
+        if not ends:
+            del self.conns[key]
+
+    def hang_up(self, src: str, conn) -> None:
+        """`src` closes its end; the other end learns it after what was sent before."""
+        key = self.handles.get((src, conn))
+        if key is None:
+            return
+        self.close_end(key, src)
+        if key in self.conns:
+            dst = next(iter(self.conns[key]))
+            self.stream_to(key, src, dst, ("shut", self.conns[key][dst]))
+
+    def drop_connections(self, node: str) -> None:
+        """`node`'s process died: its kernel closes every connection it had."""
+        for key in [k for k, ends in self.conns.items() if node in ends]:
+            self.hang_up(node, self.conns[key][node])
 
     def deliver(self, src: str, dst: str, msg) -> None:
         node = self.nodes[dst]
@@ -751,7 +802,7 @@ class Sim:
 
     def _schedule_faults(self) -> None:
         r = self.rng
-        for _ in range(r.randint(1, 5)):
+        for _ in range(r.randint(*FAULTS_PER_RUN)):
             start = r.randint(100 * MS, FAULTS_UNTIL - 200 * MS)
             length = r.randint(50 * MS, 700 * MS)
             kind = r.choice(FAULT_KINDS)
@@ -793,6 +844,8 @@ class Sim:
                 self.trace.append("  (in the middle of its next journal write)")
             else:
                 self.crash(node, until)
+        elif kind == "slow":
+            self.slow[node] = max(self.slow.get(node, 0), until)
         elif kind == "overload":
             self.busy[node] = max(self.busy.get(node, 0), until)
         elif kind == "pause" and node not in self.paused:
@@ -804,6 +857,7 @@ class Sim:
             side.add(node)
             links = {frozenset((a, b)) for a in side for b in self.nodes if b not in side}
             self.cut |= links
+            self.cut_until.update((link, max(until, self.cut_until.get(link, 0))) for link in links)
             self.at(until, self.heal, links)
         elif kind == "garbage":
             for dst in (*SEQUENCERS, *self.listeners):
@@ -826,12 +880,8 @@ class Sim:
     def crash(self, node: str, until: int) -> None:
         v = self.voters[node]
         v.up = False
-        for other in VOTERS:  # its connections close: a leader drops its link (and reconnects later)
-            if other != node and frozenset((node, other)) not in self.cut:
-                self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, node, other, ("gone",))
+        self.drop_connections(node)
         v.torn_write = None
-        if v.leader is not None:
-            self.close_links(node, v.leader.term)
         self.at(max(until, self.now + MS), self.recover, node)
 
     def recover(self, node: str) -> None:

@@ -54,6 +54,7 @@ MAX_BATCH_MESSAGES = 65_536
 PACE_FROM_MESSAGES = 256
 CATCHUP_CHUNK = 2_000  # journal entries per catch-up append to a follower behind
 FETCH_MAX = 100_000  # entries one fetch answer carries at most
+FETCH_READ_TIMEOUT_NS = 2_000_000_000  # a fetch answer that stalls this long between reads is given up
 MAX_LIVE_BUFFER = 32 << 20  # bytes queued to a follower before it is caught up from the journal instead
 MAX_HELD_BATCHES = 4096  # per client: batches held that arrived ahead of a lost one
 # A commit point that moved goes to the followers in an empty append only once no append (which

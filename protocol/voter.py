@@ -41,6 +41,7 @@ class Truncate:
 @dataclass(frozen=True)
 class AppendRecords:
     records: list  # [(seq, term, message)], continuing the journal
+    sync: bool = True  # False: synced with the rest of a read's appends (SyncJournal), before any reply
 
 
 VoterAction = ElectionAction | Truncate | AppendRecords
@@ -214,7 +215,7 @@ class VoterCore:
             self.last_seq = res.truncate_after
             self.last_term = self.log.term_at(res.truncate_after)
         if res.records:
-            out.append(AppendRecords(res.records))
+            out.append(AppendRecords(res.records, False))
             self._noted(res.records)
             self.appended += len(res.records)
         if self.election.leader == a.leader and self.election.term == a.term:

@@ -96,7 +96,6 @@ class Rewinder(NodeProcess):
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.gap_sock, self._on_gap_requests)
-        recovery = self.spawn(self.voter.recover())
         ticker = self.spawn(self.voter.ticks())  # (a rewinder never campaigns: the flag and the free space)
         log.info(
             "%s at seq %d: replication :%d, gap fill :%d (rcvbuf %d), replay :%d",
@@ -108,8 +107,8 @@ class Rewinder(NodeProcess):
             self.node.replay_port,
         )
         await self.stop.wait()
-        recovery.cancel()
         ticker.cancel()
+        self.voter.close()
         loop.remove_reader(self.gap_sock)
         repl.close()
         replay.close()

@@ -161,12 +161,11 @@ class Sequencer(NodeProcess):
                  self.node.name, self.journal.last_seq, self.voter.election.term, self.node.replication_port,
                  self.node.host, self.node.inbound_port, granted, *self.dest, len(self.cfg.voters))
         ticker = self.spawn(self.voter.ticks())
-        recovery = self.spawn(self.voter.recover())
         loop.add_reader(self.inbound, self._on_inbound)
         await self.stop.wait()
         loop.remove_reader(self.inbound)
         ticker.cancel()
-        recovery.cancel()
+        self.voter.close()
         server.close()
         await self._shutdown()
 
@@ -174,7 +173,6 @@ class Sequencer(NodeProcess):
         if isinstance(action, RequestVotes):
             log.info("%s: %s for term %d at seq %d (term %d)", self.node.name,
                      "pre-vote" if action.pre else "campaigning", action.term, action.last_seq, action.last_term)
-            self._leader_tasks.append(self.spawn(self.voter.request_votes(action)))
         elif isinstance(action, Lead):
             self._lead(action.term)
         elif isinstance(action, StepDown):

@@ -151,7 +151,7 @@ def test_a_leader_that_ignores_refusals_never_catches_a_follower_up(monkeypatch)
     # FollowerLinks is the leader's per-follower progress the process runs; the simulator
     # before issue 12 modelled it (64 entries per 20 ms) instead.
     monkeypatch.setattr(FollowerLinks, "refused", lambda self, follower, last_seq: False)
-    assert len(caught(range(1, 41), 3, STALLED)) == 3
+    assert len(caught(range(1, 61), 3, STALLED)) == 3  # (refusals follow failovers: a follower's stale suffix)
 
 
 @pytest.mark.slow
@@ -169,7 +169,8 @@ def test_the_simulator_catches_a_new_leader_that_stamps_by_its_own_clock(monkeyp
     original = sim.LeaderCore.__init__
     monkeypatch.setattr(sim.LeaderCore, "__init__",
                         lambda self, *a, **kw: original(self, *a, **{**kw, "last_stamp_ns": 0}))
-    violation = r"Violation: the run's verdict fails: stamps never go backwards \(\d+ backwards\)$"
+    # (the replicas' clock running backwards may break the digest's recomputation from the log too)
+    violation = r"Violation: the run's verdict fails: (.*; )?stamps never go backwards \(\d+ backwards\)$"
     assert len(caught(range(1, 101), 2, violation)) == 2
 
 
@@ -195,12 +196,12 @@ def test_the_simulator_catches_voters_that_vote_after_losing_their_disk(monkeypa
         original(self, *args, **{**kwargs, "recovering": False})
 
     monkeypatch.setattr(VoterCore, "__init__", forgetful)
-    monkeypatch.setattr(sim, "FAULT_KINDS", ("wipe", "partition", "crash", "isolate", "pause"))
+    monkeypatch.setattr(sim, "FAULT_KINDS", ("wipe", "partition", "crash", "isolate", "pause", "slow"))
     violation = (r"Violation: (two leaders in term \d+"
                  r"|seq-[ab] published a different message at seq \d+"
                  r"|[\w-]+ refused: .* sends entries from seq \d+ that differ from those committed"
                  r"|[\w-]+ holds at committed seq \d+ a message other than the one published)")
-    assert caught(range(1, 2001), 1, violation)  # (seed 89 here; 514 and 834 break the other rules named)
+    assert caught(range(1, 2001), 1, violation)  # (seed 628 here: a candidate lacking committed entries)
 
 
 @pytest.mark.slow
