@@ -94,7 +94,10 @@ class Voter:
     def __init__(self, cfg: Config, node: Node, journal, can_lead: bool,
                  on_action: Callable[[vn.Lead | vn.StepDown | vn.RequestVotes], None] | None = None,
                  on_fatal: Callable[[str], None] = None, on_partition: Callable[[bool], None] | None = None,
-                 link_refused: dict[str, int] | None = None, on_commit: Callable[[], None] | None = None):
+                 link_refused: dict[str, int] | None = None, wrap: Callable[[vn.VoterNode], object] | None = None,
+                 on_other: Callable[[object], list] | None = None):
+        """`wrap`: the process's node core around this endpoint's (a rewinder's), which then gets
+        every event; `on_other`: carries out that core's own actions (returning what they lead to)."""
         self.cfg = cfg
         self.link_keys = cfg.cluster_link
         self.link_refused = {} if link_refused is None else link_refused  # shared with the node's metrics
@@ -103,7 +106,6 @@ class Voter:
         self.on_action = on_action or (lambda action: None)  # Lead, StepDown, RequestVotes: the sequencer's
         self.on_partition = on_partition or (lambda cut: None)  # drills' fault injection
         self.on_fatal = on_fatal or (lambda why: None)  # the node's state is impossible: it must stop
-        self.on_commit = on_commit or (lambda: None)  # the commit point moved (a rewinder answers what waited)
         self.store = VoteStore(Path(node.data) / "election.json")
         state = self.store.load()
         if not state.found and len(cfg.voters) > 1:
@@ -111,20 +113,22 @@ class Voter:
                         "before voting or following", self.store.path)
         # Seeded by the node's name: each voter has its own jitter, the same on every run.
         rng = random.Random(zlib.crc32(node.name.encode()))
-        self.node_core = vn.VoterNode(node.wire_name, [v.wire_name for v in cfg.voters], can_lead, rng,
-                                      cfg.election_ms * 1_000_000, state.term, state.voted_for, state.log_floor,
-                                      state.found, journal.read(), time.monotonic_ns())
-        self.core = self.node_core.core
-        self.tick_s = self.node_core.tick_ns / 1e9
+        self.endpoint = vn.VoterNode(node.wire_name, [v.wire_name for v in cfg.voters], can_lead, rng,
+                                     cfg.election_ms * 1_000_000, state.term, state.voted_for, state.log_floor,
+                                     state.found, journal.read(), time.monotonic_ns())
+        self.node_core = wrap(self.endpoint) if wrap else self.endpoint
+        self.on_other = on_other or (lambda action: [])
+        self.core = self.endpoint.core
+        self.tick_s = self.endpoint.tick_ns / 1e9
         self.peers = {v.wire_name: v for v in cfg.voters}
-        self.committed = asyncio.Event()  # set and cleared whenever the commit point moves
         # Fault injection for drills: while DATA/partitioned exists, this node
         # neither accepts nor makes replication connections (both directions cut).
         self.partition_flag = Path(node.data) / "partitioned"
         self.partitioned = False
         self._writers: dict[Hashable, asyncio.StreamWriter] = {}
         self._dialling: set[asyncio.Task] = set()
-        self.bad_frames = 0
+        self.closed: dict[str, int] = {}  # connections closed for what their peer sent, by reason
+        self.link_errors = 0  # connections closed for a link record that did not verify
         self.refused: dict[str, int] = {}  # peers' messages contradicting this node's state, by reason
         self.refusal_log = RateLimitedLog(log)
         self.disk_full_events = 0
@@ -139,6 +143,10 @@ class Voter:
 
     def term_at(self, seq: int) -> int:
         return self.core.term_at(seq)
+
+    @property
+    def bad_frames(self) -> int:
+        return self.closed.get("bad_frame", 0) + self.closed.get("unexpected_frame", 0) + self.link_errors
 
     def event(self, conn: Hashable, handler, *args) -> None:
         """One event of the node core, its actions carried out; an impossible state stops the node."""
@@ -180,24 +188,25 @@ class Voter:
                                           time.monotonic_ns())
         elif isinstance(a, vn.Reload):
             return self.node_core.on_log(a, self.journal.read(), time.monotonic_ns())
+        elif isinstance(a, vn.Resume):
+            return self.node_core.on_data(a.conn, b"", time.monotonic_ns())
         elif isinstance(a, vn.Close):
             self._close(a)
         elif isinstance(a, vn.Dial):
             self._dial(a)
         elif isinstance(a, vn.Committed):
-            self.committed.set()
-            self.committed.clear()
-            self.on_commit()
+            pass  # (what waited for it is the node core's to answer)
         elif isinstance(a, vn.Refused):
             self.refused[a.reason] = self.refused.get(a.reason, 0) + 1
             self.refusal_log.warn(a.reason, "refused: %s", a.detail)
         elif isinstance(a, (vn.Lead, vn.StepDown, vn.RequestVotes)):
             self.on_action(a)
-        else:
-            self._note(a)
+        elif not self._note(a):
+            return self.on_other(a)
         return []
 
-    def _note(self, a) -> None:
+    def _note(self, a) -> bool:
+        """Log what the endpoint noted; False if `a` is no such note."""
         if isinstance(a, vn.Voted):
             log.info("voted for %s in term %d", a.candidate.decode(errors="replace").strip(), a.term)
         elif isinstance(a, vn.LeaderGone):
@@ -212,11 +221,14 @@ class Voter:
         elif isinstance(a, vn.Recovered):
             log.warning("recovered the election state from %d voters: term %d (no vote in it), votes only for "
                         "logs at least at (term %d, seq %d)", a.voters, a.term, *a.log_floor)
+        else:
+            return False
+        return True
 
     def _close(self, a: vn.Close) -> None:
         if a.reason is not None:
-            self.bad_frames += 1
-            log.warning("closing a replication connection: %s (%s)", a.reason.value, a.detail)
+            self.closed[a.reason.value] = self.closed.get(a.reason.value, 0) + 1
+            self.refusal_log.warn(a.reason.value, "closing a connection: %s (%s)", a.reason.value, a.detail)
         writer = self._writers.pop(a.conn, None)
         if writer is not None:
             writer.close()
@@ -276,7 +288,7 @@ class Voter:
             log.warning("FAULT INJECTION: %s is %s", self.node.name,
                         "cut off from every voter" if cut else "reconnected to the voters")
             if cut:
-                for conn in list(self._writers):
+                for conn in [c for c in self._writers if c in self.endpoint.served or c in self.endpoint.dialed]:
                     self._writers.pop(conn).close()
                     self.event(None, self.node_core.on_closed, conn, False)  # (not the peer's doing)
             self.on_partition(cut)
@@ -302,16 +314,17 @@ class Voter:
         self.event(conn, self.node_core.on_connected, conn)
         if conn in self._writers:
             authlink.large_reads(writer)
-        await self._read(conn, reader, writer)
+        await self.read(conn, reader, writer)
 
-    async def _read(self, conn: Hashable, reader, writer) -> None:
+    async def read(self, conn: Hashable, reader, writer) -> None:
+        """Hand what `conn` brings to the node core until it closes (either end), then say so."""
         closed_by_peer = False
         try:
             if conn in self._writers:
                 await authlink.read_each(reader, lambda data: self.event(conn, self.node_core.on_data, conn, data))
             closed_by_peer = True
         except ProtocolError as e:  # (the link's own records: a frame's errors are the node's)
-            self.bad_frames += 1
+            self.link_errors += 1
             log.warning("bad replication link record, closing: %s", e)
         except ConnectionError:
             closed_by_peer = True
@@ -342,7 +355,14 @@ class Voter:
             return
         self._writers[conn] = writer
         self.event(conn, self.node_core.on_connected, conn)
-        await self._read(conn, reader, writer)
+        await self.read(conn, reader, writer)
+
+    def adopt(self, writer: asyncio.StreamWriter) -> None:
+        """A connection of the process's own listener (a rewinder's replay), named by its writer."""
+        self._writers[writer] = writer
+
+    def writer(self, conn: Hashable) -> asyncio.StreamWriter | None:
+        return self._writers.get(conn)
 
     def close(self) -> None:
         for task in list(self._dialling):

@@ -1,9 +1,9 @@
 """Deterministic simulation of the whole protocol (DESIGN.md section 10).
 
-The node cores the processes run -- VoterNode (every voter's replication
-endpoint) and EmitterNode -- and the smaller cores whose glue is still written
-here until their roles have node cores (LeaderCore and FollowerLinks while a
-sequencer leads, GapFillCore, ListenerCore, ClientCore, ReplicaCore,
+The node cores the processes run -- RewinderNode, VoterNode (a sequencer's
+replication endpoint) and EmitterNode -- and the smaller cores whose glue is
+still written here until their roles have node cores (LeaderCore and
+FollowerLinks while a sequencer leads, ListenerCore, ClientCore, ReplicaCore,
 AuditMachine), in one process on a seeded virtual network and clock, with the
 processes' election timeouts. Replication and alert links are connections
 carrying the real frames' bytes: ordered and never lost, held across a
@@ -44,10 +44,10 @@ from tape.protocol.replication import Ack, Hello
 from tape.protocol.streamauth import StreamKeys
 from tape.protocol.voter_node import (
     AppendRecords,
-    Committed,
     Dial,
     ReadJournal,
     Reload,
+    Resume,
     Truncate,
     VoterNode,
 )
@@ -64,7 +64,7 @@ from tape.replicas.emitter_node import (
     Redeliver,
 )
 from tape.replicas.replica_core import ReplicaCore, SendAlerts, SendDigest
-from tape.rewinder.gapfill import Answer, GapFillCore
+from tape.rewinder.node import ReadGap, RewinderNode, SendDatagram
 from tape.sequencer.client_core import ClientCore, Recovery
 from tape.sequencer.core import LeaderCore
 from tape.sequencer.followers import FollowerLinks
@@ -89,6 +89,9 @@ FAULTS_UNTIL = 3000 * MS
 FAULTS_PER_RUN = (2, 8)
 FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full",
                "overload", "slow")
+# A connection's bytes as TCP hands them to the reader: a write joins the one before it if that
+# one is not read yet, or comes in two pieces.
+COALESCE, SPLIT = 0.5, 0.2
 SLOW_NS = (10 * MS, 150 * MS)  # what a slow host (starved, its disk or link congested) adds to a connection's bytes
 GIVE_UP = 60_000 * MS
 # A client submits 1-8 trades a tick (5 ms) with this chance: its 60 trades span most of the faults' time.
@@ -160,8 +163,10 @@ class Voter:
         """A process (re)starting on its durable state: the log and the vote."""
         term, voted, floor = self.vote or (0, None, (0, 0))
         rng = random.Random(self.sim.rng.random())
-        self.node = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, term, voted,
-                              floor, self.vote is not None, self.records(), self.sim.now)
+        endpoint = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, term, voted,
+                             floor, self.vote is not None, self.records(), self.sim.now)
+        self.node = endpoint if self.can_lead else RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"),
+                                                                STREAM_KEYS, GAP_REQUEST_NS)
         self.core, self.election = self.node.core, self.node.election
         self.leader: LeaderCore | None = None
         self.links: FollowerLinks | None = None  # while leading
@@ -169,8 +174,6 @@ class Voter:
         self.lead_frames: dict[object, rep.FrameReader] = {}
         self.dials = 0
         self.invited = 0  # when the leader last tried to (re)connect its missing followers
-        self.gapfill = GapFillCore(SESSION, default_of(Config, "max_packet"), STREAM_KEYS, rate_per_s=5000.0,
-                                   total_rate_per_s=50_000.0, park_s=GAP_REQUEST_NS / 1e9)
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.wake_at = self.sim.now
 
@@ -215,22 +218,25 @@ class Voter:
             return self.node.on_read(a, self.records()[a.first - 1:a.first - 1 + a.count], self.sim.now)
         elif isinstance(a, Reload):
             return self.node.on_log(a, self.records(), self.sim.now)
+        elif isinstance(a, Resume):
+            return self.node.on_data(a.conn, b"", self.sim.now)
         elif isinstance(a, Close):
             if a.reason is not None:  # the simulated peers are honest: a broken rule
                 raise Violation(f"{self.name} closed a connection: {a.reason.value} ({a.detail})")
             self.sim.hang_up(self.name, a.conn)
         elif isinstance(a, Dial):
             self.sim.dial(self.name, a.conn, name_of(a.peer))
-        elif isinstance(a, Committed):
-            for answer, to in self.gapfill.due(self.commit_seq, self.sim.now / 1e9):  # what waited for this commit
-                self.answer_gap(answer, ADDRESSES[to])
+        elif isinstance(a, SendDatagram):
+            self.sim.send(self.name, ADDRESSES[a.addr], ("packet", a.data))
+        elif isinstance(a, ReadGap):
+            return self.node.on_gap_read(a, [m for _, m in self.log[a.first - 1:a.first - 1 + a.count]], self.sim.now)
         elif isinstance(a, Refused):  # the simulated peers are honest: this is a broken rule
             raise Violation(f"{self.name} refused: {a.detail}")
         elif isinstance(a, Lead):
             self.lead(a.term)
         elif isinstance(a, StepDown):
             self.step_down()
-        return []  # (RequestVotes: its dials follow; Voted, LeaderGone, Fetched, Stalled, Recovered: logs)
+        return []  # (RequestVotes: its dials follow; Committed: the node answers what waited; the rest: logs)
 
     # --- the leader's side, until the sequencer has its node core ---------------------------
 
@@ -402,15 +408,7 @@ class Voter:
                     self.sim.send(self.name, client, ("advice", data))
                 self.flush_if_due()
         elif kind == "gap" and not self.can_lead:
-            answer = self.gapfill.on_request(msg[1], address(src), now / 1e9, self.commit_seq)
-            if isinstance(answer, Answer):
-                self.answer_gap(answer, src)
-
-    def answer_gap(self, answer: Answer, to: str) -> None:
-        read = lambda first, n: [m for _, m in self.log[first - 1:first - 1 + n]]  # noqa: E731
-        first, entries = self.gapfill.entries(answer, read, True, self.commit_seq)
-        for pkt in PacketBuilder(SESSION, first).add_sequenced(entries):
-            self.sim.send(self.name, to, ("packet", pkt))
+            self.act(self.node.on_datagram(address(src), msg[1], now))
 
 
 class Listener:
@@ -632,8 +630,10 @@ class Sim:
         self.published: dict[int, bytes] = {}  # seq -> the message first published there
         self.cut: set[frozenset] = set()  # links down
         self.cut_until: dict[frozenset, int] = {}  # until when (what a connection sends across waits)
-        self.conns: dict[tuple, dict[str, object]] = {}  # replication connections: (dialer, its name) -> ends
+        self.conns: dict[tuple, dict[str, object]] = {}  # replication connections: (dialer, its name, n) -> ends
         self.handles: dict[tuple, tuple] = {}  # (node, its name for a connection) -> the connection
+        self.dialled = 0
+        self.unread: dict[tuple, list] = {}  # (connection, sender) -> the bytes of its last write not yet read
         self.paused: dict[str, list] = {}  # node -> messages waiting for it
         self.slow: dict[str, int] = {}  # voter -> until when its connections are slow
         self.busy: dict[str, int] = {}  # sequencer -> until when its inbound socket is never emptied (overload)
@@ -705,8 +705,9 @@ class Sim:
 
     def dial(self, src: str, conn, dst: str) -> None:
         """`src` connects to `dst`'s replication port (`conn`: its name for it; `dst` names it
-        (src, conn)). Refused at once if `dst` is down, timed out across a partition."""
-        key = (src, conn)
+        (src, conn, n)). Refused at once if `dst` is down, timed out across a partition."""
+        self.dialled += 1
+        key = (src, conn, self.dialled)  # (a restarted node names its connections anew: this one is new)
         if frozenset((src, dst)) in self.cut or not self.nodes[dst].up:
             wait = ELECTION_NS if frozenset((src, dst)) in self.cut else self.rng.randint(100_000, 3 * MS)
             self.at(self.now + wait, self.deliver, dst, src, ("shut", conn))
@@ -719,15 +720,23 @@ class Sim:
         """The connection reaches `dst`: it is open there, then at `src` (first on the way back)."""
         if dst not in self.conns.get(key, ()):
             return  # its process died meanwhile: the dialler learns it from that end's close
+        self.stream_to(key, dst, src, ("open", key[1]))  # (ahead of what `dst` sends on it)
         self.deliver(src, dst, ("open", key))
-        self.stream_to(key, dst, src, ("open", key[1]))
 
     def stream(self, src: str, conn, data: bytes) -> None:
         """Bytes `src` writes on its connection `conn`."""
         key = self.handles.get((src, conn))
-        if key is not None and len(ends := self.conns[key]) == 2:  # (else closed at the other end)
-            dst = next(n for n in ends if n != src)
-            self.stream_to(key, src, dst, ("bytes", ends[dst], data))
+        if key is None or len(ends := self.conns[key]) < 2:
+            return  # closed at the other end
+        dst = next(n for n in ends if n != src)
+        unread = self.unread.get((key, src))
+        if unread is not None and self.rng.random() < COALESCE:  # written before the peer read: one read
+            unread.append(data)
+            return
+        cut = self.rng.randrange(1, len(data)) if len(data) > 1 and self.rng.random() < SPLIT else len(data)
+        for chunk in (data[:cut], data[cut:]) if cut < len(data) else (data,):  # a frame may come in pieces
+            self.unread[(key, src)] = parts = [chunk]
+            self.stream_to(key, src, dst, ("bytes", ends[dst], parts))
 
     def stream_to(self, key, src: str, dst: str, msg) -> None:
         """In order on the connection; across a partition held until it heals (TCP resends)."""
@@ -742,10 +751,14 @@ class Sim:
         self.at(when, self.arrive, key, src, dst, msg)
 
     def arrive(self, key, src: str, dst: str, msg) -> None:
+        if msg[0] == "bytes" and self.unread.get((key, src)) is msg[2]:
+            del self.unread[(key, src)]
         if dst not in self.conns.get(key, ()):
             return  # closed at that end (or that process died) meanwhile
         if msg[0] == "shut":
             self.close_end(key, dst)
+        elif msg[0] == "bytes":
+            msg = ("bytes", msg[1], b"".join(msg[2]))
         self.deliver(src, dst, msg)
 
     def close_end(self, key, node: str) -> None:

@@ -178,6 +178,9 @@ class VoterCore:
         without a per-message look."""
         self.log.note_term(first_seq, term)
         self.last_seq, self.last_term = last_seq, term
+        # The follower's view of the log too: an append of a later leader that reaches this one
+        # before its step-down is carried out is judged against the log as it is.
+        self.follower.last_seq, self.follower.last_term = last_seq, term
         if sealed:
             self.log.last_seal = last_seq
 

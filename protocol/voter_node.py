@@ -23,6 +23,8 @@ Its own actions, in the order the shell carries them out:
     Dial(conn, peer)               open a connection to a voter (on_connected or on_closed)
     Persist, Truncate, AppendRecords(records, sync)   durably, before what follows
     SyncJournal                    sync what the appends before it wrote, per the policy
+    Resume(conn)                   then call on_data(conn, b"", now): the rest of a read,
+                                   judged after a step-down or a truncation is carried out
     ReadJournal(conn, first, count), Reload(why)      read the journal, then on_read / on_log
     Lead, StepDown, RequestVotes   the election's, for a sequencer's shell
     Refused                        a peer contradicted this node's state: count, log
@@ -39,13 +41,13 @@ from typing import Hashable
 from tape.protocol import replication as rep
 from tape.protocol.actions import Close, Send
 from tape.protocol.election import Lead, Persist, Refused, RequestVotes, Rng, StepDown
-from tape.protocol.errors import ProtocolError
+from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import FETCH_MAX, FETCH_READ_TIMEOUT_NS, STALL_SHARE
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 
 __all__ = ["AppendRecords", "Close", "Committed", "Dial", "Fetched", "Lead", "LeaderGone", "Persist", "ReadJournal",
-           "Recovered", "Refused", "Reject", "Reload", "RequestVotes", "Send", "Stalled", "StepDown", "SyncJournal",
-           "Truncate", "Voted", "VoterNode"]
+           "Recovered", "Refused", "Reject", "Reload", "RequestVotes", "Resume", "Send", "Stalled", "StepDown",
+           "SyncJournal", "Truncate", "Voted", "VoterNode"]
 # The longest wait between election ticks, a share of the stall threshold (election_ms x
 # STALL_SHARE: 50 ms by default, so 20 ms): only a process that did not run for the rest counts a stall.
 TICK_SHARE_OF_STALL = 0.4
@@ -84,6 +86,14 @@ class ReadJournal:
 @dataclass(frozen=True)
 class Reload:
     why: Why
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Carry out the actions before this one, then call on_data(conn, b"", now): the rest of a
+    read waits for them (a step-down, a truncation) before it is judged."""
+
+    conn: Hashable
 
 
 @dataclass(frozen=True)
@@ -165,10 +175,24 @@ class VoterNode:
         self.election.deadline = now + rng.randint(election_ns // 4, election_ns // 2)
         self.tick_ns = int(election_ns * STALL_SHARE * TICK_SHARE_OF_STALL)
         self.served: dict[Hashable, rep.FrameReader] = {}  # connections others opened
+        self._rest: dict[Hashable, list] = {}  # a read's frames still to judge (Resume)
         self.dialed: dict[Hashable, Dialed] = {}
         self.dials = 0
         self.greet_at = now if self.core.recovering else None  # the next round of greetings
         self.disk_full_conn: Hashable = None
+        self._term, self._voted = self.election.term, self.election.voted_for  # as of the last event
+
+    def check(self) -> None:
+        """What every event leaves true, whatever the network sent (else InvariantViolation: the
+        process stops, exit 4; the simulator fails the seed): a term never goes back, one vote a
+        term, the commit point within the log."""
+        e, core = self.election, self.core
+        if e.term < self._term or (e.term == self._term and self._voted not in (None, e.voted_for)):
+            raise InvariantViolation(f"term {self._term} (vote {self._voted!r}) became term {e.term} "
+                                     f"(vote {e.voted_for!r})")
+        self._term, self._voted = e.term, e.voted_for
+        if core.commit_seq > core.last_seq:
+            raise InvariantViolation(f"commit point {core.commit_seq} beyond the log's last seq {core.last_seq}")
 
     # --- the shared events ---------------------------------------------------------------
 
@@ -216,6 +240,7 @@ class VoterNode:
         """`by_peer`: the peer closed it (its process most likely died); False when the shell cut
         it (a drill's partition)."""
         if self.served.pop(conn, None) is not None:
+            self._rest.pop(conn, None)
             if self.core.on_closed(conn, by_peer, now):
                 return [LeaderGone(self.election.term)]
             return []
@@ -285,38 +310,43 @@ class VoterNode:
 
     def _serve(self, conn: Hashable, data: bytes, now: int) -> list:
         """The replies to one read's frames, sent after one sync covers all their appends: a
-        leader ahead of this voter has sent many by the time it reads (group commit)."""
+        leader ahead of this voter has sent many by the time it reads (group commit). A frame
+        that makes this node step down or cut its journal ends the read: the rest is judged
+        once the shell has done so (Resume)."""
         try:
-            frames = self.served[conn].feed(data)
+            frames = self._rest.pop(conn, []) + self.served[conn].feed(data)
         except ProtocolError as e:
             return self._hang_up(conn, Reject.BAD_FRAME, str(e))
-        out, replies, truncated, commit = [], [], False, self.core.commit_seq
-        for fr in frames:
+        out, replies, commit = [], [], self.core.commit_seq
+        for i, fr in enumerate(frames):
             if isinstance(fr, rep.Append):
                 ack, actions = self.core.on_append(fr, conn, now)
-                out += self._election(actions)  # a leader seeing a higher term steps down before following
-                truncated = truncated or any(isinstance(a, Truncate) for a in actions)
                 replies.append(rep.encode_ack(*ack))
             elif isinstance(fr, rep.VoteRequest):
-                vote, actions = self.core.on_vote_request(fr, now)
-                out += self._election(actions)  # the vote is on disk before it is sent
-                if vote.granted and not fr.pre:
-                    out.append(Voted(fr.candidate, fr.term))
+                vote, actions = self.core.on_vote_request(fr, now)  # the vote is on disk before it is sent
+                actions += [Voted(fr.candidate, fr.term)] if vote.granted and not fr.pre else []
                 replies.append(rep.encode_vote(*vote))
             elif isinstance(fr, rep.Fetch):
                 start = self.core.fetch_start(fr)
                 first = fr.from_seq if start is not None else min(max(fr.from_seq, 1), self.core.last_seq + 1)
-                out.append(ReadJournal(conn, first, FETCH_MAX if start is not None else 0))
+                actions = [ReadJournal(conn, first, FETCH_MAX if start is not None else 0)]
             else:
                 why = f"{type(fr).__name__} frame on a voter's port"
                 return out + self._hang_up(conn, Reject.UNEXPECTED_FRAME, why)
-        if truncated:
-            out.append(Reload(Why.TRUNCATED))
+            out += self._election(actions)
+            if any(isinstance(a, (StepDown, Truncate)) for a in actions):
+                if any(isinstance(a, Truncate) for a in actions):
+                    out.append(Reload(Why.TRUNCATED))
+                if i + 1 < len(frames):
+                    self._rest[conn] = frames[i + 1:]
+                break
         out.append(SYNC)  # before any reply: none counts unsynced records
         if replies:
             out.append(Send(conn, b"".join(replies)))
         if self.core.commit_seq != commit:
             out.append(Committed(self.core.commit_seq))
+        if conn in self._rest:
+            out.append(Resume(conn))
         return out
 
     # --- what this node opens --------------------------------------------------------------
@@ -329,6 +359,7 @@ class VoterNode:
 
     def _hang_up(self, conn: Hashable, reason: Reject | None = None, detail: str = "") -> list:
         self.served.pop(conn, None)
+        self._rest.pop(conn, None)
         return self._fetched(self.dialed.pop(conn, None)) + [Close(conn, reason, detail)]
 
     def _election(self, actions: list) -> list:
@@ -387,3 +418,18 @@ class VoterNode:
         if d is None or d.purpose is not FETCH or not d.taken:
             return []
         return [Fetched(d.peer, d.taken, self.core.last_seq, self.core.last_term)]
+
+
+def _checked(event):
+    """`event`, then VoterNode.check(): every event of the node ends with its invariants checked."""
+    def checked(self, *args, **kwargs):
+        out = event(self, *args, **kwargs)
+        self.check()
+        return out
+    checked.__name__, checked.__doc__ = event.__name__, event.__doc__
+    return checked
+
+
+for _event in ("on_connected", "on_data", "on_closed", "on_timer", "on_read", "on_log", "on_disk_full", "on_disk_ok",
+               "fetch_from"):
+    setattr(VoterNode, _event, _checked(getattr(VoterNode, _event)))

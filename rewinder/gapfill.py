@@ -40,7 +40,7 @@ from tape.protocol.limits import (
     MAX_BATCH_MESSAGES,
 )
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
-from tape.protocol.streamauth import StreamKeys, seal_covers
+from tape.protocol.streamauth import StreamKeys
 
 
 @dataclass(frozen=True)
@@ -149,18 +149,6 @@ class GapFillCore:
     def _serve(self, seq: int, count: int, committed_seq: int) -> Answer:
         self.served += 1
         return Answer(seq, min(count, committed_seq - seq + 1))
-
-    def entries(self, answer: Answer, read, sealed: bool, committed_seq: int) -> tuple[int, list[bytes]]:
-        """(first seq, log entries) to send for `answer`; `read(first, count)` reads the log.
-        With a sealed stream, the whole sealed range that holds the seq asked for (it verifies
-        as it is), or nothing while that range is open or not all committed (asked again)."""
-        msgs = read(answer.seq, answer.count)
-        if not sealed:
-            return answer.seq, msgs
-        cover = next(filter(None, map(seal_covers, msgs)), None)
-        if cover is None or cover[0] + cover[1] > committed_seq:
-            return answer.seq, []
-        return cover[0], read(cover[0], cover[1] + 1)
 
     def _drop(self, reason: str) -> Refuse:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1

@@ -1,4 +1,6 @@
-"""`tape rewinder`: a follower that keeps the whole log.
+"""`tape rewinder`: a follower that keeps the whole log; the asyncio shell around
+RewinderNode (rewinder/node.py), which decides, through the voter shell
+(node/voter.py), which carries out what every voter does.
 
 - Replication (TCP, tape/voter.py): the leader connects; the rewinder says
   hello with its log position, appends what the leader sends to its journal
@@ -20,27 +22,16 @@ import time
 from pathlib import Path
 
 from tape.node.journal_repair import open_checked
-from tape.node.process import NodeProcess, within
+from tape.node.process import NodeProcess
 from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
 from tape.node.transport import LossInjector, udp_socket
 from tape.node.voter import Voter
 from tape.protocol import soupbintcp as soup
-from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import (
-    CONTROL_READ,
-    GAP_REQUEST_BUFFER,
-    GAP_REQUEST_DRAIN,
-    REPLAY_IDLE_TIMEOUT_S,
-    REPLAY_LOGIN_FRAME,
-    REPLAY_LOGIN_TIMEOUT_S,
-)
-from tape.protocol.packets import PacketBuilder
-from tape.rewinder import replay
-from tape.rewinder.gapfill import Answer, GapFillCore, Refuse
+from tape.protocol.limits import GAP_REQUEST_BUFFER, GAP_REQUEST_DRAIN
+from tape.rewinder.node import DroppedRequest, ReadGap, ReplayRecords, RewinderNode, SendDatagram
 
 log = logging.getLogger("tape.rewinder")
-FLOOD_REASONS = ("rate_limited", "server_busy", "parked_full")  # gap requests refused so: counted, not logged
 
 
 class Rewinder(NodeProcess):
@@ -52,37 +43,34 @@ class Rewinder(NodeProcess):
         self.badlog = RateLimitedLog(log)
         self.journal, self.voter, self.journal_repaired = open_checked(
             lambda: cfg.open_journal(node), Path(node.data),
-            lambda journal: Voter(cfg, node, journal, can_lead=False, on_fatal=self.fail,
-                                  link_refused=self.link_refused, on_commit=self._answer_parked))  # votes, never leads
+            lambda journal: Voter(cfg, node, journal, can_lead=False, on_fatal=self.fail,  # votes, never leads
+                                  link_refused=self.link_refused, wrap=self._node, on_other=self._carry_out))
+        self.node_core: RewinderNode = self.voter.node_core
+        self._draining: set[asyncio.Task] = set()
+
+    def _node(self, endpoint) -> RewinderNode:
         # A request for what this rewinder does not yet know committed waits as long as its listener
         # waits for an answer before asking again.
-        self.gapfill = GapFillCore(cfg.session_bytes, cfg.max_packet, cfg.stream_auth,
-                                   park_s=cfg.gap_request_ms / 1000)
-        self.sealed = bool(cfg.stream_keys)  # the log's packets are sealed ranges
-        self.replay_sessions = 0
-        self.replay_idle_closed = 0
-        self.replayed = 0
-        self.gap_messages_sent = 0
-        self.bad_frames = 0
+        return RewinderNode(endpoint, self.cfg.session_bytes, self.cfg.max_packet, self.cfg.stream_auth,
+                            self.cfg.gap_request_ms * 1_000_000)
 
     @property
     def commit_seq(self) -> int:
         return self.voter.commit_seq
 
     def report(self):
+        n = self.node_core
         yield "last_seq", "gauge", "highest seq in the journal", self.journal.last_seq
         yield "commit_seq", "gauge", "highest seq known committed", self.commit_seq
         yield "messages_appended", "counter", "messages appended from the leader", self.voter.appended
-        yield "gapfill_requests_served", "counter", "gap-fill requests answered", self.gapfill.served
-        yield "gapfill_messages_sent", "counter", "messages sent in gap-fill answers", self.gap_messages_sent
-        dropped = {**self.gapfill.dropped, "injected_loss": self.loss.dropped}
+        yield "gapfill_requests_served", "counter", "gap-fill requests answered", n.gapfill.served
+        yield "gapfill_messages_sent", "counter", "messages sent in gap-fill answers", n.gap_messages_sent
+        dropped = {**n.gapfill.dropped, "injected_loss": self.loss.dropped}
         yield "dropped_datagrams", "counter", "gap-fill requests dropped, by reason", dropped
-        yield "replay_sessions", "counter", "TCP replay sessions accepted", self.replay_sessions
-        yield "replay_idle_closed", "counter", "replay sessions closed: the client fell silent", \
-            self.replay_idle_closed
-        yield "replay_messages", "counter", "messages sent over TCP replay", self.replayed
-        bad = self.bad_frames + self.voter.bad_frames
-        yield "bad_frames", "counter", "malformed TCP frames (connection closed)", bad
+        yield "replay_sessions", "counter", "TCP replay sessions accepted", n.replay_sessions
+        yield "replay_idle_closed", "counter", "replay sessions closed: the client fell silent", n.replay_idle_closed
+        yield "replay_messages", "counter", "messages sent over TCP replay", n.replayed
+        yield "bad_frames", "counter", "malformed TCP frames (connection closed)", self.voter.bad_frames
         yield "refused", "counter", "peers' messages that contradict this node's log, by reason", \
             dict(self.voter.refused)
         yield from self.voter.report(self.journal_repaired)
@@ -96,7 +84,7 @@ class Rewinder(NodeProcess):
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.gap_sock, self._on_gap_requests)
-        ticker = self.spawn(self.voter.ticks())  # (a rewinder never campaigns: the flag and the free space)
+        ticker = self.spawn(self.voter.ticks())  # the node's timer, the drills' flag, the free space
         log.info(
             "%s at seq %d: replication :%d, gap fill :%d (rcvbuf %d), replay :%d",
             self.node.name,
@@ -115,7 +103,21 @@ class Rewinder(NodeProcess):
         self.journal.close()
         log.info("%s stopped at seq %d", self.node.name, self.journal.last_seq)
 
-    # --- gap fill ----------------------------------------------------------------------
+    def _carry_out(self, a) -> list:
+        """The rewinder node's own actions (the voter shell carries out the rest)."""
+        if isinstance(a, SendDatagram):
+            try:
+                self.gap_sock.sendto(a.data, a.addr)
+            except OSError:
+                pass  # the listener asks again
+        elif isinstance(a, ReadGap):
+            messages = [m for _, _, m in self.journal.read_batch(a.first, a.count)]
+            return self.node_core.on_gap_read(a, messages, time.monotonic_ns())
+        elif isinstance(a, ReplayRecords):
+            self._replay(a)
+        elif isinstance(a, DroppedRequest):
+            self.badlog.warn(a.reason, "dropped gap request from %s: %s", a.addr, a.reason)
+        return []
 
     def _on_gap_requests(self) -> None:
         """Up to GAP_REQUEST_DRAIN requests per wake-up: this process's loop also replicates and
@@ -126,98 +128,28 @@ class Rewinder(NodeProcess):
                 data, addr = self.gap_sock.recvfrom(GAP_REQUEST_BUFFER)
             except BlockingIOError:
                 return
-            if self.loss.drop():
-                continue
-            action = self.gapfill.on_request(data, addr, time.monotonic(), self.commit_seq)
-            if isinstance(action, Answer):
-                self._send(action, addr)
-            elif isinstance(action, Refuse) and action.reason not in FLOOD_REASONS:
-                self.badlog.warn(action.reason, "dropped gap request from %s: %s", addr, action.reason)
-
-    def _answer_parked(self) -> None:
-        """The commit point moved: answer what waited for it once the append's acknowledgement is
-        out (the leader's commit waits for that, a listener's gap a little longer)."""
-        if self.gapfill.parked:
-            asyncio.get_running_loop().call_soon(self._send_due)
-
-    def _send_due(self) -> None:
-        for answer, addr in self.gapfill.due(self.commit_seq, time.monotonic()):
-            self._send(answer, addr)
-
-    def _send(self, answer: Answer, addr) -> None:
-        first, msgs = self.gapfill.entries(answer, self._read, self.sealed, self.commit_seq)
-        self.gap_messages_sent += len(msgs)
-        for pkt in PacketBuilder(self.cfg.session_bytes, first, self.cfg.max_packet).add_sequenced(msgs):
-            try:
-                self.gap_sock.sendto(pkt, addr)
-            except OSError:
-                pass  # the listener asks again
-
-    def _read(self, first: int, count: int) -> list[bytes]:
-        return [m for _, _, m in self.journal.read_batch(first, count)]
-
-    # --- replay --------------------------------------------------------------------------
+            if not self.loss.drop():
+                self.voter.event(None, self.node_core.on_datagram, addr, data)
 
     async def _on_replay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        frames = soup.FrameDecoder(max_frame=REPLAY_LOGIN_FRAME)
-        try:
-            login = None
-            while login is None:
-                data = await within(reader.read(CONTROL_READ), REPLAY_LOGIN_TIMEOUT_S)
-                if not data:
-                    return
-                for kind, payload in frames.feed(data):
-                    if kind == soup.LOGIN:
-                        login = replay.on_login(payload, self.cfg.session_bytes, self.commit_seq)
-            if isinstance(login, replay.Reject):
-                writer.write(soup.login_rejected(login.reason))
-                await writer.drain()
-                return
-            seq = login.seq
-            writer.write(soup.login_accepted(self.cfg.session_bytes, seq))
-            self.replay_sessions += 1
-            client = self.spawn(self._replay_client_frames(reader, frames))
-            while not client.done():
-                chunk = replay.next_chunk(seq, self.commit_seq)
-                if chunk is not None:
-                    records = self.journal.read_batch(*chunk)
-                    writer.write(b"".join(soup.sequenced(m) for _, _, m in records))
-                    seq += len(records)
-                    self.replayed += len(records)
-                    await writer.drain()
-                    continue
-                try:
-                    await within(self._wait_commit(), 1.0)
-                except asyncio.TimeoutError:
-                    writer.write(soup.heartbeat())
-                    await writer.drain()
-            client.cancel()
-        except (asyncio.TimeoutError, ConnectionError, asyncio.CancelledError):
-            pass
-        except ProtocolError as e:
-            self.bad_frames += 1
-            self.badlog.warn("replay", "bad replay frame, closing: %s", e)
-        finally:
-            writer.close()
+        self.voter.adopt(writer)
+        self.voter.event(writer, self.node_core.on_replay_connected, writer)
+        await self.voter.read(writer, reader, writer)
 
-    async def _wait_commit(self) -> None:
-        await self.voter.committed.wait()
+    def _replay(self, a: ReplayRecords) -> None:
+        """Committed messages as SoupBinTCP frames; the next chunk once the client took them."""
+        writer = self.voter.writer(a.conn)
+        if writer is None:
+            return
+        records = self.journal.read_batch(a.first, a.count)
+        writer.write(b"".join([soup.sequenced(m) for _, _, m in records]))
+        task = asyncio.ensure_future(self._drained(a, writer))
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
 
-    async def _replay_client_frames(self, reader, frames) -> None:
-        """Read the client's side until it logs out, goes away, falls silent or breaks the framing."""
+    async def _drained(self, a: ReplayRecords, writer: asyncio.StreamWriter) -> None:
         try:
-            while True:
-                data = await within(reader.read(CONTROL_READ), REPLAY_IDLE_TIMEOUT_S)
-                if not data:
-                    return
-                for kind, _ in frames.feed(data):
-                    if kind == soup.LOGOUT:
-                        return
-        except ProtocolError as e:
-            self.bad_frames += 1
-            self.badlog.warn("replay", "bad replay frame, closing: %s", e)
-        except asyncio.TimeoutError:
-            self.replay_idle_closed += 1
+            await writer.drain()
         except ConnectionError:
-            pass
-
+            return  # its close comes through the read
+        self.voter.event(a.conn, self.node_core.on_replayed, a)

@@ -284,6 +284,8 @@ class LeaderCore:
                 out.extend(messages.stamp_blocks(*run, stamp_bytes + origin, first_cseq))  # stamp, origin, cseq
         self._pending = []
         self._pending_count = 0
+        if stamp < self._last_sequenced_ns:
+            raise InvariantViolation(f"stamp {stamp} before the last one, {self._last_sequenced_ns}")
         if self.keys is not None:
             out, packets = self._seal(out, stamp)
         else:
@@ -338,6 +340,16 @@ class LeaderCore:
             self.match[follower] = last_seq
         return self._advance_commit()
 
+    def check(self) -> None:
+        """What must hold whatever came in (asserted after each step that moves it; the simulator
+        checks the same from outside): each follower's match and the commit point within the
+        log, nothing published that is not committed."""
+        if self.commit_seq > self.last_seq or max(self.match.values(), default=0) > self.last_seq:
+            raise InvariantViolation(f"commit {self.commit_seq} or a follower's match {self.match} beyond the "
+                                     f"log's last seq {self.last_seq}")
+        if self._unpublished and self._unpublished[0][0] <= self.commit_seq:
+            raise InvariantViolation(f"seq {self._unpublished[0][0]} committed ({self.commit_seq}) and not published")
+
     def majority(self) -> int:
         return (len(self.followers) + 1) // 2 + 1
 
@@ -356,6 +368,7 @@ class LeaderCore:
             last, packets = self._unpublished.popleft()
             out.extend(packets)
             self.published_seq = last
+        self.check()
         return out
 
     def note_published(self, packets: int, msgs: int, now_ns: int) -> None:

@@ -372,3 +372,28 @@ def test_the_timer_is_due_when_on_timer_first_has_something_to_do():
     for _ in range(3):
         due = core.timer_due_ns()
         assert core.on_timer(due - 1) == (None, None) and core.on_timer(due) != (None, None)
+
+
+def test_a_leaders_impossible_state_stops_it_rather_than_publishing_from_it():
+    """Invariants asserted inside the core as it runs (the simulator checks the same from
+    outside): each one fails on the state that breaks it."""
+    core, _ = leader()
+    core.on_journaled(1)
+    core.on_ack(F1, 1, True, 1)
+    core.check()  # (holds)
+    core.commit_seq = core.last_seq + 1
+    with pytest.raises(InvariantViolation, match="beyond the log's last seq"):
+        core.check()
+    core, _ = leader()
+    core.match[F1] = core.last_seq + 5
+    with pytest.raises(InvariantViolation, match="a follower's match"):
+        core.check()
+    core, _ = leader()
+    core.commit_seq = 1  # committed, its packets never released
+    with pytest.raises(InvariantViolation, match="committed .* and not published"):
+        core.check()
+    core, _ = leader()
+    core.on_inbound(batch(A, 1, 1), 200)
+    core._last_stamp_ns, core._last_sequenced_ns = 0, 10**18  # a stamp clock that went back
+    with pytest.raises(InvariantViolation, match="before the last one"):
+        core.flush(300)

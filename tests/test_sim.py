@@ -12,7 +12,7 @@ from tape.protocol import moldudp64
 from tape.protocol.election import ElectionCore
 from tape.protocol.listener import ListenerCore
 from tape.protocol.voter import VoterCore
-from tape.replicas.emitter_core import EmitterCore, RecordDone
+from tape.replicas.emitter_core import EmitterCore, RecordDone, RecordIntent
 from tape.sequencer.client_core import ClientCore
 from tape.sequencer.followers import FollowerLinks
 
@@ -151,7 +151,7 @@ def test_a_leader_that_ignores_refusals_never_catches_a_follower_up(monkeypatch)
     # FollowerLinks is the leader's per-follower progress the process runs; the simulator
     # before issue 12 modelled it (64 entries per 20 ms) instead.
     monkeypatch.setattr(FollowerLinks, "refused", lambda self, follower, last_seq: False)
-    assert len(caught(range(1, 61), 3, STALLED)) == 3  # (refusals follow failovers: a follower's stale suffix)
+    assert len(caught(range(1, 121), 3, STALLED)) == 3  # (refusals follow failovers: a follower's stale suffix)
 
 
 @pytest.mark.slow
@@ -208,3 +208,40 @@ def test_the_simulator_catches_voters_that_vote_after_losing_their_disk(monkeypa
 def test_the_simulator_catches_a_client_that_a_back_off_stops_for_good(monkeypatch):
     monkeypatch.setattr(ClientCore, "pause_left_ns", lambda self, now: 1 if self.backoffs else 0)
     assert caught(range(1, 301), 1, STALLED), "no seed noticed clients that never send again after a back-off"
+
+
+def test_the_simulator_catches_a_new_leader_that_forgets_what_the_log_sequenced(monkeypatch):
+    # Dedupe across terms: a new leader takes each client's last sequenced seq from its log. One
+    # that starts from none asks clients for trades long sequenced (or sequences them twice).
+    original = sim.LeaderCore.__init__
+
+    def forgetful(self, session, name, term, followers, clients, last_seq, last_term, client_last, **kw):
+        original(self, session, name, term, followers, clients, last_seq, last_term, {}, **kw)
+
+    monkeypatch.setattr(sim.LeaderCore, "__init__", forgetful)
+    assert len(caught(range(1, 41), 3, rf"{STALLED}|Violation: sequenced twice")) == 3
+
+
+def test_the_simulator_catches_a_leader_that_steps_down_without_handing_over_its_client_seqs(monkeypatch):
+    # A leader's own batches are not noted message by message: its LeaderCore holds the clients'
+    # seqs and hands them to the log as it steps down (VoterCore.resync). Kept stale, the node
+    # dedupes by an old view when it leads again.
+    original = VoterCore.resync
+    monkeypatch.setattr(VoterCore, "resync", lambda self, commit, client_last: original(
+        self, commit, dict(self.log.client_last)))
+    assert len(caught(range(1, 201), 3, rf"{STALLED}|Violation: sequenced twice")) == 3
+
+
+@pytest.mark.slow
+def test_the_simulator_catches_an_emitter_that_records_its_intent_as_delivered(monkeypatch):
+    # Intent, deliver, done: an intent recorded as if the sinks had the batch already leaves
+    # nothing in doubt when the emitter dies before delivering it.
+    original = EmitterCore.deliver
+
+    def delivered_at_once(self, new):
+        return [RecordIntent(a.alerts, a.done, delivered=True) if isinstance(a, RecordIntent) else a
+                for a in original(self, new)]
+
+    monkeypatch.setattr(EmitterCore, "deliver", delivered_at_once)
+    violation = r"Violation: exactly-once alerts: \d+ delivered \(0 twice, [1-9]\d* missing\)"
+    assert len(caught(range(1, 401), 3, violation)) == 3

@@ -11,7 +11,6 @@ from tape.protocol.limits import GAP_ASKED_OF, GAPS_ASKED_AT_ONCE, HINT_TRIES
 from tape.protocol.listener import Ahead, Deliver, ListenerCore
 from tape.protocol.packets import PacketBuilder, messages_per_packet
 from tape.protocol.streamauth import StreamKeys, seal_covers, sealed_ranges
-from tape.rewinder.gapfill import Answer, GapFillCore
 from tape.sequencer.core import InvariantViolation, LeaderCore
 
 S = moldudp64.session_bytes("TAPE")
@@ -216,19 +215,6 @@ def test_without_keys_a_far_fetched_heartbeat_is_dropped():
     lc.on_datagram(moldudp64.encode_heartbeat(S, 5))
     assert lc.on_datagram(moldudp64.encode_heartbeat(S, 2**62)).reason == "far_future"
     assert lc.receiver.lag() == 4
-
-
-def test_a_rewinder_answers_the_whole_sealed_range_that_holds_the_seq_asked_for():
-    keys = StreamKeys([K1])
-    log = []
-    for first, n in ((1, 5), (7, 3)):  # ranges 1-6 and 7-10
-        log += trades(n, first) + [keys.seal_packet(S, first, trades(n, first), 1, LEADER)[0]]
-    read = lambda first, n: log[first - 1:first - 1 + n]  # noqa: E731
-    core = GapFillCore(S, 1400)
-    assert core.entries(Answer(8, 20), read, True, 10) == (7, log[6:10])
-    assert core.entries(Answer(3, 20), read, True, 10) == (1, log[0:6])
-    assert core.entries(Answer(8, 20), read, True, 9) == (8, [])  # the range is not all committed
-    assert core.entries(Answer(8, 2), read, False, 10) == (8, log[7:9])  # unsealed stream: as asked
 
 
 def sealed_log(sizes, first=1):

@@ -87,3 +87,16 @@ def test_noting_a_batch_at_once_equals_noting_each_record(entries, first):
     batch.note(records)
     each._note_each(records)
     assert vars(batch) == vars(each)
+
+
+def test_a_leaders_own_batches_move_the_log_a_later_leaders_append_is_judged_against():
+    """An append of a later term reaching a leader before its step-down is carried out: judged
+    against the log it journaled (note_own), not the one it had when it began to lead (an append
+    from seq 1 was taken as continuing an empty log, and the journal refused it: exit 1)."""
+    c = VoterCore(A, [A, B, R1, R2], True, random.Random(1), (300 * MS, 600 * MS), 1, A, 0, [])
+    c.note_own(1, 10, 1)
+    ack, actions = c.on_append(append(2, 0, 0, 0, 2, range(1, 3), leader=B), "conn", 1)
+    assert Truncate(0) in actions and actions.index(Truncate(0)) < next(
+        i for i, a in enumerate(actions) if isinstance(a, AppendRecords))
+    ack, _ = c.on_append(append(2, 10, 1, 0, 2, range(11, 12), leader=B), "conn2", 2)
+    assert not ack.success and ack.last_seq == 2  # (its log is now the new leader's 1..2)

@@ -3,10 +3,13 @@ the frames' bytes, as its shell (node/voter.py) and the simulator drive it."""
 
 import random
 
+import pytest
+
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
 from tape.protocol import voter_node as vn
 from tape.protocol.election import Persist
+from tape.protocol.errors import InvariantViolation
 
 MS = 1_000_000
 ELECTION = 300 * MS
@@ -204,3 +207,38 @@ def test_a_tick_after_a_long_gap_reports_the_stall():
     stalled = [a for a in v.on_timer(1 + ELECTION) if isinstance(a, vn.Stalled)]
     assert stalled and stalled[0].held_ns == ELECTION - v.election.stall_ns
     assert v.next_deadline(2 + ELECTION) <= 2 + ELECTION + v.tick_ns
+
+
+def test_an_event_that_leaves_an_impossible_state_raises_invariant_violation():
+    """VoterNode.check after every event: a term never goes back, one vote a term, the commit
+    point within the log. Each fails on the state that breaks it."""
+    v = node(term=2)
+    v.on_connected("c", 0)
+    v.on_data("c", rep.encode_vote_request(2, A, 0, 0), 1)  # votes for seq-a in term 2
+    v.election.voted_for = B  # and then for another, in the same term
+    with pytest.raises(InvariantViolation, match="term 2"):
+        v.on_timer(2)
+    v = node(term=3)
+    v.election.term = 1
+    with pytest.raises(InvariantViolation, match="became term 1"):
+        v.on_closed("nothing", 1)
+    v = node(log=records(1, 3))
+    v.core.follower.commit_seq = 4
+    with pytest.raises(InvariantViolation, match="commit point 4 beyond"):
+        v.on_connected("c", 1)
+
+
+def test_a_frame_that_makes_this_node_step_down_ends_the_read_until_the_shell_has():
+    """A vote request of a later term, then an append, in one read: the append is judged only
+    once the shell carried out the step-down (Resume), as the leader's state hands over then."""
+    v = node(A, can_lead=True, log=records(1, 10))
+    e = v.election
+    e.role, e.leader = "leader", A  # (leading term 1)
+    v.on_connected("c", 0)
+    data = rep.encode_vote_request(5, B, 10, 1) + rep.encode_append(5, B, 10, 1, 10, 5, [msg(11)])
+    out = v.on_data("c", data, 1)
+    assert any(isinstance(a, vn.StepDown) for a in out) and out[-1] == vn.Resume("c")
+    assert frames(out) == [rep.Vote(5, A, True, False)] and not any(isinstance(a, vn.AppendRecords) for a in out)
+    out = v.on_data("c", b"", 2)  # (the shell stepped down: the rest of the read)
+    assert [r[0] for r in next(a for a in out if isinstance(a, vn.AppendRecords)).records] == [11]
+    assert [f.last_seq for f in frames(out)] == [11] and out[-1] != vn.Resume("c")
