@@ -1,17 +1,17 @@
 """Deterministic simulation of the whole protocol (DESIGN.md section 10).
 
 The node cores the processes run -- RewinderNode, VoterNode (a sequencer's
-replication endpoint) and EmitterNode -- and the smaller cores whose glue is
-still written here until their roles have node cores (LeaderCore and
-FollowerLinks while a sequencer leads, ListenerCore, ClientCore, ReplicaCore,
-AuditMachine), in one process on a seeded virtual network and clock, with the
+replication endpoint), ReplicaNode and EmitterNode -- and the smaller cores
+whose glue is still written here until their roles have node cores
+(LeaderCore and FollowerLinks while a sequencer leads, ListenerCore and
+ClientCore for the clients), in one process on a seeded virtual network and clock, with the
 processes' election timeouts. Replication and alert links are connections
 carrying the real frames' bytes: ordered and never lost, held across a
 partition until it heals, closed when a process dies; datagrams (the stream,
 gap fills, inbound trades, back-offs) are delayed, dropped, duplicated and
 reordered. Voters crash (keeping their log and vote), some in the middle of a
 journal write (torn), lose their disks, find them full, pause, run slow and
-are cut off by partitions; the emitter crashes at its crash points; a leader
+are cut off by partitions; replicas lose their disks; the emitter crashes at its crash points; a leader
 is overloaded (its inbound socket never emptied), so that it tells clients to
 back off and they pause; all at times chosen by the seed. After the faults
 the network heals and the run goes on until every trade is acknowledged,
@@ -25,19 +25,26 @@ section 9 is checked as it runs and at the end.
 from __future__ import annotations
 
 import heapq
+import logging
+import os
 import random
+import shutil
+import tempfile
 from collections import Counter, deque
+from pathlib import Path
 
 from tape.node.settings import Config, default_of
 from tape.ops.reference import expected_alerts
 from tape.ops.tradegen import TradeGenerator
 from tape.ops.verdict import RunFiles, judge
-from tape.protocol import alertlink, backoff, moldudp64
+from tape.protocol import backoff, moldudp64
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
+from tape.protocol import soupbintcp as soup
 from tape.protocol.actions import Close, Send
 from tape.protocol.election import Lead, Persist, Refused, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.limits import REPLAY_BEHIND
 from tape.protocol.listener import Ahead, Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.replication import Ack, Hello
@@ -51,7 +58,7 @@ from tape.protocol.voter_node import (
     Truncate,
     VoterNode,
 )
-from tape.replicas.audit import Alert, AuditMachine
+from tape.replicas.audit import ALERT_SIZE, Alert, AuditMachine
 from tape.replicas.emitter_core import CRASH_POINTS, emit_seq_of
 from tape.replicas.emitter_node import (
     Crash,
@@ -63,13 +70,15 @@ from tape.replicas.emitter_node import (
     RecordIntent,
     Redeliver,
 )
-from tape.replicas.replica_core import ReplicaCore, SendAlerts, SendDigest
-from tape.rewinder.node import ReadGap, RewinderNode, SendDatagram
+from tape.replicas.replica_node import Applied, AskRewinder, Rebuild, ReplicaNode, TakeSnapshot
+from tape.replicas.snapshot import open_verified
+from tape.rewinder.node import ReadGap, ReplayRecords, RewinderNode, SendDatagram
 from tape.sequencer.client_core import ClientCore, Recovery
 from tape.sequencer.core import LeaderCore
 from tape.sequencer.followers import FollowerLinks
 
 MS = 1_000_000
+SIM_LOG = logging.getLogger("tape.sim")
 # Odd seeds' leaders pace their batches (sequencer/core.py batch_due_ns) after one of this many
 # messages (a client's batch here holds a few; the processes' threshold is 256).
 PACE_FROM = 3
@@ -88,12 +97,15 @@ LAN = (*VOTERS, *CLIENTS, *REPLICAS, EMITTER)  # every node, in the order of its
 FAULTS_UNTIL = 3000 * MS
 FAULTS_PER_RUN = (2, 8)
 FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full",
-               "overload", "slow")
+               "overload", "slow", "crash-replica", "wipe-replica")
 # A connection's bytes as TCP hands them to the reader: a write joins the one before it if that
 # one is not read yet, or comes in two pieces.
 COALESCE, SPLIT = 0.5, 0.2
 SLOW_NS = (10 * MS, 150 * MS)  # what a slow host (starved, its disk or link congested) adds to a connection's bytes
 GIVE_UP = 60_000 * MS
+# A third of the seeds' replicas catch up over a replay once this many are missing (the processes'
+# REPLAY_BEHIND, 2,000, is more than a run here sequences).
+SIM_REPLAY_BEHIND = 12
 # A client submits 1-8 trades a tick (5 ms) with this chance: its 60 trades span most of the faults' time.
 SUBMIT_CHANCE = 0.03
 # The processes' defaults (node/settings.py): the simulator runs the policies as configured.
@@ -228,6 +240,10 @@ class Voter:
             self.sim.dial(self.name, a.conn, name_of(a.peer))
         elif isinstance(a, SendDatagram):
             self.sim.send(self.name, ADDRESSES[a.addr], ("packet", a.data))
+        elif isinstance(a, ReplayRecords):  # as SoupBinTCP frames, drained at once
+            records = self.log[a.first - 1:a.first - 1 + a.count]
+            self.sim.stream(self.name, a.conn, b"".join([soup.sequenced(m) for _, m in records]))
+            return self.node.on_replayed(a, self.sim.now)
         elif isinstance(a, ReadGap):
             return self.node.on_gap_read(a, [m for _, m in self.log[a.first - 1:a.first - 1 + a.count]], self.sim.now)
         elif isinstance(a, Refused):  # the simulated peers are honest: this is a broken rule
@@ -393,6 +409,8 @@ class Voter:
                 del self.lead_frames[conn]
                 if self.links is not None:
                     self.links.disconnected(f)
+        elif kind == "open" and msg[2] == "replay":  # a replica catching up
+            self.act(self.node.on_replay_connected(conn, now), conn)
         elif kind == "open":
             self.act(self.node.on_connected(conn, now), conn)
         elif kind == "bytes":
@@ -411,9 +429,109 @@ class Voter:
             self.act(self.node.on_datagram(address(src), msg[1], now))
 
 
+class Replica:
+    """A replica: the ReplicaNode the process runs (the stream, the alert link's bytes, catch-up
+    over a rewinder's replay) and its real LMDB snapshots (replicas/snapshot.py, on this run's
+    own tmpfs directory), at the processes' cadence. It crashes and resumes from its last
+    snapshot, or loses its disk and starts again from seq 1."""
+
+    def __init__(self, sim: "Sim", name: str):
+        self.sim, self.name = sim, name
+        self.disk = sim.disk / name / "lmdb"
+        self.delivered: list[bytes] = []  # what it applied, in order: checked against what was published
+        self.alerts: dict[int, bytes] = {}  # emit seq -> every alert it raised, for the final check
+        self.store = None
+        self.restart()
+
+    def restart(self) -> None:
+        """The process (re)starting on what its disk holds."""
+        self.up = True
+        self.store, self.machine, raw, _ = open_verified(
+            self.disk, lambda: AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS), SIM_LOG)
+        self.machine.apply_runs = self._keeping_alerts(self.machine.apply_runs)
+        del self.delivered[self.machine.last_seq:]  # applied again from the snapshot on
+        sim = self.sim
+        self.node = ReplicaNode(wire(self.name), self.machine, [raw[i:i + ALERT_SIZE] for i in range(0, len(raw),
+                                                                                                     ALERT_SIZE)],
+                                SESSION, [wire(r) for r in REWINDERS], wire(EMITTER), GAP_REQUEST_NS, STREAM_KEYS,
+                                default_of(Config, "max_packet"), default_of(Config, "snapshot_every"),
+                                default_of(Config, "snapshot_ms") * MS, False, 0.0, sim.now,
+                                REPLAY_BEHIND if sim.seed % 3 else SIM_REPLAY_BEHIND)
+        self.node.reply_at(*address(self.name))
+        self.wake_at = sim.now
+
+    def crash(self, wipe: bool) -> None:
+        self.up = False
+        self.store.close()
+        if wipe:
+            shutil.rmtree(self.disk)
+
+    def _keeping_alerts(self, apply_runs):
+        """The machine's apply_runs, keeping every alert it raised for the final check (the outbox
+        does not keep those at or below the emitter's mark); one raised again after a restart is
+        the same."""
+        def apply_and_keep(runs):
+            alerts, folds = apply_runs(runs)
+            for a in alerts:
+                if self.alerts.setdefault(emit_seq_of(a), a) != a:
+                    raise Violation(f"{self.name} raised emit seq {emit_seq_of(a)} again, differently")
+            return alerts, folds
+        return apply_and_keep
+
+    def receive(self, src: str, msg) -> None:
+        now = self.sim.now
+        if msg[0] == "packet":
+            self.act(self.node.on_datagrams([msg[1]], now))
+        elif msg[0] == "open":
+            self.act(self.node.on_connected(msg[1], now))
+        elif msg[0] == "bytes":
+            self.act(self.node.on_data(msg[1], msg[2], now))
+        elif msg[0] == "shut":
+            self.act(self.node.on_closed(msg[1], now))
+
+    def tick(self) -> None:
+        if self.sim.now >= self.wake_at:  # the shell's timer
+            self.act(self.node.on_timer(self.sim.now))
+            self.wake_at = self.node.next_deadline(self.sim.now)
+
+    def act(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Applied):
+                for run in a.runs:
+                    self.applied(run)
+                self.sim.check_digest(self.name, self.machine.last_seq, self.machine.digest())
+            elif isinstance(a, Send):
+                self.sim.stream(self.name, a.conn, a.data)
+            elif isinstance(a, AskRewinder):
+                self.sim.send(self.name, REWINDERS[a.index], ("gap", a.request))
+            elif isinstance(a, Dial):
+                self.sim.dial(self.name, a.conn, name_of(a.peer), a.conn[0])
+            elif isinstance(a, Close):
+                if a.reason is not None:
+                    raise Violation(f"{self.name} closed its {a.conn[0]} link: {a.reason.value} ({a.detail})")
+                self.sim.hang_up(self.name, a.conn)
+            elif isinstance(a, TakeSnapshot):  # (the shell writes it on its snapshot thread)
+                job = self.store.prepare(self.machine, {"node": self.name}, outbox=b"".join(self.node.core.outbox))
+                self.store.finish(job, self.store.write(job))
+                self.act(self.node.on_saved(self.sim.now))
+            elif isinstance(a, Rebuild):  # replicas are deterministic: none is ever outvoted
+                raise Violation(f"{self.name} told to rebuild at fold seq {a.fold_seq}")
+
+    def applied(self, d: Deliver) -> None:
+        """Prefix: what every listener gets was published there."""
+        n = moldudp64.HEADER.unpack_from(d.packet)[2]
+        if d.first_seq != len(self.delivered) + 1:
+            raise Violation(f"{self.name} delivered seq {d.first_seq} after {len(self.delivered)}")
+        for seq, i in enumerate(range(d.skip, n), d.first_seq):
+            raw = M.packet_message_bytes(d.packet, i)
+            if self.sim.published.get(seq, raw) != raw:
+                raise Violation(f"{self.name} delivered at seq {seq} a message other than the one published")
+            self.delivered.append(raw)
+
+
 class Listener:
-    """A replica (applies the stream) or a client (submits, resends, acks): the
-    ListenerCore and ClientCore the processes run, on the simulated network."""
+    """A client (submits, resends, acks): the ListenerCore and ClientCore the processes run, on
+    the simulated network."""
 
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name = sim, name
@@ -421,27 +539,9 @@ class Listener:
         self.core.reply_at(*address(name))
         self.up = True
         self.delivered: list[bytes] = []
-        self.machine = AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS) if name in REPLICAS else None
-        self.alerts: list = []
-        self.replica: ReplicaCore | None = None
-        if self.machine is not None:  # never snapshots here: replicas do not crash in the simulation (yet)
-            self.replica = ReplicaCore(self.machine, [], 1 << 62, 1 << 62, False, sim.now)
-            self.machine.apply_runs = self._keeping_alerts(self.machine.apply_runs)
-            self.hello_at = -RECONNECT_NS  # (its first tick connects: alert_frames is made there)
-        self.client: ClientCore | None = None
         self.recovery: Recovery | None = None  # a restarted client reading the stream before it submits
-        if name in CLIENTS:
-            self.gen_seed = sim.rng.randrange(1 << 30)
-            self.start_client()
-
-    def _keeping_alerts(self, apply_runs):
-        """The machine's apply_runs, keeping every alert it raised for the final check (the outbox
-        does not keep those at or below the emitter's mark)."""
-        def apply_and_keep(runs):
-            alerts, folds = apply_runs(runs)
-            self.alerts += alerts
-            return alerts, folds
-        return apply_and_keep
+        self.gen_seed = sim.rng.randrange(1 << 30)
+        self.start_client()
 
     def start_client(self) -> None:
         """A client (re)starting: it regenerates the same trades under the same client seqs."""
@@ -458,16 +558,7 @@ class Listener:
         self.recovery = Recovery()
 
     def receive(self, src: str, msg) -> None:
-        if msg[0] == "data":  # the emitter's frames on the alert link
-            for kind, payload in self.alert_frames.feed(msg[1]):
-                if kind == alertlink.WELCOME:  # the channel is up: what the emitter lacks goes again
-                    for action in self.replica.on_welcome(alertlink.MARK.unpack(payload)[0]):
-                        self.send_alerts(action)
-                elif kind == alertlink.ACK:
-                    self.replica.on_ack(alertlink.MARK.unpack(payload)[0])
-        elif msg[0] == "link_lost":
-            self.replica.on_link_lost()
-        elif msg[0] == "advice" and self.client is not None:
+        if msg[0] == "advice":
             if self.client.on_advice(msg[1], self.sim.now, src in SEQUENCERS) is None:
                 for data in self.client.on_timer(self.sim.now):  # a resend asked for: now
                     self.submit(data)
@@ -480,37 +571,18 @@ class Listener:
             if isinstance(a, Undecodable):
                 raise Violation(f"{self.name}: the committed log holds an undecodable message at seq {a.seq}")
             if isinstance(a, Ahead):
-                if self.client is not None:
-                    self.client.on_ahead(a.packet, self.sim.now)
+                self.client.on_ahead(a.packet, self.sim.now)
                 continue
             self.apply(a)
 
     def apply(self, d: Deliver) -> None:
-        n = moldudp64.HEADER.unpack_from(d.packet)[2]
-        if d.first_seq != len(self.delivered) + 1:
-            raise Violation(f"{self.name} delivered seq {d.first_seq} after {len(self.delivered)}")
-        for seq, i in enumerate(range(d.skip, n), d.first_seq):  # prefix: what every listener gets was published
-            raw = M.packet_message_bytes(d.packet, i)
-            if self.sim.published.get(seq, raw) != raw:
-                raise Violation(f"{self.name} delivered at seq {seq} a message other than the one published")
-            self.delivered.append(raw)
-        if self.replica is not None:
-            for action in self.replica.on_packets([d]):
-                self.send_alerts(action)
-            self.sim.check_digest(self.name, self.machine.last_seq, self.machine.digest())
-        else:
-            self.client.on_delivered(d.packet, d.skip, self.sim.now)
+        Replica.applied(self, d)
+        self.client.on_delivered(d.packet, d.skip, self.sim.now)
 
     def tick(self) -> None:
         now = self.sim.now
         for ask in self.core.on_timer(now):
             self.sim.send(self.name, REWINDERS[ask.index], ("gap", ask.request))
-        if self.replica is not None and not self.replica.linked and now - self.hello_at >= RECONNECT_NS:
-            self.hello_at = now  # the replica's (re)connect loop to the emitter
-            self.alert_frames = alertlink.Reader()
-            self.sim.send_ordered(self.name, EMITTER, ("connect", alertlink.hello(wire(self.name))))
-        if self.client is None:
-            return
         c = self.client
         if self.recovery is not None:
             if not self.recovery.done(self.core):
@@ -530,15 +602,6 @@ class Listener:
         named = [s for s in SEQUENCERS if wire(s) == to]
         for s in named or SEQUENCERS:
             self.sim.send(self.name, s, ("inbound", data))
-
-    def send_alerts(self, action) -> None:
-        """A replica core's alerts and digests, as frames on the alert link."""
-        if not self.replica.linked:
-            return
-        if isinstance(action, SendAlerts) and action.alerts:
-            self.sim.send_ordered(self.name, EMITTER, ("data", alertlink.alerts(list(action.alerts))))
-        elif isinstance(action, SendDigest):
-            self.sim.send_ordered(self.name, EMITTER, ("data", alertlink.digest(action.fold_seq, action.chain)))
 
 
 class Emitter:
@@ -564,13 +627,12 @@ class Emitter:
 
     def receive(self, src: str, msg) -> None:
         now = self.sim.now
-        if msg[0] == "closed":  # (the connection's own epoch: a newer one may stand)
-            self.carry_out(self.node.on_closed((src, msg[1]), now))
-            return
-        conn = (src, self.sim.epochs.get(frozenset((EMITTER, src)), 0))  # its connection: the channel's epoch
-        if msg[0] == "connect":  # (its first bytes, the replica's hello, come with it)
-            self.carry_out(self.node.on_connected(conn, now))
-        self.carry_out(self.node.on_data(conn, msg[1], now))
+        if msg[0] == "open":  # a replica's alert link
+            self.carry_out(self.node.on_connected(msg[1], now))
+        elif msg[0] == "bytes":
+            self.carry_out(self.node.on_data(msg[1], msg[2], now))
+        elif msg[0] == "shut":
+            self.carry_out(self.node.on_closed(msg[1], now))
 
     def carry_out(self, actions: list) -> None:
         """As the emitter shell does: in order, what a step leads to after the rest of its list."""
@@ -578,9 +640,7 @@ class Emitter:
         while queue:
             a, now = queue.popleft(), self.sim.now
             if isinstance(a, Send):
-                replica, epoch = a.conn
-                if self.sim.epochs.get(frozenset((EMITTER, replica)), 0) == epoch:
-                    self.sim.send_ordered(EMITTER, replica, ("data", a.data))
+                self.sim.stream(EMITTER, a.conn, a.data)
             elif isinstance(a, Close):
                 raise Violation(f"the emitter refused {a.conn[0]}'s link: {a.reason} ({a.detail})")
             elif isinstance(a, RecordIntent):
@@ -621,6 +681,10 @@ class Emitter:
 class Sim:
     def __init__(self, seed: int, per_client: int = 60):
         self.seed = seed
+        # The replicas' disks (their LMDB snapshots): this run's own, in memory where there is a tmpfs.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.tmp = tempfile.TemporaryDirectory(prefix="tape-sim-", dir=shm)
+        self.disk = Path(self.tmp.name)
         self.rng = random.Random(seed)
         self.now = 0
         self.per_client = per_client
@@ -641,17 +705,23 @@ class Sim:
         self.dup = self.rng.choice((0.0, 0.02))
         self.batch_interval_ns = PACED_INTERVAL_NS if seed % 2 else 0  # (not drawn: the other draws stay a seed's)
         self.voters = {n: Voter(self, n) for n in VOTERS}
-        self.listeners = {n: Listener(self, n) for n in (*CLIENTS, *REPLICAS)}
+        self.listeners = {n: Listener(self, n) for n in CLIENTS}
+        self.replicas = {n: Replica(self, n) for n in REPLICAS}
         self.emitter = Emitter(self)
-        self.nodes = {**self.voters, **self.listeners, EMITTER: self.emitter}
+        self.nodes = {**self.voters, **self.listeners, **self.replicas, EMITTER: self.emitter}
         self.digests: dict[int, tuple[str, str]] = {}  # seq -> (the first replica there, its digest)
         self.published_terms: dict[str, dict[str, list[int]]] = {}  # sequencer -> term -> [first, last] seq
         self.channel_at: dict[tuple[str, str], int] = {}  # ordered channels: when the last message arrives
-        self.epochs: dict[frozenset, int] = {}  # ordered channels: the connection a message was sent on
-        self.broken: set[frozenset] = set()  # ordered channels broken until the next hello
         self.trace: list[str] = []
         self.wiped = False
         self._schedule_faults()
+
+    def close(self) -> None:
+        """The replicas' disks go."""
+        for r in self.replicas.values():
+            if r.up:
+                r.store.close()
+        self.tmp.cleanup()
 
     # --- the virtual network -----------------------------------------------------------
 
@@ -665,36 +735,10 @@ class Sim:
         for _ in range(2 if self.rng.random() < self.dup else 1):
             self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, src, dst, msg)
 
-    def send_ordered(self, src: str, dst: str, msg) -> None:
-        """A TCP connection (the alert channel): delayed, never reordered; a message is never
-        lost while a later one arrives. A partition or a peer down breaks the connection: nothing
-        more goes through it, the replica end learns so, and its next hello opens a new one."""
-        link = frozenset((src, dst))
-        if msg[0] == "connect":
-            self.epochs[link] = self.epochs.get(link, 0) + 1  # a new connection
-            self.broken.discard(link)
-        if link in self.cut or link in self.broken or not self.nodes[dst].up or not self.nodes[src].up:
-            self.broken.add(link)
-            replica = src if src in REPLICAS else dst
-            self.at(self.now + MS, self.deliver, EMITTER, replica, ("link_lost",))
-            self.at(self.now + MS, self.deliver, replica, EMITTER, ("closed", self.epochs.get(link, 0)))
-            return
-        when = max(self.now + self.rng.randint(100_000, 3 * MS), self.channel_at.get((src, dst), 0) + 1)
-        self.channel_at[(src, dst)] = when
-        self.at(when, self.deliver_ordered, src, dst, msg, self.epochs.get(link, 0))
-
-    def deliver_ordered(self, src: str, dst: str, msg, epoch: int) -> None:
-        if self.epochs.get(frozenset((src, dst)), 0) == epoch:  # its connection still stands
-            self.deliver(src, dst, msg)
-
     def crash_emitter(self, until: int) -> None:
         self.emitter.up = False
         self.emitter.crash_at = None
-        for r in REPLICAS:  # its connections close: what is in flight on them is lost
-            link = frozenset((EMITTER, r))
-            self.epochs[link] = self.epochs.get(link, 0) + 1
-            self.broken.add(link)
-            self.at(self.now + MS, self.deliver, EMITTER, r, ("link_lost",))
+        self.drop_connections(EMITTER)  # its links close: what is in flight on them is lost
         self.at(max(until, self.now + MS), self.recover_emitter)
 
     def recover_emitter(self) -> None:
@@ -703,7 +747,7 @@ class Sim:
 
     # --- replication connections (TCP): ordered, never lost; held across a partition ---------
 
-    def dial(self, src: str, conn, dst: str) -> None:
+    def dial(self, src: str, conn, dst: str, port: str = "replication") -> None:
         """`src` connects to `dst`'s replication port (`conn`: its name for it; `dst` names it
         (src, conn, n)). Refused at once if `dst` is down, timed out across a partition."""
         self.dialled += 1
@@ -714,14 +758,14 @@ class Sim:
             return
         self.conns[key] = {src: conn, dst: key}  # each end's name for it, while that end is open
         self.handles[(src, conn)] = self.handles[(dst, key)] = key
-        self.at(self.now + self.rng.randint(100_000, 3 * MS), self.accept, key, src, dst)
+        self.at(self.now + self.rng.randint(100_000, 3 * MS), self.accept, key, src, dst, port)
 
-    def accept(self, key, src: str, dst: str) -> None:
+    def accept(self, key, src: str, dst: str, port: str) -> None:
         """The connection reaches `dst`: it is open there, then at `src` (first on the way back)."""
         if dst not in self.conns.get(key, ()):
             return  # its process died meanwhile: the dialler learns it from that end's close
-        self.stream_to(key, dst, src, ("open", key[1]))  # (ahead of what `dst` sends on it)
-        self.deliver(src, dst, ("open", key))
+        self.stream_to(key, dst, src, ("open", key[1], port))  # (ahead of what `dst` sends on it)
+        self.deliver(src, dst, ("open", key, port))
 
     def stream(self, src: str, conn, data: bytes) -> None:
         """Bytes `src` writes on its connection `conn`."""
@@ -808,7 +852,7 @@ class Sim:
                 span = self.published_terms.setdefault(src, {}).setdefault(str(self.voters[src].leader.term),
                                                                            [seq, seq])
                 span[1] = seq + count - 1  # who published what in which term: the verdict judges terms
-            for name in self.listeners:
+            for name in (*self.listeners, *self.replicas):
                 self.send(src, name, ("packet", pkt))
 
     # --- faults ------------------------------------------------------------------------
@@ -832,6 +876,14 @@ class Sim:
             if client.up:
                 client.up = False
                 self.at(max(until, self.now + MS), client.restart_client)
+        elif kind in ("crash-replica", "wipe-replica"):
+            replica = self.replicas[self.rng.choice(REPLICAS)]
+            self.trace[-1] = f"{self.now / MS:.0f} ms: {kind.split('-')[0]} {replica.name} for " \
+                             f"{(until - self.now) / MS:.0f} ms"
+            if replica.up:
+                replica.crash(wipe=kind == "wipe-replica")
+                self.drop_connections(replica.name)
+                self.at(max(until, self.now + MS), replica.restart)
         elif kind == "crash-emitter":
             e = self.emitter
             if e.up and e.crash_at is None:  # dies at a crash point of its next batch of alerts
@@ -873,15 +925,22 @@ class Sim:
             self.cut_until.update((link, max(until, self.cut_until.get(link, 0))) for link in links)
             self.at(until, self.heal, links)
         elif kind == "garbage":
-            for dst in (*SEQUENCERS, *self.listeners):
-                for blob in (b"", b"\x00" * 7, bytes(self.rng.randrange(256) for _ in range(60)),
-                             SESSION + b"\x00" * 8 + b"\x00\x05" + b"junk"):
-                    self.send("mallory", dst, ("packet", blob) if dst in self.listeners else ("inbound", blob))
-            for name in CLIENTS:  # a back-off from elsewhere than a sequencer: dropped
-                self.send("mallory", name, ("advice", backoff.encode(wire(name), 1 << 40, 1, 65_535, None)))
-            for name, listener in self.listeners.items():  # well-formed forgeries at the seqs it needs next
-                for pkt in self.forgeries(listener.core.receiver.next_seq):
-                    self.send("mallory", name, ("packet", pkt))
+            self.garbage()
+
+    def garbage(self) -> None:
+        """Datagrams from a stranger: junk to every socket, a back-off from elsewhere than a
+        sequencer, and well-formed forgeries at the seqs each listener needs next."""
+        for dst in (*SEQUENCERS, *self.listeners, *self.replicas):
+            for blob in (b"", b"\x00" * 7, bytes(self.rng.randrange(256) for _ in range(60)),
+                         SESSION + b"\x00" * 8 + b"\x00\x05" + b"junk"):
+                self.send("mallory", dst, ("inbound", blob) if dst in SEQUENCERS else ("packet", blob))
+        for name in CLIENTS:
+            self.send("mallory", name, ("advice", backoff.encode(wire(name), 1 << 40, 1, 65_535, None)))
+        receivers = {**{n: c.core.receiver for n, c in self.listeners.items()},
+                     **{n: r.node.receiver for n, r in self.replicas.items()}}
+        for name, receiver in receivers.items():
+            for pkt in self.forgeries(receiver.next_seq):
+                self.send("mallory", name, ("packet", pkt))
 
     def forgeries(self, seq: int) -> list[bytes]:
         """Packets at `seq` that are valid MoldUDP64 of valid messages: unsealed, and sealed with another key."""
@@ -943,7 +1002,7 @@ class Sim:
             return False
         if self.paused or self.cut or not all(v.up for v in self.voters.values()) or not self.emitter.up:
             return False  # every fault healed
-        if any(self.listeners[r].replica.outbox for r in REPLICAS):
+        if any(r.node.core.outbox for r in self.replicas.values()):
             return False  # alerts the emitter has not acknowledged
         if any(c.next_cseq <= self.per_client or c.acked < c.next_cseq - 1 for c in
                (self.listeners[n].client for n in CLIENTS)):
@@ -952,7 +1011,7 @@ class Sim:
         if leader is None or leader.commit_seq < len(leader.log):
             return False
         c = leader.commit_seq
-        return (all(len(self.listeners[r].delivered) >= c for r in REPLICAS)
+        return (all(len(r.delivered) >= c for r in self.replicas.values())
                 and all(v.log[:c] == leader.log[:c] for v in self.voters.values()))
 
     def leader(self) -> Voter | None:
@@ -979,8 +1038,8 @@ class Sim:
         run = RunFiles(
             session="SIM", book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS, submitted=self.per_client * len(CLIENTS),
             journals={v.name: [(s, t, m) for s, (t, m) in enumerate(v.log[:c], 1)] for v in self.voters.values()},
-            replicas={r: {"last_seq": self.listeners[r].machine.last_seq, "digest": self.listeners[r].machine.digest()}
-                      for r in REPLICAS},
+            replicas={n: {"last_seq": r.machine.last_seq, "digest": r.machine.digest()}
+                      for n, r in self.replicas.items()},
             alerts=self.emitter.sink, emitter={"divergences": self.emitter.core.divergences},
             load={"acked": sum(cl.acked for cl in clients), "submitted": sum(cl.next_cseq - 1 for cl in clients)},
             sequencers={s: {"published_terms": self.published_terms.get(s, {})} for s in SEQUENCERS})
@@ -999,7 +1058,7 @@ class Sim:
         for seq, msg in self.published.items():  # what was published is the committed log
             if seq <= c and log[seq - 1] != msg:
                 raise Violation(f"published seq {seq} differs from the committed log")
-        for name, listener in self.listeners.items():  # prefix: the same gap-free stream for every listener
+        for name, listener in {**self.listeners, **self.replicas}.items():  # prefix: one gap-free stream for all
             if listener.delivered != log[:len(listener.delivered)]:
                 raise Violation(f"{name} delivered a stream that is not the committed log")
         trades = [(m[M.ORIGIN], m[M.CLIENT_SEQ]) for m in map(M.SEQUENCED.unpack, log)
@@ -1011,12 +1070,13 @@ class Sim:
             mine = sorted(cseq for origin, cseq in trades if origin == wire(name))
             if mine != list(range(1, self.per_client + 1)):
                 raise Violation(f"{name}: sequenced client seqs are not 1..{self.per_client}")
-        replicas = [self.listeners[r] for r in REPLICAS]
+        replicas = list(self.replicas.values())
         if len({(len(r.delivered), r.machine.digest()) for r in replicas}) != 1:
             raise Violation("replicas that applied the same log have different digests")
         decoded = [(i + 1, M.SEQUENCED.unpack(m)) for i, m in enumerate(replicas[0].delivered)]
         want, _ = expected_alerts(decoded, 2000 * MS, 500 * MS)
-        got = [(a.emit_seq, a.purchase_seq, a.cumulative) for a in map(Alert.decode, replicas[0].alerts)]
+        raised = [replicas[0].alerts[k] for k in sorted(replicas[0].alerts)]
+        got = [(a.emit_seq, a.purchase_seq, a.cumulative) for a in map(Alert.decode, raised)]
         if got != [(a["emit_seq"], a["purchase_seq"], a["cumulative"]) for a in want]:
             raise Violation("the replicas' alerts differ from those recomputed from the log")
         delivered = [(r["emit_seq"], r["purchase_seq"], r["cumulative"]) for r in self.emitter.sink]
@@ -1038,6 +1098,8 @@ def run_seed(seed: int) -> tuple[int, str | None, dict | None]:
     except Exception as e:  # a violation, or any crash of a core on what the network sent it
         detail = f"{type(e).__name__}: {e}" + "".join(f"\n    {t}" for t in sim.trace)
         return seed, detail, None
+    finally:
+        sim.close()
 
 
 def main(first: int, seeds: int, verbose: bool = False, jobs: int = 1) -> int:

@@ -154,14 +154,14 @@ class ReplicaCore:
         return out
 
     @staticmethod
-    def far_behind(rx: StreamReceiver) -> bool:
+    def far_behind(rx: StreamReceiver, behind: int = REPLAY_BEHIND) -> bool:
         """Missing enough to catch up over a TCP replay rather than by gap fills. What is held
         does not count: one lost packet holds all that follows it until a gap fill brings it,
         and a replay for that sent the whole stream a second time over TCP while the
         multicast went on (with 2% loss at 100,000 msg/s, for seconds on end)."""
-        return rx.lag() - rx.held >= REPLAY_BEHIND
+        return rx.lag() - rx.held >= behind
 
     @staticmethod
-    def caught_up(rx: StreamReceiver) -> bool:
+    def caught_up(rx: StreamReceiver, behind: int = REPLAY_BEHIND) -> bool:
         """Where a TCP replay ends: what is still missing is for gap fills."""
-        return rx.lag() - rx.held < REPLAY_BEHIND // 4
+        return rx.lag() - rx.held < behind // 4

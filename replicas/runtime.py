@@ -1,4 +1,5 @@
-"""`tape replica`: a replica auditor process.
+"""`tape replica`: a replica auditor process; the asyncio shell around ReplicaNode
+(replicas/replica_node.py), which decides.
 
 Loads its LMDB snapshot (or starts at seq 1), joins the public stream from
 the next seq, catches up over SoupBinTCP replay from a rewinder when far
@@ -22,31 +23,33 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Hashable
 
 import lmdb
 
+from tape.node import authlink
 from tape.node.latency import LATENCY_SAMPLE_PACKETS, EveryNth, LatencyHistogram, LatencySamples
-from tape.node.listener import StreamListener
-from tape.node.process import NodeProcess, within
+from tape.node.listener import GapTimer, StreamSockets
+from tape.node.process import NodeProcess
+from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config, Node
-from tape.protocol import alertlink, messages
-from tape.protocol import soupbintcp as soup
+from tape.protocol import messages
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import (
-    CONTROL_READ,
-    GIL_SWITCH_S,
-    REPLAY_CLIENT_HEARTBEAT_S,
-    REPLAY_POLL_FAST_FOR_S,
-    REPLAY_POLL_IDLE_S,
-    REPLAY_POLL_S,
-    STREAM_READ,
-)
-from tape.protocol.moldudp64 import HEADER_SIZE, MAX_BLOCKS
-from tape.protocol.packets import PacketBuilder
-from tape.protocol.receiver import Deliver
-from tape.protocol.streamauth import sealed_ranges
+from tape.protocol.limits import GIL_SWITCH_S
+from tape.protocol.moldudp64 import HEADER_SIZE
 from tape.replicas.audit import ALERT_SIZE, DIGEST_BLOCK, AuditMachine
-from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
+from tape.replicas.replica_node import (
+    Applied,
+    AskRewinder,
+    Close,
+    Dial,
+    Dropped,
+    Exit,
+    Rebuild,
+    ReplicaNode,
+    Send,
+    TakeSnapshot,
+)
 from tape.replicas.snapshot import SaveJob, move_aside, open_verified
 
 log = logging.getLogger("tape.replica")
@@ -65,75 +68,66 @@ class Replica(NodeProcess):
         self.discarded = False
         self.rebuilds = 0
         self.snapshot_failures = 0
-        self.rebuilt_for = 0  # the fold seq of the last rebuild order carried out
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._saving: asyncio.Task | None = None  # the save under way
         self.snapshot_histogram = LatencyHistogram()
-        self._open()
         self.emitters = cfg.by_role("emitter")
-        self._writer: asyncio.StreamWriter | None = None
-        self._unsent: list[bytes] = []  # alert-channel frames for the next write (_send)
-        self.replayed = 0
+        self.peers = {n.wire_name: n for n in (*cfg.by_role("rewinder"), *self.emitters)}
+        self._writers: dict[Hashable, asyncio.StreamWriter] = {}
+        self._timer: asyncio.TimerHandle | None = None  # at the node core's next deadline
+        self._timer_due = 0
+        self.badlog = RateLimitedLog(log)
+        self.gaps = GapTimer()
+        self.node_core = self._open(time.monotonic_ns())
         # Sequencer stamp -> applied here (wall clock, same host or PTP-synced hosts):
         # for the report only, never for state.
         self.latency = LatencySamples()
         self.latency_histogram = LatencyHistogram()
         self._sampled = EveryNth(LATENCY_SAMPLE_PACKETS)  # the packets whose latency is measured
 
-    def _open(self) -> None:
-        """The state from the snapshot (a fresh one if there is none), and a listener from the seq after it."""
+    def _open(self, now: int) -> ReplicaNode:
+        """The state from the snapshot (a fresh one if there is none), and the node core from the seq
+        after it (the first call), or the state a rebuild asked for (it takes it then)."""
         cfg = self.cfg
         self.store, self.machine, raw, discarded = open_verified(
             self.data / "lmdb", lambda: AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9),
                                  books_expected=cfg.books_expected), log)
         self.discarded = self.discarded or discarded
         self.resumed_from = self.machine.last_seq
-        outbox = [raw[i:i + ALERT_SIZE] for i in range(0, len(raw), ALERT_SIZE)]
+        self.outbox = [raw[i:i + ALERT_SIZE] for i in range(0, len(raw), ALERT_SIZE)]
+        if getattr(self, "node_core", None) is not None:
+            return self.node_core
         replicas = [n.name for n in cfg.by_role("replica")]
         phase = replicas.index(self.node.name) / len(replicas) if self.node.name in replicas else 0.0
-        self.core = ReplicaCore(self.machine, outbox, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000,
-                                self.exit_on_end, time.monotonic_ns(), phase)
-        self.listener = StreamListener(cfg, cfg.interface_of(self.node), self._deliver, self.drop, self.seed,
-                                       next_seq=self.machine.last_seq + 1, on_undecodable=self._undecodable)
+        return ReplicaNode(self.node.wire_name, self.machine, self.outbox, cfg.session_bytes,
+                           [n.wire_name for n in cfg.by_role("rewinder")],
+                           self.emitters[0].wire_name if self.emitters else None, cfg.gap_request_ms * 1_000_000,
+                           cfg.stream_auth, cfg.max_packet, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000,
+                           self.exit_on_end, phase, now)
 
-    async def _rebuild(self, fold_seq: int) -> bool:
-        """The emitter's order: a quorum of replicas agree on another digest at fold_seq. Discard
-        this state (kept aside) and apply again from seq 1. False if already done for that fold."""
-        if fold_seq <= self.rebuilt_for:
-            return False
-        self.rebuilt_for = fold_seq
-        await self.listener.close()
-        await self._saved()
-        self.store.close()
-        aside = move_aside(self.data / "lmdb")
-        log.error("DIVERGED: the other replicas agree on another digest at fold seq %d: this state (moved to %s) "
-                  "is discarded; applying again from seq 1", fold_seq, aside)
-        self.rebuilds += 1
-        self._open()
-        self.listener.start()
-        self._catching_up.cancel()  # its replay fed the old listener
-        self._catching_up = self.spawn(self._catch_up())
-        return True
+    @property
+    def core(self):
+        return self.node_core.core
 
     def report(self):
-        m = self.machine
+        m, n = self.machine, self.node_core
         yield "applied_seq", "gauge", "last seq applied", m.last_seq
         yield "messages_applied", "counter", "messages applied since start", m.applied
         yield "alerts_raised", "counter", "alerts raised", m.alerts_raised
-        yield "alerts_unacked", "gauge", "alerts not yet acknowledged by the emitter", len(self.core.outbox)
+        yield "alerts_unacked", "gauge", "alerts not yet acknowledged by the emitter", len(n.core.outbox)
         yield "rejects", "counter", "messages rejected, by reason", dict(m.rejects)
         yield "open_books", "gauge", "open books", len(m.books)
         yield "held_orphans", "gauge", "purchases held for their request", sum(len(h) for h in m.orphans.values())
-        yield "lag", "gauge", "messages known to exist but not applied", self.listener.receiver.lag()
+        yield "lag", "gauge", "messages known to exist but not applied", n.receiver.lag()
         yield "stream_gap_seconds", "histogram", "time something was missing from the stream, from the drain that " \
-            "saw it missing to the one that saw it filled (gaps that overlap count once)", self.listener.gap_histogram
-        yield "gap_requests", "counter", "gap-fill requests sent to the rewinders", self.listener.requests_sent
+            "saw it missing to the one that saw it filled (gaps that overlap count once)", self.gaps.histogram
+        yield "gap_requests", "counter", "gap-fill requests sent to the rewinders", n.listener.requests_sent
         yield "gap_answer_timeout_seconds", "gauge", "how long a gap request waits for its answer before it is " \
             "asked again (follows measured answers, never under gap_request_ms)", \
-            self.listener.core.answers.timeout_ns / 1e9
+            n.listener.answers.timeout_ns / 1e9
         yield "bad_datagrams", "counter", "stream datagrams dropped, by reason (unsealed, bad_tag, ...)", \
-            dict(self.listener.bad)
-        yield "replayed_messages", "counter", "messages caught up over TCP replay", self.replayed
+            dict(n.listener.bad)
+        yield "replayed_messages", "counter", "messages caught up over TCP replay", n.replayed
         yield "snapshots", "counter", "LMDB snapshots written", self.store.saves
         yield "snapshot_seconds", "histogram", "time to write a snapshot (its disk work, off the thread that " \
             "applies)", self.snapshot_histogram
@@ -160,13 +154,16 @@ class Replica(NodeProcess):
             len(self.core.outbox),
         )
         sys.setswitchinterval(GIL_SWITCH_S)  # the snapshot thread holds up applying 1 ms at most
-        self.listener.start()
-        self._catching_up = self.spawn(self._catch_up())
-        tasks = [self.spawn(self._emitter_link()), self.spawn(self._housekeeping())]
+        self.sockets = StreamSockets(self.cfg, self.cfg.interface_of(self.node), self._on_datagrams, self.drop,
+                                     self.seed)
+        self.node_core.reply_at(*self.sockets.start())
+        self._rearm()
         await self.stop.wait()
-        for t in [*tasks, self._catching_up]:
-            t.cancel()
-        self.listener.stop()
+        if self._timer is not None:
+            self._timer.cancel()
+        self.sockets.stop()
+        for writer in self._writers.values():
+            writer.close()
         await self._saved()
         self._snapshot()
         await self._saved()
@@ -179,20 +176,92 @@ class Replica(NodeProcess):
         self.store.close()
         log.info("%s stopped at seq %d, digest %s", self.node.name, self.machine.last_seq, status["digest"])
 
-    # --- applying ------------------------------------------------------------------------
+    # --- events and actions --------------------------------------------------------------
 
-    def _deliver(self, runs: list[Deliver]) -> None:
+    def event(self, handler, *args) -> None:
+        """One event of the node core, its actions carried out; what cannot be applied stops the
+        node (skipping it would diverge this replica from the others)."""
         if self.failed:
             return
         try:
-            actions = self.core.on_packets(runs)
-        except (ProtocolError, InvariantViolation) as e:
-            # Skipping would diverge this replica from the others: stop applying, loudly.
-            self.fail(f"cannot apply from seq {runs[0].first_seq}: {e}")
+            actions = handler(*args, time.monotonic_ns())
+        except InvariantViolation as e:
+            self.fail(str(e))
             return
-        for run in self._sampled.pick(runs):
-            self._note_latency(run.packet, run.skip)
-        self._carry_out(actions)
+        for a in actions:
+            self._carry_out(a)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """The timer at the node core's next deadline, sooner if an event brought it forward."""
+        due = self.node_core.next_deadline(time.monotonic_ns())
+        if self.stop.is_set() or (self._timer is not None and self._timer_due <= due):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = asyncio.get_running_loop().call_later(max(due - time.monotonic_ns(), 0) / 1e9, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self.event(self.node_core.on_timer)
+
+    def _on_datagrams(self, datagrams: list[bytes]) -> None:
+        self.event(self.node_core.on_datagrams, datagrams)
+        self.gaps.note(self.node_core.receiver.missing() is not None)
+
+    def _carry_out(self, a) -> None:
+        kind = type(a)
+        if kind is Applied:
+            for run in self._sampled.pick(a.runs):
+                self._note_latency(run.packet, run.skip)
+        elif kind is Send:
+            if (writer := self._writers.get(a.conn)) is not None:
+                writer.write(a.data)
+        elif kind is AskRewinder:
+            self.sockets.ask(a.index, a.request)
+        elif kind is Close:
+            if a.reason is not None:
+                log.warning("%s link closed: %s (%s)", a.conn[0], a.reason.value, a.detail)
+            if (writer := self._writers.pop(a.conn, None)) is not None:
+                writer.close()
+        elif kind is Dial:
+            self.spawn(self._dialled(a.conn, self.peers[a.peer]))
+        elif kind is TakeSnapshot:
+            self._snapshot()
+        elif kind is Rebuild:
+            self.spawn(self._rebuild(a.fold_seq))
+        elif kind is Dropped:
+            self.badlog.warn(a.reason, "dropped datagram: %s", a.detail)
+        elif kind is Exit:
+            self.stop.set()
+
+    async def _dialled(self, conn: Hashable, peer: Node) -> None:
+        """The alert link to the emitter, or a replay from a rewinder, as the node asked."""
+        alert = conn[0] == "alert"
+        port, keys = (peer.alert_port, self.cfg.cluster_link) if alert else (peer.replay_port, self.cfg.replay_link)
+        try:
+            reader, writer = await self.open_link(peer.host, port, keys)
+        except (OSError, asyncio.TimeoutError) as e:
+            log.warning("%s link to %s not opened: %s", conn[0], peer.name, e)
+            self.event(self.node_core.on_closed, conn)
+            return
+        self._writers[conn] = writer
+        if not alert:
+            log.info("%s catching up over TCP from %s at seq %d (%d behind)", self.node.name, peer.name,
+                     self.node_core.replay.start, self.node_core.receiver.lag())
+        self.event(self.node_core.on_connected, conn)
+        try:
+            await authlink.read_each(reader, lambda data: self.event(self.node_core.on_data, conn, data))
+        except (OSError, ProtocolError) as e:
+            log.warning("%s link to %s lost: %s", conn[0], peer.name, e)
+        finally:
+            if self._writers.pop(conn, None) is not None:
+                writer.close()
+                self.event(self.node_core.on_closed, conn)
+            elif not alert:
+                log.info("%s replay from %s ended at seq %d", self.node.name, peer.name,
+                         self.node_core.receiver.next_seq - 1)
 
     def _note_latency(self, pkt: bytes, skip: int) -> None:
         """Stamp to applied, of one packet in LATENCY_SAMPLE_PACKETS (measuring every one was a
@@ -207,42 +276,26 @@ class Replica(NodeProcess):
             self.latency.add(lag, trades)
             self.latency_histogram.observe(lag)
 
-    def _carry_out(self, actions: list) -> None:
-        for a in actions:
-            if isinstance(a, SendAlerts):
-                if self._writer is not None and a.alerts:
-                    self._send(alertlink.alerts(a.alerts))
-            elif isinstance(a, SendDigest):
-                if self._writer is not None:
-                    self._send(alertlink.digest(a.fold_seq, a.chain))
-            elif isinstance(a, Snapshot):
-                self._snapshot()
-            elif isinstance(a, Exit):
-                self.stop.set()
+    # --- snapshots and rebuilds ----------------------------------------------------------
 
-    def _send(self, frames: bytes) -> None:
-        """To the alert channel, in one write per turn of the event loop: a drain of the stream
-        raises alerts in many packets, and each write is a sealed record and a system call."""
-        if not self._unsent:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._unsent.append(frames)
-
-    def _flush(self) -> None:
-        frames, self._unsent = b"".join(self._unsent), []
-        if frames and self._writer is not None:  # (a link lost since: its welcome sends the outbox again)
-            self._writer.write(frames)
-
-    def _undecodable(self, seq: int, error: ProtocolError) -> None:
-        self.fail(f"the committed message at seq {seq} cannot be decoded ({error}); skipping it would diverge")
+    async def _rebuild(self, fold_seq: int) -> None:
+        """The emitter's order: a quorum of replicas agree on another digest at fold_seq. Discard
+        this state (kept aside) and apply again from seq 1."""
+        await self._saved()
+        self.store.close()
+        aside = move_aside(self.data / "lmdb")
+        log.error("DIVERGED: the other replicas agree on another digest at fold seq %d: this state (moved to %s) "
+                  "is discarded; applying again from seq 1", fold_seq, aside)
+        self.rebuilds += 1
+        self._open(time.monotonic_ns())
+        self.event(self.node_core.on_rebuilt, self.machine, self.outbox)
 
     def _snapshot(self) -> None:
         """Take the state at this seq and write it on the snapshot thread, so that the disk's
-        fsync does not stall applying. One save at a time: one due meanwhile waits for it."""
+        fsync does not stall applying. One save at a time (the node core asks for one then)."""
         if self._saving is not None:
             return
-        job = self.store.prepare(self.machine, {"node": self.node.name},
-                                 outbox=b"".join(self.core.outbox))
-        self.core.snapshot_taken(time.monotonic_ns())
+        job = self.store.prepare(self.machine, {"node": self.node.name}, outbox=b"".join(self.core.outbox))
         self._saving = self.spawn(self._save(job))
 
     async def _save(self, job: SaveJob) -> None:
@@ -262,125 +315,9 @@ class Replica(NodeProcess):
             self.snapshot_histogram.observe(time.monotonic_ns() - started)
         finally:
             self._saving = None
+            self.event(self.node_core.on_saved)
 
     async def _saved(self) -> None:
         """Once the save under way (if any) has ended."""
         if self._saving is not None:
             await asyncio.shield(self._saving)
-
-    async def _housekeeping(self) -> None:
-        while True:
-            await asyncio.sleep(0.05)
-            self._carry_out(self.core.on_timer(time.monotonic_ns(), self.listener.receiver))
-
-    # --- catching up over TCP ------------------------------------------------------------
-
-    async def _catch_up(self) -> None:
-        """Replay over TCP whenever far behind. Looked at often while something is missing and
-        just after a (re)start (gap fills race the replay for a missing run, and win a short
-        one: a rebuild's 8,000 messages were filled before a first look at 0.3 s), rarely else
-        (an idle replica wakes for nothing)."""
-        rewinders = self.cfg.by_role("rewinder")
-        which = 0
-        fast_until = time.monotonic() + REPLAY_POLL_FAST_FOR_S
-        while True:
-            rx = self.listener.receiver
-            if not self.core.far_behind(rx) or not rewinders:
-                missing = rx.lag() > rx.held
-                await asyncio.sleep(REPLAY_POLL_S if missing or time.monotonic() < fast_until else REPLAY_POLL_IDLE_S)
-                continue
-            rw = rewinders[which % len(rewinders)]
-            which += 1
-            try:
-                await self._replay_from(rw)
-            except (OSError, ProtocolError, asyncio.TimeoutError) as e:
-                log.warning("replay from %s failed: %s", rw.name, e)
-                await asyncio.sleep(0.2)
-
-    async def _replay_from(self, rw: Node) -> None:
-        rx = self.listener.receiver
-        start = rx.next_seq
-        reader, writer = await self.open_link(rw.host, rw.replay_port, self.cfg.replay_link)
-        log.info("%s catching up over TCP from %s at seq %d (%d behind)", self.node.name, rw.name, start, rx.lag())
-        try:
-            writer.write(soup.login(self.node.name[:6], "", "", start))
-            dec = soup.FrameDecoder()
-            seq = None
-            batch: list[bytes] = []
-            beat = time.monotonic()
-            while not self.core.caught_up(rx):
-                data = await within(reader.read(STREAM_READ), 5.0)
-                if not data:
-                    return
-                if time.monotonic() - beat >= REPLAY_CLIENT_HEARTBEAT_S:  # the server drops a silent client
-                    writer.write(soup.heartbeat(server=False))
-                    beat = time.monotonic()
-                for kind, payload in dec.feed(data):
-                    if kind == soup.LOGIN_ACCEPTED:
-                        seq = soup.parse_login_accepted(payload)[1]
-                    elif kind == soup.LOGIN_REJECTED:
-                        raise ProtocolError("rejected", f"replay login rejected ({payload!r})", 0)
-                    elif kind == soup.SEQUENCED and seq is not None:
-                        batch.append(payload)
-                if batch:  # replayed messages go through the same receiver as the live stream
-                    used = self._replayed(seq, batch)
-                    if not used and len(batch) > MAX_BLOCKS:  # no range ends: not the sealed log
-                        raise ProtocolError("unsealed", f"{len(batch):,} replayed entries and no seal", 0)
-                    seq += used
-                    self.replayed += used
-                    batch = batch[used:]
-        finally:
-            writer.write(soup.logout())
-            writer.close()
-        log.info("%s caught up at seq %d", self.node.name, rx.next_seq - 1)
-
-    def _replayed(self, seq: int, batch: list[bytes]) -> int:
-        """Hand replayed entries from `seq` to the listener as packets; returns how many were used.
-        With stream keys, as the sealed ranges the leader published (a packet that is not one whole
-        range does not verify), and a range cut by the end of a read waits for the next one."""
-        if self.cfg.stream_keys:
-            ranges, used = sealed_ranges(batch, seq)
-        else:
-            ranges, used = [(seq, batch)], len(batch)
-        for first, entries in ranges:
-            for pkt in PacketBuilder(self.cfg.session_bytes, first, self.cfg.max_packet).add_sequenced(entries):
-                self.listener.on_datagram(pkt)
-        return used
-
-    # --- the alert channel ---------------------------------------------------------------
-
-    async def _emitter_link(self) -> None:
-        if not self.emitters:
-            return
-        em = self.emitters[0]
-        while True:
-            try:
-                reader, writer = await self.open_link(em.host, em.alert_port, self.cfg.cluster_link)
-            except OSError:
-                await asyncio.sleep(0.2)
-                continue
-            frames = alertlink.Reader()
-            try:
-                writer.write(alertlink.hello(self.node.wire_name))
-                while True:
-                    data = await reader.read(CONTROL_READ)
-                    if not data:
-                        break
-                    for kind, payload in frames.feed(data):
-                        mark = alertlink.MARK.unpack(payload)[0] if len(payload) == 8 else 0
-                        if kind == alertlink.WELCOME:  # resend everything after the emitter's mark
-                            self._writer, self._unsent = writer, []  # the outbox holds what was unsent
-                            self._carry_out(self.core.on_welcome(mark))
-                        elif kind == alertlink.REBUILD:
-                            if await self._rebuild(mark):
-                                raise ConnectionResetError("rebuilding: the new state links anew")
-                        else:
-                            self.core.on_ack(mark)
-            except (OSError, ProtocolError) as e:
-                log.warning("alert link to %s lost: %s", em.name, e)
-            finally:
-                self._writer, self._unsent = None, []
-                self.core.on_link_lost()
-                writer.close()
-            await asyncio.sleep(0.2)
-

@@ -69,7 +69,7 @@ def fake_rewinder(lst):
     rewinder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     rewinder.bind(("127.0.0.1", 0))
     rewinder.settimeout(2)
-    lst.rewinders = [rewinder.getsockname()] * len(lst.rewinders)
+    lst.sockets.rewinders = [rewinder.getsockname()] * len(lst.sockets.rewinders)
     return rewinder
 
 
@@ -93,7 +93,7 @@ async def test_answers_are_read_a_bounded_batch_a_wake_up():
         for _ in range(DRAIN_DATAGRAMS + 10):  # a flood at the answer socket
             rewinder.sendto(b"x", reply_to)
         before = lst.datagrams
-        lst._drain(lst.req)
+        lst.sockets._drain(lst.sockets.req)
         assert lst.datagrams - before == DRAIN_DATAGRAMS  # the rest waits in the kernel, not in a queue
         rewinder.sendto(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0], reply_to)  # the answer
         for _ in range(200):
@@ -142,7 +142,7 @@ async def test_the_time_something_stays_missing_is_measured_gap_by_gap():
         for first, n in ((1, 2), (5, 2)):  # 3-4 lost
             sender.sendto(PacketBuilder(SESSION, first).add_sequenced(good(n, first))[0], stream.getsockname())
         await asyncio.sleep(0.05)
-        lst._drain(stream)  # sees the gap, asks for it
+        lst.sockets._drain(stream)  # sees the gap, asks for it
         request, reply_to = rewinder.recvfrom(100)
         assert sum(lst.gap_histogram.counts) == 0
         await asyncio.sleep(0.05)
@@ -175,7 +175,7 @@ async def test_a_drain_delivers_its_runs_in_one_call_and_keeps_their_order_with_
         for first, msgs in ((1, good(3)), (5, good(3, 5)), (13, good(3, 13)), (9, bad), (17, good(3, 17))):
             sender.sendto(sealed(first, msgs), stream.getsockname())  # 1-4, 5-8, 13-16 ahead, 9-12, 17-20
         await asyncio.sleep(0.05)
-        lst._drain(stream)
+        lst.sockets._drain(stream)
         assert lst.datagrams == 5
         assert events == [[1, 5], ("ahead", 13), ("undecodable", 10), ("ahead", 17)]
     finally:
@@ -220,7 +220,7 @@ async def test_an_idle_listener_runs_no_timer_and_one_with_a_gap_asks_again_unti
         for first in (1, 5):  # 3-4 lost
             sender.sendto(PacketBuilder(SESSION, first).add_sequenced(good(2, first))[0], stream.getsockname())
         await asyncio.sleep(0.05)
-        lst._drain(stream)  # sees the gap, asks for it
+        lst.sockets._drain(stream)  # sees the gap, asks for it
         rewinder.recvfrom(100)
         for _ in range(200):
             await asyncio.sleep(0.01)

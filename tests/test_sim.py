@@ -245,3 +245,18 @@ def test_the_simulator_catches_an_emitter_that_records_its_intent_as_delivered(m
     monkeypatch.setattr(EmitterCore, "deliver", delivered_at_once)
     violation = r"Violation: exactly-once alerts: \d+ delivered \(0 twice, [1-9]\d* missing\)"
     assert len(caught(range(1, 401), 3, violation)) == 3
+
+
+def test_the_simulator_catches_a_replica_that_applies_its_replay_past_the_listener(monkeypatch):
+    # Replayed entries go through the same listener as the stream (its order, its seals). Applied
+    # straight from the replay, they overlap what the stream delivered meanwhile.
+    from tape.protocol.receiver import Deliver
+    from tape.replicas.replica_node import ReplicaNode
+
+    def shortcut(self, seq, batch, now):
+        builder = sim.PacketBuilder(self.session, seq, self.max_packet)
+        runs = [Deliver(seq + i * builder.per_packet, p, 0) for i, p in enumerate(builder.add_sequenced(batch))]
+        return len(batch), self._apply(runs, now)
+
+    monkeypatch.setattr(ReplicaNode, "_replayed", shortcut)
+    assert len(caught(range(1, 121), 3, r"Violation: replica-[AB] applying seq \d+ after \d+")) == 3
