@@ -11,9 +11,10 @@ partition until it heals, closed when a process dies; datagrams (the stream,
 gap fills, inbound trades, back-offs) are delayed, dropped, duplicated and
 reordered. Voters crash (keeping their log and vote), some in the middle of a
 journal write (torn), lose their disks, find them full, pause, run slow and
-are cut off by partitions; replicas lose their disks; the emitter crashes at its crash points; a leader
-is overloaded (its inbound socket never emptied), so that it tells clients to
-back off and they pause; all at times chosen by the seed. After the faults
+are cut off by partitions (both ways or one); replicas crash and resume from
+their snapshots, or lose their disks; the emitter crashes at its crash
+points; a leader is overloaded (its inbound socket never emptied), so that it
+tells clients to back off and they pause; all at times chosen by the seed. After the faults
 the network heals and the run goes on until every trade is acknowledged,
 every replica has applied the log and every alert is delivered; DESIGN.md
 section 9 is checked as it runs and at the end.
@@ -97,7 +98,7 @@ LAN = (*VOTERS, *CLIENTS, *REPLICAS, EMITTER)  # every node, in the order of its
 FAULTS_UNTIL = 3000 * MS
 FAULTS_PER_RUN = (2, 8)
 FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full",
-               "overload", "slow", "crash-replica", "wipe-replica")
+               "overload", "slow", "crash-replica", "wipe-replica", "one-way")
 # A connection's bytes as TCP hands them to the reader: a write joins the one before it if that
 # one is not read yet, or comes in two pieces.
 COALESCE, SPLIT = 0.5, 0.2
@@ -692,8 +693,7 @@ class Sim:
         self.counter = 0
         self.leaders: dict[int, str] = {}
         self.published: dict[int, bytes] = {}  # seq -> the message first published there
-        self.cut: set[frozenset] = set()  # links down
-        self.cut_until: dict[frozenset, int] = {}  # until when (what a connection sends across waits)
+        self.cut: dict[tuple[str, str], int] = {}  # (from, to) -> until when nothing goes that way
         self.conns: dict[tuple, dict[str, object]] = {}  # replication connections: (dialer, its name, n) -> ends
         self.handles: dict[tuple, tuple] = {}  # (node, its name for a connection) -> the connection
         self.dialled = 0
@@ -730,7 +730,7 @@ class Sim:
         heapq.heappush(self.queue, (when, self.counter, fn, args))
 
     def send(self, src: str, dst: str, msg) -> None:
-        if frozenset((src, dst)) in self.cut or self.rng.random() < self.loss:
+        if (src, dst) in self.cut or self.rng.random() < self.loss:
             return
         for _ in range(2 if self.rng.random() < self.dup else 1):
             self.at(self.now + self.rng.randint(100_000, 3 * MS), self.deliver, src, dst, msg)
@@ -752,8 +752,9 @@ class Sim:
         (src, conn, n)). Refused at once if `dst` is down, timed out across a partition."""
         self.dialled += 1
         key = (src, conn, self.dialled)  # (a restarted node names its connections anew: this one is new)
-        if frozenset((src, dst)) in self.cut or not self.nodes[dst].up:
-            wait = ELECTION_NS if frozenset((src, dst)) in self.cut else self.rng.randint(100_000, 3 * MS)
+        cut = (src, dst) in self.cut or (dst, src) in self.cut  # (a SYN or its answer lost)
+        if cut or not self.nodes[dst].up:
+            wait = ELECTION_NS if cut else self.rng.randint(100_000, 3 * MS)
             self.at(self.now + wait, self.deliver, dst, src, ("shut", conn))
             return
         self.conns[key] = {src: conn, dst: key}  # each end's name for it, while that end is open
@@ -785,9 +786,8 @@ class Sim:
     def stream_to(self, key, src: str, dst: str, msg) -> None:
         """In order on the connection; across a partition held until it heals (TCP resends)."""
         when = self.now + self.rng.randint(100_000, 3 * MS)
-        link = frozenset((src, dst))
-        if link in self.cut:
-            when = max(when, self.cut_until[link] + self.rng.randint(100_000, 3 * MS))
+        if (src, dst) in self.cut:
+            when = max(when, self.cut[(src, dst)] + self.rng.randint(100_000, 3 * MS))
         if self.slow.get(src, 0) > self.now or self.slow.get(dst, 0) > self.now:
             when += self.rng.randint(*SLOW_NS)
         when = max(when, self.channel_at.get((key, src), 0) + 1)
@@ -916,14 +916,17 @@ class Sim:
         elif kind == "pause" and node not in self.paused:
             self.paused[node] = []
             self.at(until, self.resume, node)
-        elif kind in ("partition", "isolate"):
+        elif kind in ("partition", "isolate", "one-way"):
             others = [n for n in self.nodes if n != node]
-            side = set(self.rng.sample(others, self.rng.randint(1, len(others) - 1))) if kind == "partition" else set()
+            side = set(self.rng.sample(others, self.rng.randint(1, len(others) - 1))) if kind != "isolate" else set()
             side.add(node)
-            links = {frozenset((a, b)) for a in side for b in self.nodes if b not in side}
-            self.cut |= links
-            self.cut_until.update((link, max(until, self.cut_until.get(link, 0))) for link in links)
-            self.at(until, self.heal, links)
+            ways = [(a, b) for a in side for b in self.nodes if b not in side]
+            if kind != "one-way":
+                ways += [(b, a) for a, b in ways]
+            elif self.rng.random() < 0.5:  # into the side only, else out of it only
+                ways = [(b, a) for a, b in ways]
+            self.cut.update((way, max(until, self.cut.get(way, 0))) for way in ways)
+            self.at(until, self.heal)
         elif kind == "garbage":
             self.garbage()
 
@@ -966,8 +969,8 @@ class Sim:
         for src, msg in waiting:
             self.deliver(src, node, msg)
 
-    def heal(self, links: set) -> None:
-        self.cut -= links
+    def heal(self) -> None:
+        self.cut = {way: until for way, until in self.cut.items() if until > self.now}
 
     # --- running -------------------------------------------------------------------------
 
