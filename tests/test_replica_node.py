@@ -4,6 +4,7 @@ simulator drive it."""
 
 import pytest
 from strategies import packet_of
+from test_replica_core import msg, overfill
 
 from tape.protocol import alertlink, moldudp64
 from tape.protocol import messages as M
@@ -28,18 +29,6 @@ from tape.replicas.replica_node import (
 MS = 1_000_000
 SESSION = b"TEST      "
 ME, EMITTER, RW1, RW2 = (n.ljust(10).encode() for n in ("replica-A", "emitter", "rw-1", "rw-2"))
-C, S = b"c".ljust(16), b"S".ljust(8)
-
-
-def msg(kind, order, shares, pid=0, stamp=1):
-    return (kind, order, shares, C, S, pid, stamp, b"o".ljust(10), 1)
-
-
-def overfill(first_order: int, n: int) -> list:
-    out = []
-    for k in range(n):
-        out += [msg(M.REQUEST, first_order + k, 10), msg(M.PURCHASE, first_order + k, 11, pid=k + 1)]
-    return out
 
 
 def replica(snapshot_every: int = 1000, machine: AuditMachine | None = None, outbox=()) -> ReplicaNode:
