@@ -46,6 +46,28 @@ class ElectionState(NamedTuple):
     found: bool  # False: no election state on disk (a new or wiped disk)
 
 
+def encode_election(term: int, voted_for: bytes | None, log_floor: tuple[int, int] = (0, 0)) -> bytes:
+    """`election.json`'s bytes."""
+    return json.dumps({"term": term, "voted_for": voted_for.decode("ascii") if voted_for else None,
+                       "log_floor": list(log_floor)}).encode()
+
+
+def decode_election(raw: bytes | None, where: str) -> ElectionState:
+    """What `election.json` holds (None: there is none). Our own file, written atomically:
+    damage is an impossible state (exit 4, an operator looks: docs/runbook.md, "A disk failed"),
+    never a term guessed."""
+    if raw is None:
+        return ElectionState(0, None, (0, 0), False)
+    try:
+        doc = json.loads(raw)
+        voted = doc.get("voted_for")
+        floor = doc.get("log_floor", [0, 0])
+        return ElectionState(int(doc["term"]), voted.encode("ascii") if voted is not None else None,
+                             (int(floor[0]), int(floor[1])), True)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise InvariantViolation(f"{where}: unreadable election state ({e!r}); refusing to guess a term") from None
+
+
 class VoteStore:
     """(term, voted_for, log floor) on disk."""
 
@@ -56,25 +78,14 @@ class VoteStore:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            return ElectionState(0, None, (0, 0), False)
-        try:
-            doc = json.loads(raw)
-            voted = doc.get("voted_for")
-            floor = doc.get("log_floor", [0, 0])
-            return ElectionState(int(doc["term"]), voted.encode("ascii") if voted is not None else None,
-                                 (int(floor[0]), int(floor[1])), True)
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-            # Our own file, written atomically: damage is an impossible state (exit 4, an operator
-            # looks: docs/runbook.md, "A disk failed"), never a term guessed.
-            raise InvariantViolation(f"{self.path}: unreadable election state ({e!r}); refusing to guess "
-                                     "a term") from None
+            raw = None
+        return decode_election(raw, str(self.path))
 
     def save(self, term: int, voted_for: bytes | None, log_floor: tuple[int, int] = (0, 0)) -> None:
         tmp = self.path.with_suffix(".tmp")
         try:
-            with open(tmp, "w") as f:
-                json.dump({"term": term, "voted_for": voted_for.decode("ascii") if voted_for else None,
-                           "log_floor": list(log_floor)}, f)
+            with open(tmp, "wb") as f:
+                f.write(encode_election(term, voted_for, log_floor))
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:

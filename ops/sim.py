@@ -35,6 +35,7 @@ from collections import Counter, deque
 from pathlib import Path
 
 from tape.node.settings import Config, default_of
+from tape.node.voter import decode_election, encode_election
 from tape.ops.reference import expected_alerts
 from tape.ops.tradegen import TradeGenerator
 from tape.ops.verdict import RunFiles, judge
@@ -156,7 +157,7 @@ class Voter:
         self.sim, self.name, self.wire = sim, name, wire(name)
         self.can_lead = name in SEQUENCERS
         self.log: list[tuple[int, bytes]] = []  # (term, message) at seq i + 1: durable
-        self.vote = None  # (term, voted_for, log floor): durable; None on a new or wiped disk
+        self.vote: bytes | None = None  # its election.json (node/voter.py's format): None on a new or wiped disk
         self.checked = 0  # seqs of the committed log already checked against what was published
         self.up = True
         self.full_until = 0  # a fault: the disk refuses writes until then
@@ -174,10 +175,10 @@ class Voter:
 
     def restart(self) -> None:
         """A process (re)starting on its durable state: the log and the vote."""
-        term, voted, floor = self.vote or (0, None, (0, 0))
+        state = decode_election(self.vote, f"{self.name}'s election.json")
         rng = random.Random(self.sim.rng.random())
-        endpoint = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, term, voted,
-                             floor, self.vote is not None, self.records(), self.sim.now)
+        endpoint = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, state.term,
+                             state.voted_for, state.log_floor, state.found, self.records(), self.sim.now)
         self.node = endpoint if self.can_lead else RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"),
                                                                 STREAM_KEYS, GAP_REQUEST_NS)
         self.core, self.election = self.node.core, self.node.election
@@ -224,7 +225,7 @@ class Voter:
             self.log.extend((term, m) for _, term, m in a.records)
         elif isinstance(a, Persist):
             self.write()
-            self.vote = (a.term, a.voted_for, a.log_floor)
+            self.vote = encode_election(a.term, a.voted_for, a.log_floor)
         elif isinstance(a, Truncate):
             del self.log[a.after_seq:]
         elif isinstance(a, ReadJournal):
