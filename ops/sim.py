@@ -431,6 +431,19 @@ class Voter:
             self.act(self.node.on_datagram(address(src), msg[1], now))
 
 
+def take_delivered(sim: "Sim", name: str, delivered: list[bytes], d: Deliver) -> None:
+    """A listener's delivered run onto what it applied, checked: in order (prefix), and what
+    every listener gets was published there."""
+    n = moldudp64.HEADER.unpack_from(d.packet)[2]
+    if d.first_seq != len(delivered) + 1:
+        raise Violation(f"{name} delivered seq {d.first_seq} after {len(delivered)}")
+    for seq, i in enumerate(range(d.skip, n), d.first_seq):
+        raw = M.packet_message_bytes(d.packet, i)
+        if sim.published.get(seq, raw) != raw:
+            raise Violation(f"{name} delivered at seq {seq} a message other than the one published")
+        delivered.append(raw)
+
+
 class Replica:
     """A replica: the ReplicaNode the process runs (the stream, the alert link's bytes, catch-up
     over a rewinder's replay) and its real LMDB snapshots (replicas/snapshot.py, on this run's
@@ -500,7 +513,7 @@ class Replica:
         for a in actions:
             if isinstance(a, Applied):
                 for run in a.runs:
-                    self.applied(run)
+                    take_delivered(self.sim, self.name, self.delivered, run)
                 self.sim.check_digest(self.name, self.machine.last_seq, self.machine.digest())
             elif isinstance(a, Send):
                 self.sim.stream(self.name, a.conn, a.data)
@@ -518,17 +531,6 @@ class Replica:
                 self.act(self.node.on_saved(self.sim.now))
             elif isinstance(a, Rebuild):  # replicas are deterministic: none is ever outvoted
                 raise Violation(f"{self.name} told to rebuild at fold seq {a.fold_seq}")
-
-    def applied(self, d: Deliver) -> None:
-        """Prefix: what every listener gets was published there."""
-        n = moldudp64.HEADER.unpack_from(d.packet)[2]
-        if d.first_seq != len(self.delivered) + 1:
-            raise Violation(f"{self.name} delivered seq {d.first_seq} after {len(self.delivered)}")
-        for seq, i in enumerate(range(d.skip, n), d.first_seq):
-            raw = M.packet_message_bytes(d.packet, i)
-            if self.sim.published.get(seq, raw) != raw:
-                raise Violation(f"{self.name} delivered at seq {seq} a message other than the one published")
-            self.delivered.append(raw)
 
 
 class Listener:
@@ -578,7 +580,7 @@ class Listener:
             self.apply(a)
 
     def apply(self, d: Deliver) -> None:
-        Replica.applied(self, d)
+        take_delivered(self.sim, self.name, self.delivered, d)
         self.client.on_delivered(d.packet, d.skip, self.sim.now)
 
     def tick(self) -> None:

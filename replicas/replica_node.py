@@ -112,7 +112,8 @@ class ReplicaNode:
         self.rewinders, self.emitter = rewinders, emitter
         self.gap_request_ns = gap_request_ns
         self.replay_behind = replay_behind
-        self.core_args = (snapshot_every, snapshot_ns, exit_on_end, phase)
+        self.snapshot_every, self.snapshot_ns, self.exit_on_end, self.phase = snapshot_every, snapshot_ns, \
+            exit_on_end, phase
         self.conns = 0
         self.alert_conn: Hashable = None  # the alert link: dialled, then welcomed (core.linked)
         self.replay_conn: Hashable = None
@@ -127,7 +128,8 @@ class ReplicaNode:
 
     def _start(self, machine: AuditMachine, outbox: list[bytes], now: int) -> None:
         self.machine = machine
-        self.core = ReplicaCore(machine, outbox, *self.core_args[:3], now, self.core_args[3])
+        self.core = ReplicaCore(machine, outbox, self.snapshot_every, self.snapshot_ns, self.exit_on_end, now,
+                                self.phase)
         self.listener = ListenerCore(self.session, len(self.rewinders), self.gap_request_ns, machine.last_seq + 1,
                                      self.keys, self.max_packet)
         self.receiver = self.listener.receiver

@@ -78,32 +78,33 @@ class Replica(NodeProcess):
         self._timer_due = 0
         self.badlog = RateLimitedLog(log)
         self.gaps = GapTimer()
-        self.node_core = self._open(time.monotonic_ns())
+        self.node_core = self._node(self._load())
         # Sequencer stamp -> applied here (wall clock, same host or PTP-synced hosts):
         # for the report only, never for state.
         self.latency = LatencySamples()
         self.latency_histogram = LatencyHistogram()
         self._sampled = EveryNth(LATENCY_SAMPLE_PACKETS)  # the packets whose latency is measured
 
-    def _open(self, now: int) -> ReplicaNode:
-        """The state from the snapshot (a fresh one if there is none), and the node core from the seq
-        after it (the first call), or the state a rebuild asked for (it takes it then)."""
+    def _load(self) -> list[bytes]:
+        """The state from the snapshot (a fresh one if there is none, or after a rebuild moved it
+        aside); its outbox."""
         cfg = self.cfg
         self.store, self.machine, raw, discarded = open_verified(
             self.data / "lmdb", lambda: AuditMachine(int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9),
                                  books_expected=cfg.books_expected), log)
         self.discarded = self.discarded or discarded
         self.resumed_from = self.machine.last_seq
-        self.outbox = [raw[i:i + ALERT_SIZE] for i in range(0, len(raw), ALERT_SIZE)]
-        if getattr(self, "node_core", None) is not None:
-            return self.node_core
+        return [raw[i:i + ALERT_SIZE] for i in range(0, len(raw), ALERT_SIZE)]
+
+    def _node(self, outbox: list[bytes]) -> ReplicaNode:
+        cfg = self.cfg
         replicas = [n.name for n in cfg.by_role("replica")]
         phase = replicas.index(self.node.name) / len(replicas) if self.node.name in replicas else 0.0
-        return ReplicaNode(self.node.wire_name, self.machine, self.outbox, cfg.session_bytes,
+        return ReplicaNode(self.node.wire_name, self.machine, outbox, cfg.session_bytes,
                            [n.wire_name for n in cfg.by_role("rewinder")],
                            self.emitters[0].wire_name if self.emitters else None, cfg.gap_request_ms * 1_000_000,
                            cfg.stream_auth, cfg.max_packet, cfg.snapshot_every, cfg.snapshot_ms * 1_000_000,
-                           self.exit_on_end, phase, now)
+                           self.exit_on_end, phase, time.monotonic_ns())
 
     @property
     def core(self):
@@ -287,8 +288,8 @@ class Replica(NodeProcess):
         log.error("DIVERGED: the other replicas agree on another digest at fold seq %d: this state (moved to %s) "
                   "is discarded; applying again from seq 1", fold_seq, aside)
         self.rebuilds += 1
-        self._open(time.monotonic_ns())
-        self.event(self.node_core.on_rebuilt, self.machine, self.outbox)
+        outbox = self._load()
+        self.event(self.node_core.on_rebuilt, self.machine, outbox)
 
     def _snapshot(self) -> None:
         """Take the state at this seq and write it on the snapshot thread, so that the disk's
