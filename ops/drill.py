@@ -34,6 +34,7 @@ DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "ki
 LAN_DRILLS = ("cut-leader-link", "unplug-rewinder", "lossy-links", "slow-links",  # real network faults: --lan only
               "webhook-unreachable")
 CUT_S = 3.0  # cut-leader-link: the leader's cable out at least this long
+REJOIN_S = 15.0  # cut-leader-link: the old leader, its cable back, follows the new term within this
 LINK_LOSS_PERCENT = 5  # lossy-links: of every packet in and out of the replicas' and rw-1's hosts
 # slow-links: each frame 0.5-3.5 ms late (so reordered), 1% of them twice
 SLOW_LINK = {"delay_ms": 2.0, "jitter_ms": 1.5, "dup": 0.01}
@@ -474,14 +475,36 @@ class LinkFault(Drill):
         self.out_s = time.monotonic() - self.at
         return f"{self.target}'s link up after {self.out_s:.1f} s"
 
+    def observe(self, cluster):
+        """cut-leader-link: wait, bounded, for the old leader to follow the new term and hold every
+        committed seq (an uncommitted tail of its own term is cut only when the new leader reaches it)."""
+        if self.name != "cut-leader-link" or not hasattr(self, "out_s"):
+            return
+        start = time.monotonic()
+        while (rejoined := self._rejoined(cluster)) is False and time.monotonic() - start < REJOIN_S:
+            time.sleep(0.1)
+        self.rejoin_s = time.monotonic() - start if rejoined else None
+
+    def _rejoined(self, cluster) -> bool:
+        leader = cluster.leader()
+        if leader is None or leader == self.target:
+            return False
+        term, commit = (_metric(cluster, leader, f"tape_sequencer_{m}") for m in ("term", "commit_seq"))
+        own_term, own_seq = (_metric(cluster, self.target, f"tape_sequencer_{m}") for m in ("term", "sequenced_seq"))
+        return None not in (term, commit, own_term, own_seq) and own_term == term and own_seq >= commit
+
     def checks(self, cluster, report):
         if self.name == "cut-leader-link":
+            rejoin_s = getattr(self, "rejoin_s", None)
+            rejoined = {"the old leader, its link back, followed the new term": (
+                rejoin_s is not None, f"within {rejoin_s:.1f} s of the load's end" if rejoin_s is not None else
+                f"not within {REJOIN_S:.0f} s")}
             after = [t for t in report["terms"] if t["term"] > getattr(self, "term_before", 0)]
             new = after[0]["leader"] if after else None
             report["failover_ms"] = after[0]["ms_since_previous_stamp"] if after else None
             return {"a new leader took over while the old one was cut off": (
                 new is not None and new != self.target, f"{self.target} -> {new}, link out "
-                                                         f"{getattr(self, 'out_s', 0):.1f} s")}
+                                                         f"{getattr(self, 'out_s', 0):.1f} s")} | rejoined
         return {"the fault was injected and healed on the LAN": (self.healed and hasattr(self, "lan"),
                                                                  f"{self.target}")}
 
