@@ -130,7 +130,9 @@ class Voter:
         self.node_core = wrap(self.endpoint) if wrap else self.endpoint
         self.on_other = on_other or (lambda action: [])
         self.core = self.endpoint.core
-        self.tick_s = self.endpoint.tick_ns / 1e9
+        self.tick_ns = self.endpoint.tick_ns
+        self._wake: asyncio.Future | None = None  # the timer's, while it waits
+        self._due = 0
         self.peers = {v.wire_name: v for v in cfg.voters}
         # Fault injection for drills: while DATA/partitioned exists, this node
         # neither accepts nor makes replication connections (both directions cut).
@@ -165,6 +167,8 @@ class Voter:
             self.act(handler(*args, time.monotonic_ns()), conn)
         except InvariantViolation as e:
             self.on_fatal(str(e))
+            return
+        self._rearm()
 
     def act(self, actions: list, conn: Hashable = None) -> None:
         """Carry out the node core's actions in order, what one leads to before the rest. A write
@@ -263,14 +267,6 @@ class Voter:
             self.journal.slow_fsyncs
         yield "journal_fsync_max_seconds", "gauge", "the longest journal fsync", self.journal.fsync_max_seconds
 
-    def disk_full(self, e: DiskFull) -> None:
-        """The sequencer's own journal write was refused (undone): as one of this endpoint's."""
-        self.disk_full_events += 1
-        log.error("%s; taking no part (no appends, votes or leading) until %d MiB are free on %s",
-                  e, RESUME_FREE_BYTES >> 20, self.journal.dir)
-        self._space_checked = time.monotonic()
-        self.act(self.node_core.on_disk_full(None, time.monotonic_ns()))
-
     def _space_back(self) -> None:
         now = time.monotonic()
         if now - self._space_checked < CHECK_EVERY_S:
@@ -282,15 +278,35 @@ class Voter:
             self.event(None, self.node_core.on_disk_ok)
 
     async def ticks(self) -> None:
-        """The node's timer (its next deadline, at least every `tick_s`: a steady 10 ms tick was a
-        hundred wake-ups a second of every voter, idle or not), the drills' partition flag and the
-        free space."""
+        """The node's timer (its next deadline, at least every `tick_ns`: a steady 10 ms tick was a
+        hundred wake-ups a second of every voter, idle or not), the journal's interval sync, the
+        drills' partition flag and the free space. An event that brings the deadline nearer (a
+        commit beat due 5 ms after the commit point moved) wakes it early (`_rearm`)."""
+        loop = asyncio.get_running_loop()
         while True:
-            wait = (self.node_core.next_deadline(time.monotonic_ns()) - time.monotonic_ns()) / 1e9
-            await asyncio.sleep(min(max(wait, 0.0), self.tick_s))
-            self.tick()
+            now = time.monotonic_ns()
+            self._due = self._next_due(now)
+            self._wake = loop.create_future()
+            handle = loop.call_later(max(self._due - now, 0) / 1e9, _resolve, self._wake)
+            try:
+                await self._wake
+            finally:
+                handle.cancel()
+                self._wake = None
+            if time.monotonic_ns() >= self._due:  # (else woken for a nearer deadline: wait for that)
+                self.tick()
+
+    def _next_due(self, now: int) -> int:
+        due = min(self.node_core.next_deadline(now), now + self.tick_ns)
+        sync = self.journal.sync_due_s()
+        return due if sync is None else min(due, int(sync * 1e9))
+
+    def _rearm(self) -> None:
+        if self._wake is not None and self._next_due(time.monotonic_ns()) < self._due:
+            _resolve(self._wake)
 
     def tick(self) -> None:
+        self.journal.maybe_sync()  # the "every N ms" policy while no append comes
         if self.core.election.disk_full:
             self._space_back()
         cut = self.partition_flag.exists()
@@ -304,13 +320,6 @@ class Voter:
                     self.event(None, self.node_core.on_closed, conn, False)  # (not the peer's doing)
             self.on_partition(cut)
         self.event(None, self.node_core.on_timer)
-
-    def note_own(self, first_seq: int, last_seq: int, term: int, sealed: bool = False) -> None:
-        self.core.note_own(first_seq, last_seq, term, sealed)
-
-    def resync(self, commit_seq: int, client_last: dict[bytes, int]) -> None:
-        """After leading: follow again from what the journal holds."""
-        self.core.resync(commit_seq, client_last)
 
     # --- connections ---------------------------------------------------------------------
 
@@ -351,16 +360,17 @@ class Voter:
         if self.partitioned:
             asyncio.get_running_loop().call_soon(self.event, None, self.node_core.on_closed, a.conn)
             return
-        task = asyncio.ensure_future(self._dialled(a.conn, self.peers[a.peer]))
+        within = a.within_ns / 1e9 if a.within_ns is not None else self.cfg.election_ms / 1000
+        task = asyncio.ensure_future(self._dialled(a.conn, self.peers[a.peer], within))
         self._dialling.add(task)
         task.add_done_callback(self._dialling.discard)
 
-    async def _dialled(self, conn: Hashable, peer: Node) -> None:
-        """A connection the node asked for: within an election timeout (with keys the peer must
+    async def _dialled(self, conn: Hashable, peer: Node, within: float) -> None:
+        """A connection the node asked for, within the time it gave (with keys the peer must
         answer the handshake, which a starved peer may not do within the 0.2 s a bare TCP connect had)."""
         try:
             reader, writer = await authlink.connect(peer.host, peer.replication_port, self.link_keys,
-                                                    self.link_refused, self.cfg.election_ms / 1000)
+                                                    self.link_refused, within)
         except (OSError, asyncio.TimeoutError):
             self.event(None, self.node_core.on_closed, conn)
             return
@@ -378,3 +388,8 @@ class Voter:
     def close(self) -> None:
         for task in list(self._dialling):
             task.cancel()
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -179,7 +179,7 @@ def bench_sequencer(n: int = 1_000_000, per_drain: int = 40, fsync: str = "never
         for i in range(0, len(datagrams), per_drain):
             for data in datagrams[i:i + per_drain]:
                 core.on_inbound(data, now)
-            batch = core.flush(now)
+            batch = core.flush(now, now)
             journal.append(batch.records())
             send_datagrams(sock, core.on_journaled(batch.last_seq), dest)  # as the leader publishes
         secs = clock() - t0

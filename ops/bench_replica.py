@@ -76,7 +76,7 @@ def _stream(cluster: LocalCluster, n: int) -> tuple[list[bytes], int]:
     for i in range(0, len(batches), 40):
         for data in batches[i:i + 40]:
             core.on_inbound(data, stamp)
-        packets += core.on_journaled(core.flush(stamp).last_seq)
+        packets += core.on_journaled(core.flush(stamp, stamp).last_seq)
         stamp += STREAM_MS_PER_BATCH * 1_000_000
     if core.accepted != n:
         raise RuntimeError(f"sequenced {core.accepted} of {n}")

@@ -41,15 +41,13 @@ from tape.ops.tradegen import TradeGenerator
 from tape.ops.verdict import RunFiles, judge
 from tape.protocol import backoff, moldudp64
 from tape.protocol import messages as M
-from tape.protocol import replication as rep
 from tape.protocol import soupbintcp as soup
 from tape.protocol.actions import Close, Send
-from tape.protocol.election import Lead, Persist, Refused, StepDown
+from tape.protocol.election import Persist, Refused
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import REPLAY_BEHIND
 from tape.protocol.listener import Ahead, Deliver, ListenerCore, Undecodable
 from tape.protocol.packets import PacketBuilder
-from tape.protocol.replication import Ack, Hello
 from tape.protocol.streamauth import StreamKeys
 from tape.protocol.voter_node import (
     AppendRecords,
@@ -76,8 +74,18 @@ from tape.replicas.replica_node import Applied, AskRewinder, Rebuild, ReplicaNod
 from tape.replicas.snapshot import open_verified
 from tape.rewinder.node import ReadGap, ReplayRecords, RewinderNode, SendDatagram
 from tape.sequencer.client_core import ClientCore, Recovery
-from tape.sequencer.core import LeaderCore
-from tape.sequencer.followers import FollowerLinks
+from tape.sequencer.node import (
+    Advise,
+    Drain,
+    Journal,
+    LeaderSettings,
+    Led,
+    Publish,
+    Replicate,
+    SequencerNode,
+    Stamp,
+    StampNow,
+)
 
 MS = 1_000_000
 SIM_LOG = logging.getLogger("tape.sim")
@@ -115,7 +123,8 @@ GAP_REQUEST_NS = default_of(Config, "gap_request_ms") * MS
 RESEND_NS = default_of(Config, "client_resend_ms") * MS
 LEADER_BEAT_NS = default_of(Config, "leader_heartbeat_ms") * MS
 ELECTION_NS = default_of(Config, "election_ms") * MS
-RECONNECT_NS = 100 * MS  # the leader's wait before it connects again to a follower it lost
+TICK_NS = default_of(Config, "tick_ms") * MS
+HEARTBEAT_NS = default_of(Config, "heartbeat_ms") * MS
 
 
 def wire(name: str) -> bytes:
@@ -148,10 +157,9 @@ class DiskIsFull(Exception):
 
 
 class Voter:
-    """A sequencer or rewinder: the VoterNode the processes run over the replication links'
-    bytes (every decision of its replication endpoint), and, while it leads, the leader's side
-    (LeaderCore and FollowerLinks, glued here until the sequencer has its node core). Durable:
-    the log and the vote; volatile everything else."""
+    """A sequencer or rewinder: the node core the process runs (SequencerNode or RewinderNode,
+    each around its VoterNode) over the replication links' bytes, its journal and its vote.
+    Durable: the log and the vote; volatile everything else."""
 
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name, self.wire = sim, name, wire(name)
@@ -165,10 +173,8 @@ class Voter:
         self.restart()
 
     def clock(self) -> int:
+        """The host's wall clock (stamps); its monotonic clock is the simulation's."""
         return self.sim.now + self.clock_skew
-
-    def term_at(self, seq: int) -> int:
-        return self.log[seq - 1][0] if seq > 0 else 0
 
     def records(self) -> list:
         return [(seq, term, m) for seq, (term, m) in enumerate(self.log, 1)]
@@ -179,21 +185,25 @@ class Voter:
         rng = random.Random(self.sim.rng.random())
         endpoint = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, state.term,
                              state.voted_for, state.log_floor, state.found, self.records(), self.sim.now)
-        self.node = endpoint if self.can_lead else RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"),
-                                                                STREAM_KEYS, GAP_REQUEST_NS)
+        if self.can_lead:
+            self.node = SequencerNode(endpoint, LeaderSettings(
+                SESSION, {wire(c): None for c in CLIENTS}, default_of(Config, "max_packet"), TICK_NS, HEARTBEAT_NS,
+                self.sim.batch_interval_ns, LEADER_BEAT_NS, STREAM_KEYS, pace_from=PACE_FROM),
+                [wire(v) for v in VOTERS if v != self.name])
+        else:
+            self.node = RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"), STREAM_KEYS, GAP_REQUEST_NS)
         self.core, self.election = self.node.core, self.node.election
-        self.leader: LeaderCore | None = None
-        self.links: FollowerLinks | None = None  # while leading
-        self.lead_conns: dict[object, bytes] = {}  # the leader's connections to followers -> the follower
-        self.lead_frames: dict[object, rep.FrameReader] = {}
-        self.dials = 0
-        self.invited = 0  # when the leader last tried to (re)connect its missing followers
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.wake_at = self.sim.now
 
     @property
+    def leader(self):
+        """Its LeaderCore while it leads."""
+        return self.node.leader if self.can_lead else None
+
+    @property
     def commit_seq(self) -> int:
-        return self.leader.commit_seq if self.leader else self.core.commit_seq
+        return self.node.commit_seq
 
     def write(self) -> None:
         """Before any durable write: a full disk refuses it (node/voter.py's DiskFull)."""
@@ -214,150 +224,82 @@ class Voter:
                 queue = deque(self.node.on_disk_full(conn, self.sim.now))
 
     def carry_out(self, a) -> list:
+        now = self.sim.now
         if isinstance(a, Send):
             self.sim.stream(self.name, a.conn, a.data)
         elif isinstance(a, AppendRecords):
-            self.write()
-            if a.records[0][0] != len(self.log) + 1:
-                raise Violation(f"{self.name} appends seq {a.records[0][0]} after {len(self.log)}")
-            if self.torn_write is not None:
-                self.tear(a.records)  # no ack: the process dies mid-write
-            self.log.extend((term, m) for _, term, m in a.records)
+            self.append(a.records)
         elif isinstance(a, Persist):
             self.write()
             self.vote = encode_election(a.term, a.voted_for, a.log_floor)
         elif isinstance(a, Truncate):
             del self.log[a.after_seq:]
         elif isinstance(a, ReadJournal):
-            return self.node.on_read(a, self.records()[a.first - 1:a.first - 1 + a.count], self.sim.now)
+            return self.node.on_read(a, self.records()[a.first - 1:a.first - 1 + a.count], now)
         elif isinstance(a, Reload):
-            return self.node.on_log(a, self.records(), self.sim.now)
+            return self.node.on_log(a, self.records(), now)
         elif isinstance(a, Resume):
-            return self.node.on_data(a.conn, b"", self.sim.now)
+            return self.node.on_data(a.conn, b"", now)
         elif isinstance(a, Close):
             if a.reason is not None:  # the simulated peers are honest: a broken rule
                 raise Violation(f"{self.name} closed a connection: {a.reason.value} ({a.detail})")
             self.sim.hang_up(self.name, a.conn)
         elif isinstance(a, Dial):
             self.sim.dial(self.name, a.conn, name_of(a.peer))
-        elif isinstance(a, SendDatagram):
+        elif isinstance(a, Refused):  # the simulated peers are honest: this is a broken rule
+            raise Violation(f"{self.name} refused: {a.detail}")
+        elif self.can_lead:
+            return self.carry_out_leading(a)
+        else:
+            return self.carry_out_rewinding(a)
+        return []  # (RequestVotes: its dials follow; Committed: the node answers what waited; the rest: logs)
+
+    def carry_out_leading(self, a) -> list:
+        """The sequencer node's own actions, as sequencer/server.py carries them out."""
+        now = self.sim.now
+        if isinstance(a, Replicate):
+            for conn in a.conns:
+                self.sim.stream(self.name, conn, a.frame)
+            return self.node.on_replicated(a, [0] * len(a.conns), now)
+        if isinstance(a, Journal):
+            self.append(a.batch.records())  # after replicating the batch: only followers may hold it
+            return self.node.on_journaled(a.batch, now)
+        if isinstance(a, StampNow):
+            return self.node.on_stamp(now, self.clock())
+        if isinstance(a, Publish):
+            self.sim.publish(self.name, a.packets)
+        elif isinstance(a, Stamp):
+            self.sim.at(max(a.due, now), self.sim.deliver, self.name, self.name, ("stamp",))
+        elif isinstance(a, Drain):  # (a connection's queue here drains within a millisecond)
+            self.sim.at(now + MS, self.sim.deliver, self.name, self.name, ("drained", a.conn))
+        elif isinstance(a, Advise):
+            self.sim.send(self.name, a.source, ("advice", a.data))
+        elif isinstance(a, Led):
+            known = self.sim.leaders.setdefault(a.term, self.name)
+            if known != self.name:
+                raise Violation(f"two leaders in term {a.term}: {known} and {self.name}")
+        return []  # (Dropped: the garbage fault's; SteppedDown, FollowerJoined: logs)
+
+    def carry_out_rewinding(self, a) -> list:
+        """The rewinder node's own actions, as rewinder/server.py carries them out."""
+        now = self.sim.now
+        if isinstance(a, SendDatagram):
             self.sim.send(self.name, ADDRESSES[a.addr], ("packet", a.data))
         elif isinstance(a, ReplayRecords):  # as SoupBinTCP frames, drained at once
             records = self.log[a.first - 1:a.first - 1 + a.count]
             self.sim.stream(self.name, a.conn, b"".join([soup.sequenced(m) for _, m in records]))
-            return self.node.on_replayed(a, self.sim.now)
+            return self.node.on_replayed(a, now)
         elif isinstance(a, ReadGap):
-            return self.node.on_gap_read(a, [m for _, m in self.log[a.first - 1:a.first - 1 + a.count]], self.sim.now)
-        elif isinstance(a, Refused):  # the simulated peers are honest: this is a broken rule
-            raise Violation(f"{self.name} refused: {a.detail}")
-        elif isinstance(a, Lead):
-            self.lead(a.term)
-        elif isinstance(a, StepDown):
-            self.step_down()
-        return []  # (RequestVotes: its dials follow; Committed: the node answers what waited; the rest: logs)
+            return self.node.on_gap_read(a, [m for _, m in self.log[a.first - 1:a.first - 1 + a.count]], now)
+        return []
 
-    # --- the leader's side, until the sequencer has its node core ---------------------------
-
-    def lead(self, term: int) -> None:
-        known = self.sim.leaders.setdefault(term, self.name)
-        if known != self.name:
-            raise Violation(f"two leaders in term {term}: {known} and {self.name}")
-        last_seq, last_term = self.core.position()
-        self.leader = LeaderCore(SESSION, self.wire, term, [wire(v) for v in VOTERS if v != self.name],
-                                 {wire(c): None for c in CLIENTS}, last_seq, last_term, dict(self.core.log.client_last),
-                                 tick_ns=100 * MS, heartbeat_ns=50 * MS, batch_interval_ns=self.sim.batch_interval_ns,
-                                 pace_from=PACE_FROM,
-                                 last_stamp_ns=M.SEQUENCED.unpack(self.log[-1][1])[M.STAMP] if self.log else 0,
-                                 stream_keys=STREAM_KEYS, open_range=self.open_range())
-        self.links = FollowerLinks(LEADER_BEAT_NS)  # followers join as their hellos arrive
-        self.invite()
-        self.process(self.leader.start_term(self.clock()))
-
-    def step_down(self) -> None:
-        if self.leader is None:
-            return
-        for conn in list(self.lead_conns):  # its connections close
-            self.sim.hang_up(self.name, conn)
-        self.lead_conns, self.lead_frames = {}, {}
-        self.core.resync(self.leader.commit_seq, self.leader.sequenced_client_last())
-        self.leader = None
-        self.links = None
-
-    def flush_if_due(self) -> None:
-        """Stamp what is pending unless the leader paces it (`batch_due_ns`), as the shell does."""
-        now = self.clock()
-        if self.leader is not None and self.leader.batch_due_ns(now) <= now:
-            batch = self.leader.flush(now)
-            if batch is not None:
-                self.process(batch)
-
-    def open_range(self) -> tuple[int, list[bytes]] | None:
-        """The entries after the log's last seal (a range cut short), which a new leader seals first."""
-        first = self.core.open_range()
-        return None if first is None else (first, [m for _, m in self.log[first - 1:]])
-
-    def invite(self) -> None:
-        """The leader's (re)connect loop: a connection to every follower it has none to."""
-        self.invited = self.sim.now
-        for v in VOTERS:
-            if v != self.name and wire(v) not in self.lead_conns.values():
-                self.dials += 1
-                conn = ("lead", v, self.dials)
-                self.lead_conns[conn] = wire(v)
-                self.lead_frames[conn] = rep.FrameReader()
-                self.sim.dial(self.name, conn, v)
-
-    def link_of(self, follower: bytes):
-        return next((c for c, f in self.lead_conns.items() if f == follower), None)
-
-    def send_appends(self, f: bytes, prev: int, count: int) -> int:
-        """Our log after `prev` to follower `f`, as the real appends (one per run of a term); the last seq sent."""
-        records = self.records()[prev:prev + count]
-        frames = rep.encode_runs(self.election.term, self.wire, prev, self.term_at(prev), self.commit_seq, records)
-        self.sim.stream(self.name, self.link_of(f), frames)
-        return min(prev + count, len(self.log))
-
-    def process(self, batch) -> None:
-        """Replicate a stamped batch, journal it, publish what commits. The
-        followers get it first (as in the real leader, so that the disk
-        writes overlap): a crash between the two leaves entries that only
-        followers hold."""
-        c = self.leader
-        send, _ = self.links.live_for(batch.first_seq, batch.last_seq, c.commit_seq, self.sim.now)
-        frame = rep.encode_append(c.term, self.wire, batch.prev_seq, batch.prev_term, c.commit_seq, batch.term,
-                                  batch.messages)
-        for f in send:
-            self.sim.stream(self.name, self.link_of(f), frame)
-        try:
-            self.write()  # after replicating the batch: only followers may hold it
-        except DiskIsFull:
-            self.act(self.node.on_disk_full(None, self.sim.now))
-            return
-        if self.torn_write is not None:  # after replicating the batch: only followers may hold all of it
-            self.tear(batch.records())
-        self.log.extend((batch.term, m) for m in batch.messages)
-        self.core.note_own(batch.first_seq, batch.last_seq, batch.term, batch.messages[-1][0] == M.AUTH)
-        self.sim.publish(self.name, c.on_journaled(batch.last_seq))
-
-    def on_follower_frames(self, conn, data: bytes) -> None:
-        f = self.lead_conns[conn]
-        for fr in self.lead_frames[conn].feed(data):
-            now = self.sim.now
-            if isinstance(fr, Hello):
-                self.act(self.election.on_higher_term(fr.term, fr.node, now))
-                if self.leader is not None:
-                    self.links.connected(f, fr.last_seq, self.leader.last_seq)
-            elif isinstance(fr, Ack):
-                self.act(self.election.on_ack(fr.follower, fr.term, now))
-                if self.leader is None:
-                    return
-                packets = self.leader.on_ack(fr.follower, fr.term, fr.success, fr.last_seq)
-                if packets is None:
-                    return
-                if not fr.success:
-                    self.links.refused(fr.follower, fr.last_seq)
-                if packets:
-                    self.sim.publish(self.name, packets)
+    def append(self, records) -> None:
+        self.write()
+        if records[0][0] != len(self.log) + 1:
+            raise Violation(f"{self.name} appends seq {records[0][0]} after {len(self.log)}")
+        if self.torn_write is not None:
+            self.tear(records)  # no ack: the process dies mid-write
+        self.log.extend((term, m) for _, term, m in records)
 
     def tear(self, records: list) -> None:
         """The process dies in the middle of writing `records`: a prefix of them reached the
@@ -371,47 +313,19 @@ class Voter:
     # --- events ----------------------------------------------------------------------------
 
     def tick(self) -> None:
+        """The shell's timer: the node's next deadline as it stood at the last one (a leader's,
+        every tick: the shell wakes early when an event brings its deadline nearer)."""
         now = self.sim.now
         if self.election.disk_full and now >= self.full_until:
             self.act(self.node.on_disk_ok(now))  # the shell saw space again
-        if now >= self.wake_at:  # the shell's timer: the node's next deadline as it stood at the last one
+        if now >= self.wake_at or self.leader is not None:
             self.act(self.node.on_timer(now))
             self.wake_at = self.node.next_deadline(now)
-        c = self.leader
-        if c is None:
-            return
-        batch, heartbeat = c.on_timer(self.clock())
-        if batch is not None:
-            self.process(batch)
-        self.flush_if_due()  # a paced batch whose interval ended (the shell's timer)
-        if heartbeat is not None:
-            self.sim.publish(self.name, [heartbeat])
-        if self.leader is None:
-            return
-        if self.sim.now - self.invited >= RECONNECT_NS:
-            self.invite()
-        for f in list(self.links.links):  # one catch-up chunk per follower behind, as the feeder's drain
-            chunk = self.links.next_chunk(f, c.last_seq)
-            if chunk is not None and chunk[0] > len(self.log):  # the shell's check before it reads its journal
-                raise Violation(f"{self.name} the journal has no seq {chunk[0]}, which this leader stamped")
-            if chunk is not None:
-                self.links.sent(f, self.send_appends(f, chunk[0] - 1, chunk[1]))
-        beat = rep.encode_append(c.term, self.wire, c.last_seq, c.last_term, c.commit_seq, c.term, [])
-        for f in self.links.beat(self.sim.now, c.commit_seq):
-            self.sim.stream(self.name, self.link_of(f), beat)
 
     def receive(self, src: str, msg) -> None:
         now = self.sim.now
-        kind, conn = msg[0], msg[1]
-        if conn in self.lead_conns:
-            if kind == "bytes":
-                self.on_follower_frames(conn, msg[2])
-            elif kind == "shut":
-                f = self.lead_conns.pop(conn)
-                del self.lead_frames[conn]
-                if self.links is not None:
-                    self.links.disconnected(f)
-        elif kind == "open" and msg[2] == "replay":  # a replica catching up
+        kind, conn = msg[0], msg[1] if len(msg) > 1 else None
+        if kind == "open" and msg[2] == "replay":  # a replica catching up
             self.act(self.node.on_replay_connected(conn, now), conn)
         elif kind == "open":
             self.act(self.node.on_connected(conn, now), conn)
@@ -419,14 +333,13 @@ class Voter:
             self.act(self.node.on_data(conn, msg[2], now), conn)
         elif kind == "shut":
             self.act(self.node.on_closed(conn, now))
-        elif kind == "inbound":
-            if self.leader is not None:
-                now = self.clock()
-                self.leader.on_inbound(msg[1], now, src)  # bad input comes back as a reason: counted, dropped
-                self.leader.note_drain(self.sim.now >= self.sim.busy.get(self.name, 0), now)
-                for client, data in self.leader.take_advice():
-                    self.sim.send(self.name, client, ("advice", data))
-                self.flush_if_due()
+        elif kind == "inbound" and self.can_lead:
+            emptied = self.sim.now >= self.sim.busy.get(self.name, 0)  # (overloaded: never emptied)
+            self.act(self.node.on_inbound([(msg[1], src)], emptied, now, self.clock()))
+        elif kind == "stamp":
+            self.act(self.node.on_stamp(now, self.clock()))
+        elif kind == "drained":
+            self.act(self.node.on_drained(conn, now), conn)
         elif kind == "gap" and not self.can_lead:
             self.act(self.node.on_datagram(address(src), msg[1], now))
 

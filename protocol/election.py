@@ -8,7 +8,7 @@ out in order:
     Persist(term, voted_for)              write durably before anything else
     RequestVotes(pre, term, last_seq, last_term)   to every other voter
     Lead(term)                            become leader of this term
-    StepDown(reason)                      stop leading (or campaigning) now
+    StepDown(reason, cause)               stop leading (or campaigning) now
 
 Rules (DESIGN.md section 5):
 - Only a node that `can_lead` (a sequencer) campaigns; rewinders vote only.
@@ -54,6 +54,7 @@ Rules (DESIGN.md section 5):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Protocol
 
 FOLLOWER, PRE_CANDIDATE, CANDIDATE, LEADER = "follower", "pre-candidate", "candidate", "leader"
@@ -84,9 +85,19 @@ class Lead:
     term: int
 
 
+class Cause(Enum):
+    """Why a node stopped leading or campaigning (the step_downs metric's `reason` label)."""
+
+    HIGHER_TERM = "higher_term"  # another voter is in a later term
+    LOST_MAJORITY = "lost_majority"  # check-quorum: no majority heard for the timeout
+    DISK_FULL = "disk full"
+    OUTVOTED = "outvoted"  # a candidate heard the winner of its term
+
+
 @dataclass(frozen=True)
 class StepDown:
-    reason: str
+    reason: str  # for the log
+    cause: Cause = Cause.HIGHER_TERM
 
 
 @dataclass(frozen=True)
@@ -208,7 +219,7 @@ class ElectionCore:
         if was == FOLLOWER:
             return []
         self.leader = None
-        return [StepDown("disk full")]
+        return [StepDown("disk full", Cause.DISK_FULL)]
 
     def on_disk_ok(self, now_ns: int) -> None:
         """Space is back: take part again, after a whole timeout in which to hear a leader."""
@@ -229,7 +240,8 @@ class ElectionCore:
                 self.role = FOLLOWER
                 self.leader = None
                 self.deadline = now_ns + self._timeout()
-                return [StepDown(f"no majority heard for {self.timeout_lo / 1e6:.0f} ms (check-quorum)")]
+                return [StepDown(f"no majority heard for {self.timeout_lo / 1e6:.0f} ms (check-quorum)",
+                                 Cause.LOST_MAJORITY)]
             return []
         if not self.can_lead or now_ns < self.deadline:
             return []
@@ -298,7 +310,7 @@ class ElectionCore:
             return False, [Refused("two_leaders", f"two leaders in term {term}: this node and {leader!r}")]
         elif self.role in (CANDIDATE, PRE_CANDIDATE):
             self.role = FOLLOWER
-            out.append(StepDown(f"{leader.decode(errors='replace').strip()} won term {term}"))
+            out.append(StepDown(f"{leader.decode(errors='replace').strip()} won term {term}", Cause.OUTVOTED))
         if self.leader != leader:
             self.leader = leader
             self.leader_changes += 1

@@ -40,14 +40,14 @@ from typing import Hashable
 
 from tape.protocol import replication as rep
 from tape.protocol.actions import Close, Send
-from tape.protocol.election import Lead, Persist, Refused, RequestVotes, Rng, StepDown
+from tape.protocol.election import Cause, Lead, Persist, Refused, RequestVotes, Rng, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import FETCH_MAX, FETCH_READ_TIMEOUT_NS, STALL_SHARE
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 
-__all__ = ["AppendRecords", "Close", "Committed", "Dial", "Fetched", "Lead", "LeaderGone", "Persist", "ReadJournal",
-           "Recovered", "Refused", "Reject", "Reload", "RequestVotes", "Resume", "Send", "Stalled", "StepDown",
-           "SyncJournal", "Truncate", "Voted", "VoterNode"]
+__all__ = ["AppendRecords", "Cause", "Close", "Committed", "Dial", "Fetched", "Lead", "LeaderGone", "Persist",
+           "ReadJournal", "Recovered", "Refused", "Reject", "Reload", "RequestVotes", "Resume", "Send", "Stalled",
+           "StepDown", "SyncJournal", "Truncate", "Voted", "VoterNode"]
 # The longest wait between election ticks, a share of the stall threshold (election_ms x
 # STALL_SHARE: 50 ms by default, so 20 ms): only a process that did not run for the rest counts a stall.
 TICK_SHARE_OF_STALL = 0.4
@@ -69,6 +69,7 @@ class Why(Enum):
 class Dial:
     conn: Hashable  # this node's name for the connection, in every event about it
     peer: bytes  # the voter's wire name
+    within_ns: int | None = None  # the connection and its handshake (None: an election timeout)
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,7 @@ class VoterNode:
         """Stop leading first (the sequencer's shell hands its client seqs to the log), then, the
         log reloaded, take no part until on_disk_ok."""
         self.disk_full_conn = conn
-        return [StepDown("disk full"), Reload(Why.DISK_FULL)]
+        return [StepDown("disk full", Cause.DISK_FULL), Reload(Why.DISK_FULL)]
 
     def on_disk_ok(self, now: int) -> list:
         self.core.on_disk_ok(now)

@@ -94,7 +94,7 @@ class LeaderCore:
         self.tick_ns = tick_ns
         self.heartbeat_ns = heartbeat_ns
         self.batch_interval_ns, self.pace_from = batch_interval_ns, pace_from
-        self._last_batch = (0, 0)  # (when it was stamped, its messages)
+        self._last_batch = (0, 0)  # (when it was stamped, monotonic; its messages)
         self._builder = PacketBuilder(session, last_seq + 1, max_packet)
         self.keys = stream_keys
         self._open_range = open_range
@@ -127,7 +127,7 @@ class LeaderCore:
 
     # --- inbound ---------------------------------------------------------------
 
-    def start_term(self, now_ns: int) -> Batch:
+    def start_term(self, now_ns: int, wall_ns: int) -> Batch:
         """A new leader's first entry: the term start, committed before anything new. A range
         the log ends with, cut short (the old leader died mid-catch-up), is sealed first: it is
         not published (it is an earlier term's); listeners fill it from the rewinders."""
@@ -135,12 +135,12 @@ class LeaderCore:
         closing = []
         if self._open_range is not None:
             first, entries = self._open_range
-            closing = [self.keys.seal_packet(self.session, first, entries, self._stamp(now_ns), self.name)[0]]
+            closing = [self.keys.seal_packet(self.session, first, entries, self._stamp(wall_ns), self.name)[0]]
             self.last_seq += 1
             self.published_seq = self.last_seq  # heartbeats announce it: listeners ask the rewinders
             self._builder.next_seq = self.last_seq + 1
-        self._sequence_control(messages.term_start(self._stamp(now_ns), self.name, self.term, self.name))
-        batch = self.flush(now_ns)
+        self._sequence_control(messages.term_start(self._stamp(wall_ns), self.name, self.term, self.name))
+        batch = self.flush(now_ns, wall_ns)
         self.term_start_seq = batch.first_seq
         return Batch(prev_seq + 1, prev_seq, prev_term, self.term, closing + batch.messages)
 
@@ -269,12 +269,13 @@ class LeaderCore:
         self._pending.append((None, 0, [msg]))
         self._pending_count += 1
 
-    def flush(self, now_ns: int) -> Batch | None:
+    def flush(self, now_ns: int, wall_ns: int) -> Batch | None:
         """Stamp everything accepted into one batch (one journal write, one
-        replication frame per follower)."""
+        replication frame per follower), with the wall clock (`wall_ns`); `now_ns` is the
+        monotonic clock every timer of this core runs on."""
         if not self._pending:
             return None
-        stamp = self._stamp(now_ns)
+        stamp = self._stamp(wall_ns)
         out = []
         stamp_bytes = stamp.to_bytes(8, "big")
         for origin, first_cseq, run in self._pending:
@@ -326,11 +327,11 @@ class LeaderCore:
         self.journaled_seq = max(self.journaled_seq, last_seq)
         return self._advance_commit()
 
-    def on_ack(self, follower: bytes, term: int, success: bool, last_seq: int) -> list[bytes] | None:
-        """Returns packets now committed, or None if the ack shows a higher
-        term (this leader must step down)."""
+    def on_ack(self, follower: bytes, term: int, success: bool, last_seq: int) -> list[bytes]:
+        """Returns packets now committed. An ack of a later term steps the leader down before it
+        comes here (the election sees it first: sequencer/node.py)."""
         if term > self.term:
-            return None
+            raise InvariantViolation(f"an ack of term {term} reached the leader of term {self.term}")
         if follower not in self.match or term < self.term or not success:
             return []
         if last_seq > self.last_seq:  # a peer's word, not this leader's state: counted and dropped
@@ -378,13 +379,13 @@ class LeaderCore:
 
     # --- time ------------------------------------------------------------------
 
-    def on_timer(self, now_ns: int) -> tuple[Batch | None, bytes | None]:
+    def on_timer(self, now_ns: int, wall_ns: int) -> tuple[Batch | None, bytes | None]:
         """A time tick batch if idle for tick_ns, and a heartbeat packet if
         nothing was published for heartbeat_ns."""
         batch = None
-        if not self._pending and now_ns - self._last_sequenced_ns >= self.tick_ns:
-            self._sequence_control(messages.time_tick(self._stamp(now_ns), self.name))
-            batch = self.flush(now_ns)
+        if not self._pending and now_ns - self._last_batch[0] >= self.tick_ns:
+            self._sequence_control(messages.time_tick(self._stamp(wall_ns), self.name))
+            batch = self.flush(now_ns, wall_ns)
         heartbeat = None
         if now_ns - self._last_published_ns >= self.heartbeat_ns:
             heartbeat = moldudp64.encode_heartbeat(self.session, self.published_seq + 1)
@@ -393,7 +394,7 @@ class LeaderCore:
 
     def timer_due_ns(self) -> int:
         """When `on_timer` next has something to do, if nothing is sequenced or published first."""
-        return min(self._last_sequenced_ns + self.tick_ns, self._last_published_ns + self.heartbeat_ns)
+        return min(self._last_batch[0] + self.tick_ns, self._last_published_ns + self.heartbeat_ns)
 
     def sequenced_client_last(self) -> dict[bytes, int]:
         """Highest client seq per client that is in the log (accepted but not
@@ -404,11 +405,11 @@ class LeaderCore:
                 out[origin] = first_cseq - 1
         return out
 
-    def end_session(self, now_ns: int) -> Batch:
+    def end_session(self, now_ns: int, wall_ns: int) -> Batch:
         """What is pending, then the session's last entry: listeners finish where it is applied
         (an end-of-session packet cannot be sealed, so it is only a hint)."""
-        self._sequence_control(messages.session_end(self._stamp(now_ns), self.name))
-        return self.flush(now_ns)
+        self._sequence_control(messages.session_end(self._stamp(wall_ns), self.name))
+        return self.flush(now_ns, wall_ns)
 
     def end_of_session(self) -> bytes:
         return moldudp64.encode_end_of_session(self.session, self.published_seq + 1)

@@ -36,7 +36,7 @@ TRADES = 300_000
 
 def leader():
     core = LeaderCore(S, b"seq-a     ", 3, [b"rw-1      ", b"rw-2      "], {A: None, B: KEY})
-    core.start_term(0)
+    core.start_term(0, 0)
     return core
 
 
@@ -77,7 +77,8 @@ def test_an_overloaded_leader_answers_each_client_at_most_once_per_interval_and_
     core.on_inbound(batch(B, 7, 1, KEY), t + BACKOFF_INTERVAL_NS, "addr-b")  # a resend counts too
     assert [backoff.decode(d, KEY).client_seq for _, d in core.take_advice()] == [7]
     assert core.backoffs_sent == 3
-    assert len(core.flush(t + BACKOFF_INTERVAL_NS).messages) == 3 + 3 + 2 + 1  # nothing refused
+    later = t + BACKOFF_INTERVAL_NS
+    assert len(core.flush(later, later).messages) == 3 + 3 + 2 + 1  # nothing refused
 
 
 def test_no_back_off_without_overload_a_source_or_an_authenticated_batch():
@@ -146,7 +147,7 @@ def test_a_back_off_for_an_acknowledged_batch_asks_for_nothing_and_a_pause_is_bo
     c.submit([msg.purchase_request(i, 10, "X", "Y") for i in range(54)], 0)
     lead = leader()
     lead.on_inbound(c.unacked[0].datagram, 1)
-    for p in PacketBuilder(S, 2).add_sequenced(lead.flush(2).messages):
+    for p in PacketBuilder(S, 2).add_sequenced(lead.flush(2, 2).messages):
         c.on_delivered(p, 0, 3)
     second = c.per_batch + 1
     assert c.acked == second - 1
@@ -205,7 +206,7 @@ def test_a_lost_batch_is_sequenced_one_round_trip_after_the_next_one_arrives():
 def sequenced_at(c, lead, datagram, now):
     """The leader sequences `datagram`; the client sees it in the stream at `now`."""
     lead.on_inbound(datagram, now, "addr-b")
-    for p in PacketBuilder(S, 1).add_sequenced(lead.flush(now).messages):
+    for p in PacketBuilder(S, 1).add_sequenced(lead.flush(now, now).messages):
         c.on_delivered(p, 0, now)
 
 

@@ -9,6 +9,7 @@ from tape.protocol.election import (
     LEADER,
     PRE_CANDIDATE,
     VOTE_LOST,
+    Cause,
     ElectionCore,
     Lead,
     Persist,
@@ -259,7 +260,7 @@ def test_a_voter_whose_disk_is_full_steps_down_and_takes_no_part_until_space_ret
     c = core()
     elect(c, 400 * MS)
     assert c.role == LEADER
-    assert c.on_disk_full() == [StepDown("disk full")] and c.role == FOLLOWER and c.leader is None
+    assert c.on_disk_full() == [StepDown("disk full", Cause.DISK_FULL)] and c.role == FOLLOWER and c.leader is None
     far = 10_000 * MS
     assert c.on_tick(far) == []  # no campaign: it could not persist its own vote
     assert c.on_vote_request(c.term + 1, B, 10**6, 9, False, far) == (False, [])

@@ -1,5 +1,6 @@
-"""The leader's event loop (sequencer/server.py): what it does in which turn. A real Sequencer,
-leading alone with its real journal, reading a real client's signed batch from a real socket."""
+"""The leader's event loop (sequencer/server.py around sequencer/node.py): what it does in which
+turn. A real Sequencer, leading alone with its real journal, reading a real client's signed batch
+from a real socket."""
 
 import asyncio
 import contextlib
@@ -11,6 +12,7 @@ from tape.ops.local import LocalCluster
 from tape.ops.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
+from tape.protocol.election import LEADER, Lead
 from tape.protocol.limits import PACE_FROM_MESSAGES
 from tape.sequencer.client_core import ClientCore
 from tape.sequencer.server import Sequencer
@@ -24,12 +26,13 @@ def leading(leader: Sequencer, cfg):
     leader.inbound.bind(("127.0.0.1", 0))
     leader.inbound.setblocking(False)
     leader.publisher, leader.dest = multicast_sender("127.0.0.1"), (cfg.group, cfg.port)
-    leader._lead(1)
+    election = leader.voter.election
+    election.term, election.role = 1, LEADER  # (won: the followers it dials are not running)
+    leader.voter.event(None, lambda now: leader.seq_node._after([Lead(1)], now))
     try:
         yield
     finally:
-        for task in leader._leader_tasks:
-            task.cancel()
+        leader.voter.close()
         leader.inbound.close()
         leader.publisher.close()
 

@@ -26,7 +26,7 @@ def test_the_largest_batch_encodes_within_a_replication_frame():
     while core.pending < limits.MAX_BATCH_MESSAGES:  # as the shell's drain: flush once the limit is reached
         assert core.on_inbound(moldudp64.encode_packet(client, cseq, body), 0) is None
         cseq += per_datagram
-    batch = core.flush(1)
+    batch = core.flush(1, 1)
     frame = rep.encode_append(1, b"seq-a     ", batch.prev_seq, batch.prev_term, 0, 1, batch.messages)
     assert len(batch.messages) < limits.MAX_BATCH_MESSAGES + per_datagram
     assert len(frame) <= limits.REPLICATION_FRAME

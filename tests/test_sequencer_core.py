@@ -19,7 +19,7 @@ F1, F2 = b"rw-1      ", b"rw-2      "
 
 def leader(**kw):
     core = LeaderCore(S, b"seq-a     ", 1, [F1, F2], {A: None, B: b"k" * 32}, **kw)
-    start = core.start_term(100)
+    start = core.start_term(100, 100)
     return core, start
 
 
@@ -42,7 +42,7 @@ def test_each_client_message_is_sequenced_once_in_client_order():
     assert core.on_inbound(batch(A, 1, 5), 200) is None
     assert core.on_inbound(batch(A, 1, 5), 200) == "duplicate"
     assert core.on_inbound(batch(A, 4, 4), 200) is None  # overlap: only 6 and 7 are new
-    b = core.flush(300)
+    b = core.flush(300, 300)
     assert [msg.decode(x)[msg.CLIENT_SEQ] for x in b.messages] == [1, 2, 3, 4, 5, 6, 7]
     assert {msg.decode(x)[msg.STAMP] for x in b.messages} == {300}
     assert b.first_seq == 2 and b.prev_seq == 1
@@ -52,9 +52,9 @@ def test_batches_ahead_of_a_lost_one_are_held_until_it_arrives():
     core, _ = leader()
     assert core.on_inbound(batch(A, 6, 5), 1) is None  # 1..5 lost
     assert core.on_inbound(batch(A, 11, 5), 1) is None
-    assert core.flush(2) is None
+    assert core.flush(2, 2) is None
     core.on_inbound(batch(A, 1, 5), 3)
-    b = core.flush(4)
+    b = core.flush(4, 4)
     assert [msg.decode(x)[msg.CLIENT_SEQ] for x in b.messages] == list(range(1, 16))
 
 
@@ -74,7 +74,7 @@ def test_commit_is_a_majority_and_publishes_whole_batches_in_order():
     core.on_ack(F1, 1, True, 1)
     for i in range(3):
         core.on_inbound(batch(A, 1 + 40 * i, 40), 10)
-        core.on_journaled(core.flush(10).last_seq)
+        core.on_journaled(core.flush(10, 10).last_seq)
     assert core.last_seq == 121 and core.commit_seq == 1
     pkts = core.on_ack(F2, 1, True, 50)  # mid-batch: 2..41 is whole, 42..81 is not yet
     assert [(p.seq, p.count) for p in map(m.decode_packet, pkts)] == [(2, 17), (19, 17), (36, 6)]
@@ -84,27 +84,28 @@ def test_commit_is_a_majority_and_publishes_whole_batches_in_order():
     assert seqs[0][0] == 42 and sum(c for _, c in seqs) == 80 and core.published_seq == 121
 
 
-def test_higher_term_means_step_down_and_acks_beyond_the_log_are_dropped():
+def test_acks_beyond_the_log_are_dropped_and_a_later_terms_never_reaches_the_leader():
     core, _ = leader()
     assert core.on_ack(F1, 1, True, 99) == [] and core.dropped == {"ack_beyond_log": 1}
     assert core.match[F1] == 0 and core.commit_seq == 0  # a peer's word moved nothing
-    assert core.on_ack(F1, 2, True, 0) is None
+    with pytest.raises(InvariantViolation):  # the election steps the node down first (sequencer/node.py)
+        core.on_ack(F1, 2, True, 0)
 
 
 def test_time_ticks_when_idle_and_heartbeats_carry_the_next_published_seq():
     core, _ = leader(tick_ns=1000, heartbeat_ns=500)
-    b, hb = core.on_timer(2000)
+    b, hb = core.on_timer(2000, 2000)
     assert msg.decode(b.messages[0])[msg.TYPE] == msg.TIME_TICK
     assert m.decode_packet(hb).seq == 1  # nothing published yet
-    assert core.on_timer(2100) == (None, None)
+    assert core.on_timer(2100, 2100) == (None, None)
 
 
 def test_stamps_never_go_backwards():
     core, _ = leader()
     core.on_inbound(batch(A, 1, 1), 0)
-    b1 = core.flush(1000)
+    b1 = core.flush(1000, 1000)
     core.on_inbound(batch(A, 2, 1), 0)
-    b2 = core.flush(10)  # the clock stepped back
+    b2 = core.flush(10, 10)  # the clock stepped back
     assert msg.decode(b2.messages[0])[msg.STAMP] >= msg.decode(b1.messages[0])[msg.STAMP]
 
 
@@ -120,34 +121,34 @@ def test_batches_are_paced_only_after_a_large_one():
     core, _ = leader(batch_interval_ns=10 * ms)
     assert core.batch_due_ns(0) == 0  # the term start was small: at once
     cseq = fill(core, A, 1, PACE_FROM_MESSAGES - 1, 0)
-    core.flush(1 * ms)
+    core.flush(1 * ms, 1 * ms)
     cseq = fill(core, A, cseq, 20, 2 * ms)
     assert core.batch_due_ns(2 * ms) == 2 * ms  # after a small batch: at once (low rates keep their latency)
-    core.flush(2 * ms)
+    core.flush(2 * ms, 2 * ms)
     cseq = fill(core, A, cseq, PACE_FROM_MESSAGES, 3 * ms)
-    core.flush(3 * ms)
+    core.flush(3 * ms, 3 * ms)
     fill(core, A, cseq, 20, 4 * ms)
     assert core.batch_due_ns(4 * ms) == 13 * ms  # after a large one: an interval after it began
     assert core.batch_due_ns(14 * ms) == 14 * ms  # (overdue: at once)
     assert core.batch_due_ns(1 * ms) == 11 * ms  # a clock stepped back waits one interval at most
     unpaced, _ = leader()
     fill(unpaced, A, 1, PACE_FROM_MESSAGES, 0)
-    unpaced.flush(1 * ms)
+    unpaced.flush(1 * ms, 1 * ms)
     assert unpaced.batch_due_ns(2 * ms) == 2 * ms  # batch_interval_ns 0: never paced
 
 
 def test_a_new_leader_whose_clock_is_behind_stamps_no_earlier_than_the_log():
     new = LeaderCore(S, b"seq-b     ", 2, [F1, F2], {A: None}, last_seq=8, last_term=1, last_stamp_ns=5000)
-    start = new.start_term(10)  # its host's clock is behind the old leader's
+    start = new.start_term(10, 10)  # its host's clock is behind the old leader's
     new.on_inbound(batch(A, 1, 1), 20)
-    b = new.flush(20)
+    b = new.flush(20, 20)
     assert [msg.decode(m)[msg.STAMP] for m in start.messages + b.messages] == [5000, 5000]
 
 
 def test_rebuilt_dedupe_state_drops_retransmits_of_what_the_log_holds():
     core, start = leader()
     core.on_inbound(batch(A, 1, 7), 1)
-    b = core.flush(2)
+    b = core.flush(2, 2)
     state, last_seq, last_term = rebuild_client_state([*start.records(), *b.records()])
     assert state == {A: 7} and last_seq == 8 and last_term == 1
     new = LeaderCore(S, b"seq-b     ", 2, [F1, F2], {A: None}, last_seq=8, last_term=1, client_last=state)
@@ -164,7 +165,7 @@ def test_a_restarted_client_resumes_after_what_the_stream_holds_and_nothing_is_s
     old = ClientCore(A, None, 1400, 10**9)
     sent = old.submit(trades[:5], 0) + old.submit(trades[5:10], 0)
     assert core.on_inbound(sent[0], 1) is None
-    log = start.messages + core.flush(2).messages  # the second batch is still on its way when the client dies
+    log = start.messages + core.flush(2, 2).messages  # the second batch is still on its way when the client dies
     new = ClientCore(A, None, 1400, 10**9)
     for p in PacketBuilder(S, 1).add_sequenced(log):
         new.on_delivered(p, 0, 3)
@@ -172,7 +173,7 @@ def test_a_restarted_client_resumes_after_what_the_stream_holds_and_nothing_is_s
     again = new.submit(trades[5:20], 4)
     assert core.on_inbound(sent[1], 5) is None  # the old incarnation's batch arrives after all
     assert core.on_inbound(again[0], 5) is None  # 6-10 again (the same trades): only 11-20 are new
-    log += core.flush(6).messages
+    log += core.flush(6, 6).messages
     sequenced = [(d[msg.CLIENT_SEQ], d[msg.ORDER_ID]) for d in map(msg.decode, log) if d[msg.TYPE] == msg.REQUEST]
     assert sequenced == [(i, i) for i in range(1, 21)]  # each trade once, under its own client seq
     with pytest.raises(InvariantViolation):
@@ -189,7 +190,7 @@ def test_a_resumed_client_does_not_wait_for_trades_its_earlier_run_got_in():
     new = ClientCore(A, None, 1400, 10**9)
     assert new.resume() == 0  # the stream held nothing of ours yet
     core.on_inbound(sent[0], 1)  # then the dead run's batch is sequenced, before the new one submits
-    for p in PacketBuilder(S, 1).add_sequenced(start.messages + core.flush(2).messages):
+    for p in PacketBuilder(S, 1).add_sequenced(start.messages + core.flush(2, 2).messages):
         new.on_delivered(p, 0, 3)
     assert new.submit(trades, 4) == [] and not new.unacked and new.in_flight == 0  # nothing left to wait for
 
@@ -269,7 +270,7 @@ def test_clients_sharing_one_read_of_each_drain_see_what_each_sees_reading_packe
 
     # No followers (what it journals is committed); sealed packets, each naming its leader
     core = LeaderCore(S, b"seq-a     ", 1, [], {A: None, B: b"k" * 32}, stream_keys=StreamKeys([b"s" * 32]))
-    packets = core.on_journaled(core.start_term(100).last_seq)
+    packets = core.on_journaled(core.start_term(100, 100).last_seq)
     alone = {A: ClientCore(A, None, 1400, 10**9), B: ClientCore(B, b"k" * 32, 1400, 10**9)}
     shared = {A: ClientCore(A, None, 1400, 10**9), B: ClientCore(B, b"k" * 32, 1400, 10**9)}
     for origin, trades in ((A, [msg.purchase_request(1, 10, "X", "Y"), msg.purchase(2, 1, 2**62, "X", "Y")]),
@@ -278,7 +279,7 @@ def test_clients_sharing_one_read_of_each_drain_see_what_each_sees_reading_packe
         assert sent == shared[origin].submit(trades, 0)
         for datagram in sent:
             assert core.on_inbound(datagram, 1) is None
-    packets += core.on_journaled(core.flush(2).last_seq)
+    packets += core.on_journaled(core.flush(2, 2).last_seq)
     for p in packets:
         for c in alone.values():
             c.on_delivered(p, 0, 3)
@@ -336,11 +337,11 @@ def test_a_batch_is_stamped_from_its_bytes_as_its_messages_one_by_one(msgs, data
     core, _ = leader()
     if seen:
         assert core.on_inbound(m.encode_packet(A, 1, msgs[:seen]), 1) is None
-        core.flush(1)
+        core.flush(1, 1)
     assert core.on_inbound(m.encode_packet(A, 1, msgs), 2) is None
     bad = dict(msg.invalid_inbound_pure(m.encode_packet(A, 1, msgs), len(msgs)))
     want = [msg.rejected(x, bad[i]) if i in bad else x for i, x in enumerate(msgs)][seen:]
-    assert core.flush(200).messages == [x + (200).to_bytes(8, "big") + A + cseq.to_bytes(8, "big")
+    assert core.flush(200, 200).messages == [x + (200).to_bytes(8, "big") + A + cseq.to_bytes(8, "big")
                                          for cseq, x in enumerate(want, seen + 1)]
 
 
@@ -355,7 +356,7 @@ def test_what_the_rules_cannot_apply_is_sequenced_as_a_reject_the_client_sees():
     client = ClientCore(A, None, 1400, 10**9)
     core, start = leader()
     assert core.on_inbound(client.submit([ok, huge, bad_text, negative, huge], 0)[0], 1) is None
-    b = core.flush(2)
+    b = core.flush(2, 2)
     types = [chr(msg.decode(x)[msg.TYPE]) for x in b.messages]
     assert types == ["R", "J", "J", "P", "J"] and core.client_last[A] == 5
     assert core.rejected == {"shares_out_of_range": 2, "bad_text": 1}
@@ -368,10 +369,10 @@ def test_what_the_rules_cannot_apply_is_sequenced_as_a_reject_the_client_sees():
 
 def test_the_timer_is_due_when_on_timer_first_has_something_to_do():
     core, _ = leader(tick_ns=1000, heartbeat_ns=500)
-    core.on_timer(2000)
+    core.on_timer(2000, 2000)
     for _ in range(3):
         due = core.timer_due_ns()
-        assert core.on_timer(due - 1) == (None, None) and core.on_timer(due) != (None, None)
+        assert core.on_timer(due - 1, due - 1) == (None, None) and core.on_timer(due, due) != (None, None)
 
 
 def test_a_leaders_impossible_state_stops_it_rather_than_publishing_from_it():
@@ -396,4 +397,4 @@ def test_a_leaders_impossible_state_stops_it_rather_than_publishing_from_it():
     core.on_inbound(batch(A, 1, 1), 200)
     core._last_stamp_ns, core._last_sequenced_ns = 0, 10**18  # a stamp clock that went back
     with pytest.raises(InvariantViolation, match="before the last one"):
-        core.flush(300)
+        core.flush(300, 300)

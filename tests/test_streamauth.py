@@ -59,7 +59,7 @@ def test_what_is_not_one_whole_sealed_range_is_refused(case):
 
 def sealed_leader(term=1, **kw):
     core = LeaderCore(S, LEADER, term, [b"rw-1      "], {CLIENT: None}, stream_keys=StreamKeys([K1]), **kw)
-    return core, core.start_term(100)
+    return core, core.start_term(100, 100)
 
 
 def inbound(cseq, n):
@@ -69,7 +69,7 @@ def inbound(cseq, n):
 def test_the_leader_ends_every_packet_with_a_seal_and_journals_what_it_publishes():
     core, start = sealed_leader()
     core.on_inbound(inbound(1, 60), 200)
-    batch = core.flush(300)
+    batch = core.flush(300, 300)
     per = messages_per_packet()
     packets = core.on_journaled(batch.last_seq) + core.on_ack(b"rw-1      ", 1, True, batch.last_seq)
     assert len(packets) == 1 + -(-60 // (per - 1))  # the term start's packet, then 60 trades

@@ -183,7 +183,7 @@ def test_a_refused_write_steps_down_reloads_the_log_and_hangs_up():
     v.on_connected("c", 0)
     v.on_data("c", rep.encode_append(1, A, 5, 1, 0, 1, [msg(6)]), 1)
     out = v.on_disk_full("c", 2)
-    assert out == [vn.StepDown("disk full"), vn.Reload(vn.Why.DISK_FULL)]
+    assert out == [vn.StepDown("disk full", vn.Cause.DISK_FULL), vn.Reload(vn.Why.DISK_FULL)]
     out = v.on_log(out[1], records(1, 5), 3)  # the refused append undone
     assert out[-1] == vn.Close("c") and v.core.position() == (5, 1) and v.core.absent
     assert kinds(v.on_connected("d", 4)) == ["Send", "Close"]

@@ -31,7 +31,7 @@ def test_tshark_decodes_our_packets():
     core = LeaderCore(session, m.session_bytes("seq-a"), 1, [], {m.session_bytes("client1"): None},
                       last_seq=40, stream_keys=StreamKeys([b"k" * 32]))
     core.on_inbound(m.encode_packet(m.session_bytes("client1"), 1, inbound), 0)
-    packets += core.on_journaled(core.flush(time.time_ns()).last_seq)
+    packets += core.on_journaled(core.flush(time.time_ns(), time.time_ns()).last_seq)
     end = m.decode_packet(packets[-1]).seq + m.decode_packet(packets[-1]).count
     packets += [m.encode_heartbeat(session, end), m.encode_end_of_session(session, end)]
     cmd = ["tshark", "-i", "lo", "-l", "-f", f"udp port {port}", "-c", str(len(packets)), "-a", "duration:30",
