@@ -125,6 +125,9 @@ LEADER_BEAT_NS = default_of(Config, "leader_heartbeat_ms") * MS
 ELECTION_NS = default_of(Config, "election_ms") * MS
 TICK_NS = default_of(Config, "tick_ms") * MS
 HEARTBEAT_NS = default_of(Config, "heartbeat_ms") * MS
+# Two seeds in three tick every 100 ms (as `stream.tick_ms = 100` would): an idle leader then
+# stamps while the faults run, so a leader cut off holds entries no one else does more often.
+EXPLORED_TICK_NS = 100 * MS
 
 
 def wire(name: str) -> bytes:
@@ -186,10 +189,10 @@ class Voter:
         endpoint = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, state.term,
                              state.voted_for, state.log_floor, state.found, self.records(), self.sim.now)
         if self.can_lead:
-            self.node = SequencerNode(endpoint, LeaderSettings(
-                SESSION, {wire(c): None for c in CLIENTS}, default_of(Config, "max_packet"), TICK_NS, HEARTBEAT_NS,
-                self.sim.batch_interval_ns, LEADER_BEAT_NS, STREAM_KEYS, pace_from=PACE_FROM),
-                [wire(v) for v in VOTERS if v != self.name])
+            settings = LeaderSettings(SESSION, {wire(c): None for c in CLIENTS}, default_of(Config, "max_packet"),
+                                      self.sim.tick_ns, HEARTBEAT_NS, self.sim.batch_interval_ns, LEADER_BEAT_NS,
+                                      STREAM_KEYS, pace_from=PACE_FROM)
+            self.node = SequencerNode(endpoint, settings, [wire(v) for v in VOTERS if v != self.name])
         else:
             self.node = RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"), STREAM_KEYS, GAP_REQUEST_NS)
         self.core, self.election = self.node.core, self.node.election
@@ -265,7 +268,7 @@ class Voter:
             self.append(a.batch.records())  # after replicating the batch: only followers may hold it
             return self.node.on_journaled(a.batch, now)
         if isinstance(a, StampNow):
-            return self.node.on_stamp(now, self.clock())
+            return self.node.on_stamp(self.clock(), now)
         if isinstance(a, Publish):
             self.sim.publish(self.name, a.packets)
         elif isinstance(a, Stamp):
@@ -335,9 +338,9 @@ class Voter:
             self.act(self.node.on_closed(conn, now))
         elif kind == "inbound" and self.can_lead:
             emptied = self.sim.now >= self.sim.busy.get(self.name, 0)  # (overloaded: never emptied)
-            self.act(self.node.on_inbound([(msg[1], src)], emptied, now, self.clock()))
+            self.act(self.node.on_inbound([(msg[1], src)], emptied, self.clock(), now))
         elif kind == "stamp":
-            self.act(self.node.on_stamp(now, self.clock()))
+            self.act(self.node.on_stamp(self.clock(), now))
         elif kind == "drained":
             self.act(self.node.on_drained(conn, now), conn)
         elif kind == "gap" and not self.can_lead:
@@ -620,6 +623,7 @@ class Sim:
         self.loss = self.rng.choice((0.0, 0.01, 0.05, 0.15))
         self.dup = self.rng.choice((0.0, 0.02))
         self.batch_interval_ns = PACED_INTERVAL_NS if seed % 2 else 0  # (not drawn: the other draws stay a seed's)
+        self.tick_ns = EXPLORED_TICK_NS if seed % 3 else TICK_NS
         self.voters = {n: Voter(self, n) for n in VOTERS}
         self.listeners = {n: Listener(self, n) for n in CLIENTS}
         self.replicas = {n: Replica(self, n) for n in REPLICAS}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Hashable
+from typing import Callable, Hashable
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +39,19 @@ class Close:
     conn: Hashable
     reason: Enum | None = None
     detail: str = ""
+
+
+def checked_after(cls: type, events: tuple[str, ...]) -> None:
+    """Each of `cls`'s `events` ends with `self.check()`: a node's invariants hold after every
+    event, whatever the network sent (else InvariantViolation: exit 4; a failed seed)."""
+    for name in events:
+        setattr(cls, name, _then_check(getattr(cls, name)))
+
+
+def _then_check(event: Callable) -> Callable:
+    def checked(self, *args, **kwargs):
+        out = event(self, *args, **kwargs)
+        self.check()
+        return out
+    checked.__name__, checked.__doc__ = event.__name__, event.__doc__
+    return checked

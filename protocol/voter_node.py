@@ -39,7 +39,7 @@ from enum import Enum
 from typing import Hashable
 
 from tape.protocol import replication as rep
-from tape.protocol.actions import Close, Send
+from tape.protocol.actions import Close, Send, checked_after
 from tape.protocol.election import Cause, Lead, Persist, Refused, RequestVotes, Rng, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import FETCH_MAX, FETCH_READ_TIMEOUT_NS, STALL_SHARE
@@ -421,16 +421,5 @@ class VoterNode:
         return [Fetched(d.peer, d.taken, self.core.last_seq, self.core.last_term)]
 
 
-def _checked(event):
-    """`event`, then VoterNode.check(): every event of the node ends with its invariants checked."""
-    def checked(self, *args, **kwargs):
-        out = event(self, *args, **kwargs)
-        self.check()
-        return out
-    checked.__name__, checked.__doc__ = event.__name__, event.__doc__
-    return checked
-
-
-for _event in ("on_connected", "on_data", "on_closed", "on_timer", "on_read", "on_log", "on_disk_full", "on_disk_ok",
-               "fetch_from"):
-    setattr(VoterNode, _event, _checked(getattr(VoterNode, _event)))
+checked_after(VoterNode, ("on_connected", "on_data", "on_closed", "on_timer", "on_read", "on_log", "on_disk_full",
+                          "on_disk_ok", "fetch_from"))

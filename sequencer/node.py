@@ -10,14 +10,14 @@ from the journal a chunk per drain, commit beats, the batch cap, the step-down a
 hand-over of its client seqs to the log, the end of the session. Events: VoterNode's,
 and
 
-    on_inbound(datagrams, emptied, now, wall)   a drain of the inbound socket:
+    on_inbound(datagrams, emptied, wall, now)   a drain of the inbound socket:
                                      [(bytes, source)], and whether it was read empty
-    on_stamp(now, wall)              a Stamp came due: stamp what is pending (a batch,
+    on_stamp(wall, now)              a Stamp came due: stamp what is pending (a batch,
                                      a term's start, a time tick), with the wall clock
     on_replicated(replicate, queued, now)  a Replicate written: each connection's queued bytes
     on_journaled(batch, now)         a Journal's batch is in this node's journal
     on_drained(conn, now)            a Drain's connection has sent what it queued
-    on_end(now, wall)                the process is stopping: end the session
+    on_end(wall, now)                the process is stopping: end the session
     on_session_ended(now)            the end committed (or the shell stopped waiting)
 
 Actions: VoterNode's, and, in the order the shell carries them out:
@@ -47,13 +47,13 @@ from typing import Hashable
 
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
-from tape.protocol.actions import Close, Send
+from tape.protocol.actions import Close, Send, checked_after
 from tape.protocol.election import LEADER, Cause, Lead, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import MAX_BATCH_MESSAGES, PACE_FROM_MESSAGES
 from tape.protocol.packets import messages_per_packet
 from tape.protocol.streamauth import StreamKeys
-from tape.protocol.voter_node import Dial, ReadJournal, VoterNode
+from tape.protocol.voter_node import Dial, ReadJournal, Reject, VoterNode
 from tape.sequencer.core import Batch, LeaderCore
 from tape.sequencer.followers import FollowerLinks
 
@@ -235,7 +235,7 @@ class SequencerNode:
         try:
             frames = link.frames.feed(data)
         except ProtocolError as e:
-            return self._lose(conn, now) + [Close(conn, None, f"follower {link.peer!r}: {e}")]
+            return self._lose(conn, now) + [Close(conn, Reject.BAD_FRAME, f"follower {link.peer!r}: {e}")]
         out = []
         for fr in frames:
             if self.links.get(conn) is not link:
@@ -301,7 +301,7 @@ class SequencerNode:
 
     # --- its own events ------------------------------------------------------------------
 
-    def on_inbound(self, datagrams: list, emptied: bool, now: int, wall: int) -> list:
+    def on_inbound(self, datagrams: list, emptied: bool, wall: int, now: int) -> list:
         """One drain of the inbound socket. A batch is stamped whenever MAX_BATCH_MESSAGES are
         pending (one batch must fit one append frame); the rest when a Stamp comes due."""
         c = self.leader
@@ -321,7 +321,7 @@ class SequencerNode:
             out.append(self._stamp_at(c.batch_due_ns(now)))
         return out
 
-    def on_stamp(self, now: int, wall: int) -> list:
+    def on_stamp(self, wall: int, now: int) -> list:
         self.stamp_due = None
         c = self.leader
         if c is None:
@@ -371,7 +371,7 @@ class SequencerNode:
         link.feeding = False
         return self._feed(conn)
 
-    def on_end(self, now: int, wall: int) -> list:
+    def on_end(self, wall: int, now: int) -> list:
         """The process stops: what is pending, then the session's last entry."""
         c = self.leader
         if c is None:
@@ -554,3 +554,8 @@ class SequencerNode:
 
 def _is_follower_link(conn: Hashable) -> bool:
     return isinstance(conn, tuple) and len(conn) == 3 and conn[0] == FOLLOWER_LINK
+
+
+checked_after(SequencerNode, ("on_connected", "on_data", "on_closed", "on_timer", "on_read", "on_log", "on_disk_full",
+                              "on_disk_ok", "on_inbound", "on_stamp", "on_replicated", "on_journaled", "on_drained",
+                              "on_end", "on_session_ended"))

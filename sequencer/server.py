@@ -184,7 +184,7 @@ class Sequencer(NodeProcess):
         elif isinstance(a, sn.Stamp):
             self._schedule_stamp(a.due)
         elif isinstance(a, sn.StampNow):
-            return n.on_stamp(time.monotonic_ns(), time.time_ns())
+            return n.on_stamp(time.time_ns(), time.monotonic_ns())
         elif isinstance(a, sn.Advise):
             try:
                 self.inbound.sendto(a.data, a.source)
@@ -213,11 +213,14 @@ class Sequencer(NodeProcess):
     def _schedule_stamp(self, due: int) -> None:
         loop = asyncio.get_running_loop()
         wait = (due - time.monotonic_ns()) / 1e9
-        stamp = lambda: self.voter.event(None, lambda now: self.seq_node.on_stamp(now, time.time_ns()))  # noqa: E731
         # After the other callbacks of this turn of the event loop: the followers' acknowledgements
         # that came during the last fsync (readable in the same turn as the inbound socket, which
         # became readable first) commit and publish before this batch's own fsync holds the loop.
-        self._stamp_handle = loop.call_soon(stamp) if wait <= 0 else loop.call_later(wait, stamp)
+        stamp = (self.voter.event, None, self._stamp_now)
+        self._stamp_handle = loop.call_soon(*stamp) if wait <= 0 else loop.call_later(wait, *stamp)
+
+    def _stamp_now(self, now: int) -> list:
+        return self.seq_node.on_stamp(time.time_ns(), now)
 
     def _drain(self, conn) -> None:
         async def drained():
@@ -246,7 +249,7 @@ class Sequencer(NodeProcess):
             self.inbound_bytes += len(data)
             if not loss.drop():
                 datagrams.append((data, source))
-        self.voter.event(None, lambda now: self.seq_node.on_inbound(datagrams, emptied, now, time.time_ns()))
+        self.voter.event(None, self.seq_node.on_inbound, datagrams, emptied, time.time_ns())
 
     def _publish(self, a: sn.Publish) -> None:
         self.send_errors += send_datagrams(self.publisher, a.packets, self.dest)  # refused ones: gap fill
@@ -262,7 +265,7 @@ class Sequencer(NodeProcess):
         n = self.seq_node
         if n.leader is None:
             return
-        self.voter.event(None, lambda now: n.on_end(now, time.time_ns()))
+        self.voter.event(None, n.on_end, time.time_ns())
         deadline = time.monotonic() + END_COMMIT_WAIT_S
         while not n.session_ended() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
