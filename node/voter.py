@@ -138,6 +138,7 @@ class Voter:
         # neither accepts nor makes replication connections (both directions cut).
         self.partition_flag = Path(node.data) / "partitioned"
         self.partitioned = False
+        self._flag_checked = -(1 << 62)
         self._writers: dict[Hashable, asyncio.StreamWriter] = {}
         self._dialling: set[asyncio.Task] = set()
         self.closed: dict[str, int] = {}  # connections closed for what their peer sent, by reason
@@ -146,6 +147,7 @@ class Voter:
         self.refusal_log = RateLimitedLog(log)
         self.disk_full_events = 0
         self._space_checked = 0.0
+        self._carriers = self._carrier_table()
 
     # What the sequencer and the metrics read of the core.
     election = property(lambda self: self.core.election)
@@ -185,60 +187,56 @@ class Voter:
                 queue = deque(self.node_core.on_disk_full(conn, time.monotonic_ns()))
 
     def _carry_out(self, a) -> list:
-        """One action; what it leads to (the node's answer to a read), if anything."""
-        if isinstance(a, vn.Send):
-            if (writer := self._writers.get(a.conn)) is not None:
-                writer.write(a.data)
-        elif isinstance(a, vn.AppendRecords):
-            self.journal.append(a.records, a.sync)  # durable before the ack, per the fsync policy
-        elif isinstance(a, vn.SyncJournal):
-            self.journal.maybe_sync()
-        elif isinstance(a, vn.Persist):
-            self.store.save(a.term, a.voted_for, a.log_floor)
-        elif isinstance(a, vn.Truncate):
-            log.warning("dropping uncommitted suffix after seq %d (conflicts with the leader's log)", a.after_seq)
-            self.journal.truncate_after(a.after_seq)
-        elif isinstance(a, vn.ReadJournal):
-            return self.node_core.on_read(a, self.journal.read_batch(a.first, a.count) if a.count else [],
-                                          time.monotonic_ns())
-        elif isinstance(a, vn.Reload):
-            return self.node_core.on_log(a, self.journal.read(), time.monotonic_ns())
-        elif isinstance(a, vn.Resume):
-            return self.node_core.on_data(a.conn, b"", time.monotonic_ns())
-        elif isinstance(a, vn.Close):
-            self._close(a)
-        elif isinstance(a, vn.Dial):
-            self._dial(a)
-        elif isinstance(a, vn.Committed):
-            pass  # (what waited for it is the node core's to answer)
-        elif isinstance(a, vn.Refused):
-            self.refused[a.reason] = self.refused.get(a.reason, 0) + 1
-            self.refusal_log.warn(a.reason, "refused: %s", a.detail)
-        elif isinstance(a, (vn.Lead, vn.StepDown, vn.RequestVotes)):
-            self.on_action(a)
-        elif not self._note(a):
+        """One action; what it leads to (the node's answer to a read), if anything. By its type:
+        an action goes by a dict, not a chain of isinstance (a dozen a batch's every action)."""
+        carry = self._carriers.get(type(a))
+        if carry is None:
             return self.on_other(a)
-        return []
+        return carry(a) or []
 
-    def _note(self, a) -> bool:
-        """Log what the endpoint noted; False if `a` is no such note."""
-        if isinstance(a, vn.Voted):
-            log.info("voted for %s in term %d", a.candidate.decode(errors="replace").strip(), a.term)
-        elif isinstance(a, vn.LeaderGone):
-            log.warning("the leader's connection closed in term %d: taking it for gone", a.term)
-        elif isinstance(a, vn.Fetched):
-            log.warning("took %d entries from %s to catch up (log now ends at seq %d, term %d)", a.taken,
-                        a.peer.decode(errors="replace").strip(), a.last_seq, a.last_term)
-        elif isinstance(a, vn.Stalled):
-            self.refusal_log.warn("stall", "this process was not running for %.0f ms (CPU starvation, a blocking "
-                                  "disk write or a pause): the election's timers were held for %.0f ms",
-                                  a.gap_ns / 1e6, a.held_ns / 1e6)
-        elif isinstance(a, vn.Recovered):
-            log.warning("recovered the election state from %d voters: term %d (no vote in it), votes only for "
-                        "logs at least at (term %d, seq %d)", a.voters, a.term, *a.log_floor)
-        else:
-            return False
-        return True
+    def _carrier_table(self) -> dict:
+        now = time.monotonic_ns
+        return {
+            vn.Send: self._send,
+            vn.AppendRecords: lambda a: self.journal.append(a.records, a.sync),  # durable before the ack
+            vn.SyncJournal: lambda a: self.journal.maybe_sync(),
+            vn.Persist: lambda a: self.store.save(a.term, a.voted_for, a.log_floor),
+            vn.Truncate: self._truncate,
+            vn.ReadJournal: lambda a: self.node_core.on_read(
+                a, self.journal.read_batch(a.first, a.count) if a.count else [], now()),
+            vn.Reload: lambda a: self.node_core.on_log(a, self.journal.read(), now()),
+            vn.Resume: lambda a: self.node_core.on_data(a.conn, b"", now()),
+            vn.Close: self._close,
+            vn.Dial: self._dial,
+            vn.Committed: lambda a: None,  # (what waited for it is the node core's to answer)
+            vn.Refused: self._refused,
+            vn.Lead: self.on_action, vn.StepDown: self.on_action, vn.RequestVotes: self.on_action,
+            vn.Voted: lambda a: log.info("voted for %s in term %d", a.candidate.decode(errors="replace").strip(),
+                                         a.term),
+            vn.LeaderGone: lambda a: log.warning("the leader's connection closed in term %d: taking it for gone",
+                                                 a.term),
+            vn.Fetched: lambda a: log.warning("took %d entries from %s to catch up (log now ends at seq %d, term "
+                                              "%d)", a.taken, a.peer.decode(errors="replace").strip(), a.last_seq,
+                                              a.last_term),
+            vn.Stalled: lambda a: self.refusal_log.warn(
+                "stall", "this process was not running for %.0f ms (CPU starvation, a blocking disk write or a "
+                "pause): the election's timers were held for %.0f ms", a.gap_ns / 1e6, a.held_ns / 1e6),
+            vn.Recovered: lambda a: log.warning(
+                "recovered the election state from %d voters: term %d (no vote in it), votes only for logs at "
+                "least at (term %d, seq %d)", a.voters, a.term, *a.log_floor),
+        }
+
+    def _send(self, a: vn.Send) -> None:
+        if (writer := self._writers.get(a.conn)) is not None:
+            writer.write(a.data)
+
+    def _truncate(self, a: vn.Truncate) -> None:
+        log.warning("dropping uncommitted suffix after seq %d (conflicts with the leader's log)", a.after_seq)
+        self.journal.truncate_after(a.after_seq)
+
+    def _refused(self, a: vn.Refused) -> None:
+        self.refused[a.reason] = self.refused.get(a.reason, 0) + 1
+        self.refusal_log.warn(a.reason, "refused: %s", a.detail)
 
     def _close(self, a: vn.Close) -> None:
         if a.reason is not None:
@@ -309,6 +307,13 @@ class Voter:
         self.journal.maybe_sync()  # the "every N ms" policy while no append comes
         if self.core.election.disk_full:
             self._space_back()
+        now = time.monotonic_ns()
+        if now - self._flag_checked >= self.tick_ns:  # (a leader's timer fires for every commit beat)
+            self._flag_checked = now
+            self._partition_flag()
+        self.event(None, self.node_core.on_timer)
+
+    def _partition_flag(self) -> None:
         cut = self.partition_flag.exists()
         if cut != self.partitioned:
             self.partitioned = cut
@@ -319,7 +324,6 @@ class Voter:
                     self._writers.pop(conn).close()
                     self.event(None, self.node_core.on_closed, conn, False)  # (not the peer's doing)
             self.on_partition(cut)
-        self.event(None, self.node_core.on_timer)
 
     # --- connections ---------------------------------------------------------------------
 

@@ -149,6 +149,14 @@ class LocalCluster:
                 continue
         return None
 
+    def wait_leader(self, timeout: float = 10.0) -> str | None:
+        """The leader, once one leads (None if none within `timeout`: the run goes on, and its
+        verdict says what happened)."""
+        deadline = time.monotonic() + timeout
+        while (leader := self.leader()) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return leader
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
         self.let_go.add(name)

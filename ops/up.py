@@ -92,6 +92,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             if drill:
                 drill.prepare(cluster)
             cluster.start_all(drop)
+            cluster.wait_leader()  # (trades sent before an election are resent: not what a run measures)
             cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
                           "--seed", str(seed))
             opened = _watch(console, cluster, duration, drill, slack_s)

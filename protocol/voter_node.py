@@ -263,12 +263,16 @@ class VoterNode:
     def next_deadline(self, now: int) -> int:
         """At the election's deadline, a connection's, the next greeting round, and at least every
         tick_ns (so that a stall is measured)."""
-        due = [now + self.tick_ns, *(d.deadline for d in self.dialed.values() if d.deadline is not None)]
-        if self.election.next_deadline_ns() is not None:
-            due.append(self.election.next_deadline_ns())
-        if self.core.recovering and self.greet_at is not None:
-            due.append(self.greet_at)
-        return min(due)
+        due = now + self.tick_ns  # (asked after every event: no list built)
+        for d in self.dialed.values():
+            if d.deadline is not None and d.deadline < due:
+                due = d.deadline
+        election = self.election.next_deadline_ns()
+        if election is not None and election < due:
+            due = election
+        if self.core.recovering and self.greet_at is not None and self.greet_at < due:
+            due = self.greet_at
+        return due
 
     # --- its own events ----------------------------------------------------------------
 

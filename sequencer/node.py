@@ -271,8 +271,12 @@ class SequencerNode:
         c = self.leader
         if c is None:
             return due
-        due = min(due, self.followers.beat_due_ns(c.commit_seq), *self.redial_at.values(),
-                  *(link.deadline for link in self.links.values() if link.deadline is not None))
+        due = min(due, self.followers.beat_due_ns(c.commit_seq))
+        if self.redial_at:
+            due = min(due, *self.redial_at.values())
+        for link in self.links.values():
+            if link.deadline is not None and link.deadline < due:
+                due = link.deadline
         return due if self.stamp_due is not None or self._starting else min(due, c.timer_due_ns())
 
     def on_read(self, read: ReadJournal, records: list, now: int) -> list:

@@ -64,6 +64,7 @@ class Sequencer(NodeProcess):
                                   wrap=lambda endpoint: sn.SequencerNode(endpoint, settings, followers),
                                   on_other=self._carry_out))
         self.seq_node: sn.SequencerNode = self.voter.node_core
+        self._carriers = self._carrier_table()
         self._held: list[asyncio.StreamWriter] = []  # links a partition keeps from closing
         self._tasks: set[asyncio.Task] = set()  # drains under way
         self._stamp_handle: asyncio.Handle | None = None
@@ -169,46 +170,49 @@ class Sequencer(NodeProcess):
 
     def _carry_out(self, a) -> list:
         """One of the sequencer node's own actions (node/voter.py carries out the endpoint's)."""
-        n = self.seq_node
-        if isinstance(a, sn.Replicate):
-            writers = [w for conn in a.conns if (w := self.voter.writer(conn)) is not None]
-            authlink.write_each(writers, a.frame)
-            return n.on_replicated(a, [w.transport.get_write_buffer_size() for w in writers], time.monotonic_ns())
-        if isinstance(a, sn.Journal):
-            b = a.batch
-            self._stamped.append((b.last_seq, time.monotonic_ns(), len(b.messages)))
-            self.journal.append(b.records())  # a refused write raises DiskFull: the voter's disk-full path
-            return n.on_journaled(b, time.monotonic_ns())
-        if isinstance(a, sn.Publish):
-            self._publish(a)
-        elif isinstance(a, sn.Stamp):
-            self._schedule_stamp(a.due)
-        elif isinstance(a, sn.StampNow):
-            return n.on_stamp(time.time_ns(), time.monotonic_ns())
-        elif isinstance(a, sn.Advise):
-            try:
-                self.inbound.sendto(a.data, a.source)
-            except OSError:
-                pass  # advice: the client's window and resend timer cover its loss
-        elif isinstance(a, sn.Drain):
-            self._drain(a.conn)
-        elif isinstance(a, sn.Dropped):
-            self.badlog.warn(a.reason, "dropped inbound datagram of %d bytes: %s", a.size, a.reason)
-        else:
-            self._note(a)
-        return []
+        return self._carriers[type(a)](a) or []
 
-    def _note(self, a) -> None:
-        if isinstance(a, sn.Led):
-            log.warning("%s leading term %d from seq %d", self.node.name, a.term, a.from_seq)
-        elif isinstance(a, sn.SteppedDown):
-            log.error("%s stepping down from term %d: %s", self.node.name, a.term, a.reason)
-            self.step_downs[a.cause.value] = self.step_downs.get(a.cause.value, 0) + 1
-            self._stamped.clear()  # what it did not publish, the next leader may
-        elif isinstance(a, sn.FollowerJoined):
-            log.info("follower %s connected at seq %d", a.peer.decode(errors="replace").strip(), a.last_seq)
-        elif isinstance(a, sn.EndOfSession):
-            self._end = a
+    def _carrier_table(self) -> dict:
+        n = self.seq_node
+        return {
+            sn.Replicate: self._replicate,
+            sn.Journal: self._journal,
+            sn.Publish: self._publish,
+            sn.Stamp: lambda a: self._schedule_stamp(a.due),
+            sn.StampNow: lambda a: n.on_stamp(time.time_ns(), time.monotonic_ns()),
+            sn.Advise: self._advise,
+            sn.Drain: lambda a: self._drain(a.conn),
+            sn.Dropped: lambda a: self.badlog.warn(a.reason, "dropped inbound datagram of %d bytes: %s", a.size,
+                                                   a.reason),
+            sn.Led: lambda a: log.warning("%s leading term %d from seq %d", self.node.name, a.term, a.from_seq),
+            sn.SteppedDown: self._stepped_down,
+            sn.FollowerJoined: lambda a: log.info("follower %s connected at seq %d",
+                                                  a.peer.decode(errors="replace").strip(), a.last_seq),
+            sn.EndOfSession: lambda a: setattr(self, "_end", a),
+        }
+
+    def _replicate(self, a: sn.Replicate) -> list:
+        writers = [w for conn in a.conns if (w := self.voter.writer(conn)) is not None]
+        authlink.write_each(writers, a.frame)
+        return self.seq_node.on_replicated(a, [w.transport.get_write_buffer_size() for w in writers],
+                                           time.monotonic_ns())
+
+    def _journal(self, a: sn.Journal) -> list:
+        b = a.batch
+        self._stamped.append((b.last_seq, time.monotonic_ns(), len(b.messages)))
+        self.journal.append(b.records())  # a refused write raises DiskFull: the voter's disk-full path
+        return self.seq_node.on_journaled(b, time.monotonic_ns())
+
+    def _advise(self, a: sn.Advise) -> None:
+        try:
+            self.inbound.sendto(a.data, a.source)
+        except OSError:
+            pass  # advice: the client's window and resend timer cover its loss
+
+    def _stepped_down(self, a: sn.SteppedDown) -> None:
+        log.error("%s stepping down from term %d: %s", self.node.name, a.term, a.reason)
+        self.step_downs[a.cause.value] = self.step_downs.get(a.cause.value, 0) + 1
+        self._stamped.clear()  # what it did not publish, the next leader may
 
     def _schedule_stamp(self, due: int) -> None:
         loop = asyncio.get_running_loop()
