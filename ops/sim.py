@@ -1,11 +1,9 @@
 """Deterministic simulation of the whole protocol (DESIGN.md section 10).
 
-The node cores the processes run -- RewinderNode, VoterNode (a sequencer's
-replication endpoint), ReplicaNode and EmitterNode -- and the smaller cores
-whose glue is still written here until their roles have node cores
-(LeaderCore and FollowerLinks while a sequencer leads, ListenerCore and
-ClientCore for the clients), in one process on a seeded virtual network and clock, with the
-processes' election timeouts. Replication and alert links are connections
+The node cores the processes run -- SequencerNode and RewinderNode (each
+around a VoterNode, every voter's replication endpoint), ReplicaNode,
+EmitterNode and ClientNode (the client library's) -- in one process on a
+seeded virtual network and clock, with the processes' election timeouts. Replication and alert links are connections
 carrying the real frames' bytes: ordered and never lost, held across a
 partition until it heals, closed when a process dies; datagrams (the stream,
 gap fills, inbound trades, back-offs) are delayed, dropped, duplicated and
@@ -44,9 +42,9 @@ from tape.protocol import messages as M
 from tape.protocol import soupbintcp as soup
 from tape.protocol.actions import Close, Send
 from tape.protocol.election import Persist, Refused
-from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.errors import InvariantViolation
 from tape.protocol.limits import REPLAY_BEHIND
-from tape.protocol.listener import Ahead, Deliver, ListenerCore, Undecodable
+from tape.protocol.listener import Deliver, Undecodable
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
 from tape.protocol.voter_node import (
@@ -73,10 +71,11 @@ from tape.replicas.emitter_node import (
 from tape.replicas.replica_node import Applied, AskRewinder, Rebuild, ReplicaNode, TakeSnapshot
 from tape.replicas.snapshot import open_verified
 from tape.rewinder.node import ReadGap, ReplayRecords, RewinderNode, SendDatagram
-from tape.sequencer.client_core import ClientCore, Recovery
+from tape.sequencer.client_node import ClientNode, Delivered, Recovered, SendInbound
 from tape.sequencer.node import (
     Advise,
     Drain,
+    EndOfSession,
     Journal,
     LeaderSettings,
     Led,
@@ -128,6 +127,9 @@ HEARTBEAT_NS = default_of(Config, "heartbeat_ms") * MS
 # Two seeds in three tick every 100 ms (as `stream.tick_ms = 100` would): an idle leader then
 # stamps while the faults run, so a leader cut off holds entries no one else does more often.
 EXPLORED_TICK_NS = 100 * MS
+# A quarter of the seeds' leaders stamp a batch as soon as this many messages are pending (the
+# processes' cap, 65,536, is more than a run here sequences): a drain's batches then come mid-drain.
+SIM_MAX_BATCH = 4
 
 
 def wire(name: str) -> bytes:
@@ -191,7 +193,7 @@ class Voter:
         if self.can_lead:
             settings = LeaderSettings(SESSION, {wire(c): None for c in CLIENTS}, default_of(Config, "max_packet"),
                                       self.sim.tick_ns, HEARTBEAT_NS, self.sim.batch_interval_ns, LEADER_BEAT_NS,
-                                      STREAM_KEYS, pace_from=PACE_FROM)
+                                      STREAM_KEYS, pace_from=PACE_FROM, max_batch=self.sim.max_batch)
             self.node = SequencerNode(endpoint, settings, [wire(v) for v in VOTERS if v != self.name])
         else:
             self.node = RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"), STREAM_KEYS, GAP_REQUEST_NS)
@@ -277,6 +279,10 @@ class Voter:
             self.sim.at(now + MS, self.sim.deliver, self.name, self.name, ("drained", a.conn))
         elif isinstance(a, Advise):
             self.sim.send(self.name, a.source, ("advice", a.data))
+        elif isinstance(a, EndOfSession):
+            for i in range(a.repeats):
+                self.sim.at(now + i * a.interval_ns, self.sim.publish, self.name, [a.packet])
+            self.sim.end_published = now + (a.repeats - 1) * a.interval_ns + 1
         elif isinstance(a, Led):
             known = self.sim.leaders.setdefault(a.term, self.name)
             if known != self.name:
@@ -450,78 +456,73 @@ class Replica:
 
 
 class Listener:
-    """A client (submits, resends, acks): the ListenerCore and ClientCore the processes run, on
-    the simulated network."""
+    """A client (submits, resends, acks): the ClientNode the client library runs, on the
+    simulated network."""
 
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name = sim, name
-        self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS, keys=STREAM_KEYS)
-        self.core.reply_at(*address(name))
-        self.up = True
-        self.delivered: list[bytes] = []
-        self.recovery: Recovery | None = None  # a restarted client reading the stream before it submits
         self.gen_seed = sim.rng.randrange(1 << 30)
-        self.start_client()
+        self.start()
 
-    def start_client(self) -> None:
-        """A client (re)starting: it regenerates the same trades under the same client seqs."""
-        self.client = ClientCore(wire(self.name), None, default_of(Config, "max_packet"), RESEND_NS)
+    def start(self, recover: bool = False) -> None:
+        """A client (re)starting: it regenerates the same trades under the same client seqs and,
+        restarted, reads the stream from seq 1 up to its head before it numbers on."""
+        self.up = True
+        self.node = ClientNode(SESSION, len(REWINDERS), GAP_REQUEST_NS, RESEND_NS, keys=STREAM_KEYS,
+                               max_packet=default_of(Config, "max_packet"))
+        self.node.listener.reply_at(*address(self.name))
+        self.client = self.node.add(self.name, None)
         self.gen = TradeGenerator(self.gen_seed, overfill_share=0.3, first_id=1 + CLIENTS.index(self.name) * 10**9)
+        self.delivered: list[bytes] = []
+        self.recovering = recover
+        if recover:
+            self.act(self.node.recover(self.name, self.sim.now))
 
     def restart_client(self) -> None:
         """Everything but the generator's seed was lost: read the stream from seq 1 again."""
-        self.up = True
-        self.core = ListenerCore(SESSION, len(REWINDERS), GAP_REQUEST_NS, keys=STREAM_KEYS)
-        self.core.reply_at(*address(self.name))
-        self.delivered = []
-        self.start_client()
-        self.recovery = Recovery()
+        self.start(recover=True)
+
+    def act(self, actions: list) -> None:
+        """As sequencer/client.py's StreamListener carries them out."""
+        for a in actions:
+            if isinstance(a, Delivered):
+                for d in a.runs:
+                    take_delivered(self.sim, self.name, self.delivered, d)
+            elif isinstance(a, AskRewinder):
+                self.sim.send(self.name, REWINDERS[a.index], ("gap", a.request))
+            elif isinstance(a, SendInbound):
+                self.submit(a.datagrams, a.to)
+            elif isinstance(a, Recovered):
+                self.gen.take(a.acked)  # what the log holds is not sent again
+                self.recovering = False
+            elif isinstance(a, Undecodable):
+                raise Violation(f"{self.name}: the committed log holds an undecodable message at seq {a.seq}")
+            # (Acked: no one waits here; Dropped: counted by the cores)
 
     def receive(self, src: str, msg) -> None:
         if msg[0] == "advice":
-            if self.client.on_advice(msg[1], self.sim.now, src in SEQUENCERS) is None:
-                for data in self.client.on_timer(self.sim.now):  # a resend asked for: now
-                    self.submit(data)
-        if msg[0] != "packet":
-            return
-        actions = self.core.on_datagram(msg[1])
-        if isinstance(actions, ProtocolError):
-            return  # counted and dropped, as the real listener does
-        for a in actions:
-            if isinstance(a, Undecodable):
-                raise Violation(f"{self.name}: the committed log holds an undecodable message at seq {a.seq}")
-            if isinstance(a, Ahead):
-                self.client.on_ahead(a.packet, self.sim.now)
-                continue
-            self.apply(a)
-
-    def apply(self, d: Deliver) -> None:
-        take_delivered(self.sim, self.name, self.delivered, d)
-        self.client.on_delivered(d.packet, d.skip, self.sim.now)
+            self.act(self.node.on_advice(self.name, msg[1], src in SEQUENCERS, self.sim.now))
+        elif msg[0] == "packet":
+            self.act(self.node.on_datagrams([msg[1]], self.sim.now))
 
     def tick(self) -> None:
-        now = self.sim.now
-        for ask in self.core.on_timer(now):
-            self.sim.send(self.name, REWINDERS[ask.index], ("gap", ask.request))
-        c = self.client
-        if self.recovery is not None:
-            if not self.recovery.done(self.core):
-                return
-            self.recovery = None
-            self.gen.take(c.resume())  # what the log holds is not sent again
+        now, c = self.sim.now, self.client
+        due = self.node.next_deadline(now)
+        if due is not None and due <= now:  # the shell's timer
+            self.act(self.node.on_timer(now))
+        if self.recovering:
+            return
         if c.next_cseq <= self.sim.per_client and self.sim.rng.random() < SUBMIT_CHANCE and not c.pause_left_ns(now):
             count = min(self.sim.rng.randint(1, 8), self.sim.per_client - c.next_cseq + 1)
-            for data in c.submit(self.gen.take(count), now):
-                self.submit(data, c.leader)
-        for data in c.on_timer(now):
-            self.submit(data)
+            self.act(self.node.submit(self.name, self.gen.take(count), now))
 
-    def submit(self, data: bytes, to: bytes | None = None) -> None:
+    def submit(self, datagrams: list[bytes], to: bytes | None) -> None:
         """To the sequencer `to` names (the leader the stream names, as the client shell sends),
         else to every one (resends)."""
         named = [s for s in SEQUENCERS if wire(s) == to]
-        for s in named or SEQUENCERS:
-            self.sim.send(self.name, s, ("inbound", data))
+        for data in datagrams:
+            for s in named or SEQUENCERS:
+                self.sim.send(self.name, s, ("inbound", data))
 
 
 class Emitter:
@@ -624,6 +625,7 @@ class Sim:
         self.dup = self.rng.choice((0.0, 0.02))
         self.batch_interval_ns = PACED_INTERVAL_NS if seed % 2 else 0  # (not drawn: the other draws stay a seed's)
         self.tick_ns = EXPLORED_TICK_NS if seed % 3 else TICK_NS
+        self.max_batch = SIM_MAX_BATCH if seed % 4 == 1 else default_of(LeaderSettings, "max_batch")
         self.voters = {n: Voter(self, n) for n in VOTERS}
         self.listeners = {n: Listener(self, n) for n in CLIENTS}
         self.replicas = {n: Replica(self, n) for n in REPLICAS}
@@ -634,6 +636,8 @@ class Sim:
         self.channel_at: dict[tuple[str, str], int] = {}  # ordered channels: when the last message arrives
         self.trace: list[str] = []
         self.wiped = False
+        self.ended_by: str | None = None  # the leader that ended the session
+        self.end_published = 0  # when its last end-of-session packet goes out
         self._schedule_faults()
 
     def close(self) -> None:
@@ -859,7 +863,7 @@ class Sim:
                 self.send("mallory", dst, ("inbound", blob) if dst in SEQUENCERS else ("packet", blob))
         for name in CLIENTS:
             self.send("mallory", name, ("advice", backoff.encode(wire(name), 1 << 40, 1, 65_535, None)))
-        receivers = {**{n: c.core.receiver for n, c in self.listeners.items()},
+        receivers = {**{n: c.node.listener.receiver for n, c in self.listeners.items()},
                      **{n: r.node.receiver for n, r in self.replicas.items()}}
         for name, receiver in receivers.items():
             for pkt in self.forgeries(receiver.next_seq):
@@ -921,6 +925,16 @@ class Sim:
         self.at(self.now + 5 * MS, self.tick)
 
     def settled(self) -> bool:
+        """Every fault healed and every trade acknowledged, then the session ended, then every
+        replica applied the whole log and every voter holds it."""
+        if not self.healed() or not self.ended():
+            return False
+        leader = self.leader()
+        c = leader.commit_seq
+        return (all(len(r.delivered) >= c for r in self.replicas.values())
+                and all(v.log[:c] == leader.log[:c] for v in self.voters.values()))
+
+    def healed(self) -> bool:
         if self.now < FAULTS_UNTIL + 200 * MS:
             return False
         if self.paused or self.cut or not all(v.up for v in self.voters.values()) or not self.emitter.up:
@@ -931,11 +945,28 @@ class Sim:
                (self.listeners[n].client for n in CLIENTS)):
             return False  # (not only none to resend: seen ahead of a gap is not acknowledged yet)
         leader = self.leader()
-        if leader is None or leader.commit_seq < len(leader.log):
+        return leader is not None and leader.commit_seq >= len(leader.log)
+
+    def ended(self) -> bool:
+        """The session ends as the processes end it: the leader stamps its end (no time tick after
+        it), and once that commits, tells the followers and publishes the end-of-session packet."""
+        leader = self.leader()
+        if self.ended_by is None:
+            if leader.torn_write is not None:
+                # (a crash fault armed for its next write: a leader that dies with its session's end
+                # replicated and not committed leaves voters that may not lead after it, and no
+                # one can commit it: known, docs/failover.md; the next write tears first)
+                return False
+            self.ended_by = leader.name
+            self.trace.append(f"{self.now / MS:.0f} ms: {leader.name} ends the session")
+            leader.act(leader.node.on_end(leader.clock(), self.now))
             return False
-        c = leader.commit_seq
-        return (all(len(r.delivered) >= c for r in self.replicas.values())
-                and all(v.log[:c] == leader.log[:c] for v in self.voters.values()))
+        if leader.name != self.ended_by or not leader.node.session_ended():
+            return False
+        if not self.end_published:
+            leader.act(leader.node.on_session_ended(self.now))
+            return False
+        return self.now >= self.end_published
 
     def leader(self) -> Voter | None:
         """The leader of the highest term (a stale one may still think it leads)."""
@@ -975,6 +1006,9 @@ class Sim:
         leader = self.leader()
         c = leader.commit_seq
         log = [m for _, m in leader.log[:c]]
+        last = next(t for t in (M.SEQUENCED.unpack(m)[M.TYPE] for m in reversed(log)) if t != M.AUTH)
+        if last != M.SESSION_END:  # (a seal follows it, as every packet's worth ends with one)
+            raise Violation(f"the committed log ends with a type {chr(last)!r} entry, not the session's end")
         for v in self.voters.values():  # agreement: every journal is a prefix of the committed log
             if [m for _, m in v.log[:c]] != log[:len(v.log)]:
                 raise Violation(f"{v.name}'s log disagrees with the committed log")

@@ -10,12 +10,12 @@ import sys
 import time
 
 from tape.node import netif
-from tape.node.listener import StreamListener
 from tape.node.process import within
 from tape.ops.config import Config
 from tape.ops.journal_tool import record_dict
 from tape.protocol import messages
 from tape.protocol.receiver import Deliver
+from tape.sequencer.client import StreamListener
 
 
 async def run_tail(cfg: Config, stats: bool, until: int | None, drop: float, seed: int, summary: bool,

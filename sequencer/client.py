@@ -1,13 +1,16 @@
-"""The client library's shell: submit trades exactly once.
+"""The client library's shell: submit trades exactly once, around the clients'
+node core (sequencer/client_node.py ClientNode), which decides.
 
-`submit(messages)` hands them to ClientCore, which numbers and batches
-them, and sends each batch to the leader the stream names (every sequencer
-while none is known, and for resends); the StreamListener feeds
-the public stream back to the core, whose acknowledgements release
-`submit`'s back-pressure and `wait_acked`; a timer sends again what the
-core says is due (sequencer/client_core.py has the policy). The send
-socket hears the leader's advice: back-offs (`submit` holds new batches
-while the core says so) and resend requests (sent at once).
+A process's clients read the stream once per interface: a StreamListener (the
+stream's sockets, node/listener.py, and the node's one timer) holds the
+ClientNode, and each Client joins it with its ClientCore, the socket it sends
+from (where the leader's advice comes back) and its waiters. `submit(messages)`
+hands them to the node, which numbers and batches them and says where each batch
+goes (the leader the stream names; every sequencer while none is known, and for
+resends); the stream's drains acknowledge them, which releases `submit`'s
+back-pressure and `wait_acked`; the node's timer resends what is due
+(sequencer/client_core.py has the policy). `tape tail` is a StreamListener with
+no clients.
 """
 
 from __future__ import annotations
@@ -16,20 +19,131 @@ import asyncio
 import logging
 import socket
 import time
+from typing import Callable
 
 from tape.node import netif
 from tape.node.batchio import send_datagrams
-from tape.node.listener import StreamListener
+from tape.node.listener import GapTimer, StreamSockets
 from tape.node.process import within
-from tape.node.ratelog import RateLimitedLog
 from tape.node.settings import Config
 from tape.node.transport import udp_socket
-from tape.protocol import moldudp64
+from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
-from tape.protocol.receiver import Deliver
-from tape.sequencer.client_core import ClientCore, Recovery, read_drain
+from tape.protocol.listener import Deliver
+from tape.sequencer.client_node import Acked, AskRewinder, ClientNode, Delivered, Recovered, SendInbound, Undecodable
 
 log = logging.getLogger("tape.client")
+
+
+class StreamListener:
+    """The shell of ClientNode (sequencer/client_node.py): the stream's sockets, the node's one
+    timer, and what its actions say to carry out. Clients of the process (sequencer/client.py)
+    join it with their cores, a sender of their inbound datagrams and their waiters."""
+
+    def __init__(self, cfg: Config, interface: str, deliver: Callable[[list[Deliver]], None] | None = None,
+                 drop: float = 0.0, seed: int = 0, next_seq: int = 1,
+                 on_undecodable: Callable[[int, ProtocolError], None] | None = None):
+        """`interface`: the local address multicast arrives on (netif.resolve'd). `deliver`: gets
+        the runs of a drain in order, in one call (a call a packet cost its Python again for each)."""
+        self.cfg = cfg
+        self.deliver = deliver
+        # Called when a verified (sealed) packet, the committed log itself, holds a
+        # message this listener cannot decode: skipping it would diverge.
+        self.on_undecodable = on_undecodable
+        self.sockets = StreamSockets(cfg, interface, self._drained, drop, seed)
+        self.loss, self.badlog = self.sockets.loss, self.sockets.badlog
+        self.node = ClientNode(cfg.session_bytes, len(self.sockets.rewinders), cfg.gap_request_ms * 1_000_000,
+                               cfg.client_resend_ms * 1_000_000, next_seq, cfg.stream_auth, cfg.max_packet)
+        self.core = self.node.listener
+        self.receiver = self.core.receiver
+        self.gaps = GapTimer()
+        self.gap_histogram = self.gaps.histogram
+        self.senders: dict[str, Callable[[list[bytes], bytes | None], None]] = {}  # client -> its socket's send
+        self.on_acked: dict[str, Callable[[], None]] = {}
+        self.on_recovered: dict[str, Callable[[int], None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._due: int | None = None
+
+    @property
+    def bad(self) -> dict[str, int]:
+        return self.core.bad
+
+    @property
+    def requests_sent(self) -> int:
+        return self.core.requests_sent
+
+    @property
+    def datagrams(self) -> int:
+        return self.sockets.datagrams
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.core.reply_at(*self.sockets.start())
+        self._rearm()
+
+    def stop(self) -> None:
+        """Stop receiving and asking."""
+        self.sockets.stop()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._loop = None
+
+    async def close(self) -> None:
+        """Stop, and return once every socket is closed: a listener started next may reuse their
+        file descriptors, which asyncio must no longer watch."""
+        self.stop()
+        await asyncio.sleep(0)
+
+    def event(self, handler, *args) -> None:
+        """One event of the node core (its time appended), its actions carried out."""
+        self.act(handler(*args, time.monotonic_ns()))
+
+    def on_datagram(self, data: bytes) -> None:
+        """One datagram, delivered at once (tests)."""
+        self.event(self.node.on_datagrams, [data])
+
+    def _drained(self, datagrams: list[bytes]) -> None:
+        self.event(self.node.on_datagrams, datagrams)
+        self.gaps.note(self.node.missing)
+
+    def act(self, actions: list) -> None:
+        for a in actions:
+            kind = type(a)
+            if kind is Delivered:
+                if self.deliver is not None:
+                    self.deliver(a.runs)
+            elif kind is AskRewinder:
+                self.sockets.ask(a.index, a.request)
+            elif kind is SendInbound:
+                self.senders[a.client](a.datagrams, a.to)
+            elif kind is Acked:
+                self.on_acked[a.client]()
+            elif kind is Recovered:
+                self.on_recovered.pop(a.client)(a.acked)
+            elif kind is Undecodable:
+                if self.on_undecodable is not None:
+                    self.on_undecodable(a.seq, a.error)
+            else:
+                self.badlog.warn(a.reason, "dropped datagram: %s", a.detail)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """The node's one timer, at its next deadline (none while nothing waits)."""
+        if self._loop is None:
+            return
+        due = self.node.next_deadline(time.monotonic_ns())
+        if due == self._due:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._due, self._timer = due, None
+        if due is not None:
+            self._timer = self._loop.call_later(max(due - time.monotonic_ns(), 0) / 1e9, self._fire)
+
+    def _fire(self) -> None:
+        self._due = self._timer = None
+        self.event(self.node.on_timer)
 
 
 class Client:
@@ -39,20 +153,17 @@ class Client:
         by default the client reads it itself."""
         self.cfg = cfg
         self.name = name
-        self.core = ClientCore(moldudp64.session_bytes(name), cfg.client(name).key, cfg.max_packet,
-                               cfg.client_resend_ms * 1_000_000)
         self.sequencers = [(n.host, n.inbound_port) for n in cfg.by_role("sequencer")]
         self._by_name = {n.wire_name: (n.host, n.inbound_port) for n in cfg.by_role("sequencer")}
         self._leaders = {(socket.gethostbyname(h), p) for h, p in self.sequencers}  # where back-offs come from
-        self.badlog = RateLimitedLog(log)
         self.max_in_flight = max_in_flight
         self.interface = netif.resolve(cfg.interface_of(cfg.client(name)))
         self._own_listener = listener is None
-        self.listener = listener or StreamListener(cfg, self.interface, _fan_out([self]), drop, seed,
-                                                   on_ahead=self.on_ahead)
+        self.listener = listener or StreamListener(cfg, self.interface, None, drop, seed)
         self._progress = asyncio.Event()
-        self._task = None
-        self._sent = asyncio.Event()  # set while something sent waits for its acknowledgement
+        self.core = self.listener.node.add(name, cfg.client(name).key)
+        self.listener.senders[name] = self._send
+        self.listener.on_acked[name] = self._progress.set
 
     # What the tools read.
     next_cseq = property(lambda self: self.core.next_cseq)
@@ -69,11 +180,8 @@ class Client:
         if self._own_listener:
             self.listener.start()
         asyncio.get_running_loop().add_reader(self.sock, self._on_advice)
-        self._task = asyncio.create_task(self._resend_loop())
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
         asyncio.get_running_loop().remove_reader(self.sock)
         if self._own_listener:
             self.listener.stop()
@@ -86,8 +194,7 @@ class Client:
             await self._progress.wait()
         while pause := self.core.pause_left_ns(time.monotonic_ns()):
             await asyncio.sleep(pause / 1e9)
-        self._send(self.core.submit(msgs, time.monotonic_ns()), self.core.leader)
-        self._sent.set()
+        self.listener.event(self.listener.node.submit, self.name, msgs)
         return self.core.next_cseq - 1
 
     def _on_advice(self) -> None:
@@ -96,12 +203,7 @@ class Client:
                 data, source = self.sock.recvfrom(DATAGRAM_BUFFER)
             except (BlockingIOError, OSError):
                 return
-            now = time.monotonic_ns()
-            reason = self.core.on_advice(data, now, source in self._leaders)
-            if reason is None:  # (a resend request made a batch due now)
-                self._send(self.core.on_timer(now))
-            elif reason != "sent_recently":
-                self.badlog.warn(reason, "dropped a datagram of %d bytes from %s:%d: %s", len(data), *source, reason)
+            self.listener.event(self.listener.node.on_advice, self.name, data, source in self._leaders)
 
     def _send(self, datagrams: list[bytes], to: bytes | None = None) -> None:
         """To the sequencer named `to` (the leader the stream names), else to every one. What the
@@ -114,14 +216,15 @@ class Client:
         """After a restart: read the stream up to the head it announces (the
         listener starts at seq 1), then number on from the last client seq of
         ours sequenced, which it returns. Raises TimeoutError."""
-        recovery = Recovery()
-        deadline = time.monotonic() + timeout
-        while not recovery.done(self.listener.core):
-            if time.monotonic() >= deadline:
-                what = f"read up to seq {recovery.head - 1:,}" if recovery.head else "heard (no packet or heartbeat)"
-                raise TimeoutError(f"recovering: the stream was not {what} within {timeout:.0f} s")
-            await asyncio.sleep(0.01)
-        return self.core.resume()
+        recovered = asyncio.get_running_loop().create_future()
+        self.listener.on_recovered[self.name] = recovered.set_result
+        self.listener.event(self.listener.node.recover, self.name)
+        try:
+            return await within(recovered, timeout)
+        except asyncio.TimeoutError:
+            head = self.listener.node.recoveries[self.name].head
+            what = f"read up to seq {head - 1:,}" if head else "heard (no packet or heartbeat)"
+            raise TimeoutError(f"recovering: the stream was not {what} within {timeout:.0f} s") from None
 
     async def wait_acked(self, cseq: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -136,53 +239,17 @@ class Client:
                 return False
         return True
 
-    def on_stream(self, read: tuple, now_ns: int) -> None:
-        """A drain of the stream, as `read_drain` read it for every client of this process."""
-        if self.core.on_read(read, now_ns):
-            self._progress.set()
-
-    def on_ahead(self, pkt: bytes) -> None:
-        self.core.on_ahead(pkt, time.monotonic_ns())
-
-    async def _resend_loop(self) -> None:
-        """Resends when due, while anything waits for its acknowledgement."""
-        while True:
-            if not self.core.unacked:
-                self._sent.clear()
-                await self._sent.wait()
-            await asyncio.sleep(self.cfg.client_resend_ms / 4000)
-            self._send(self.core.on_timer(time.monotonic_ns()))
-
 
 def sharing_listeners(cfg: Config, names: list[str], drop: float = 0.0, seed: int = 0) -> tuple[list, list]:
     """Clients of one process that read the stream once per interface, not once each: one
-    listener hands each packet to every client on its interface (each finds its own
+    listener's node hands each drain to every client on its interface (each finds its own
     acknowledgements in it). Returns (listeners, clients); the caller starts and stops the
     listeners."""
-    groups: dict[str, tuple[StreamListener, list[Client]]] = {}
+    listeners: dict[str, StreamListener] = {}
     clients = []
     for name in names:
         interface = netif.resolve(cfg.interface_of(cfg.client(name)))
-        if interface not in groups:
-            group: list[Client] = []
-            groups[interface] = (StreamListener(cfg, interface, _fan_out(group), drop, seed + len(groups),
-                                                on_ahead=_fan_out_ahead(group)), group)
-        listener, group = groups[interface]
-        group.append(Client(cfg, name, listener=listener))
-        clients.append(group[-1])
-    return [listener for listener, _ in groups.values()], clients
-
-
-def _fan_out(clients: list[Client]):
-    def deliver(runs: list[Deliver]) -> None:
-        read, now = read_drain(runs), time.monotonic_ns()  # once for all of them
-        for c in clients:
-            c.on_stream(read, now)
-    return deliver
-
-
-def _fan_out_ahead(clients: list[Client]):
-    def ahead(pkt: bytes) -> None:
-        for c in clients:
-            c.on_ahead(pkt)
-    return ahead
+        if interface not in listeners:
+            listeners[interface] = StreamListener(cfg, interface, None, drop, seed + len(listeners))
+        clients.append(Client(cfg, name, listener=listeners[interface]))
+    return list(listeners.values()), clients

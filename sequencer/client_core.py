@@ -164,7 +164,8 @@ class ClientCore:
         return out
 
     def on_delivered(self, packet: bytes, skip: int, now_ns: int) -> bool:
-        """Messages skip.. of an in-order packet of the stream; True if they acknowledged something."""
+        """Messages skip.. of an in-order packet of the stream; True if they acknowledged something
+        (`on_read` of a drain of one packet)."""
         return self.on_read(read_drain([Deliver(0, packet, skip)]), now_ns)
 
     def on_read(self, read: tuple, now_ns: int) -> bool:

@@ -379,11 +379,12 @@ class LeaderCore:
 
     # --- time ------------------------------------------------------------------
 
-    def on_timer(self, now_ns: int, wall_ns: int) -> tuple[Batch | None, bytes | None]:
+    def on_timer(self, now_ns: int, wall_ns: int, tick: bool = True) -> tuple[Batch | None, bytes | None]:
         """A time tick batch if idle for tick_ns, and a heartbeat packet if
-        nothing was published for heartbeat_ns."""
+        nothing was published for heartbeat_ns. `tick`: False once the session's end is
+        stamped (no entry follows it)."""
         batch = None
-        if not self._pending and now_ns - self._last_batch[0] >= self.tick_ns:
+        if tick and not self._pending and now_ns - self._last_batch[0] >= self.tick_ns:
             self._sequence_control(messages.time_tick(self._stamp(wall_ns), self.name))
             batch = self.flush(now_ns, wall_ns)
         heartbeat = None
@@ -392,9 +393,10 @@ class LeaderCore:
             self._last_published_ns = now_ns
         return batch, heartbeat
 
-    def timer_due_ns(self) -> int:
+    def timer_due_ns(self, tick: bool = True) -> int:
         """When `on_timer` next has something to do, if nothing is sequenced or published first."""
-        return min(self._last_batch[0] + self.tick_ns, self._last_published_ns + self.heartbeat_ns)
+        heartbeat = self._last_published_ns + self.heartbeat_ns
+        return min(self._last_batch[0] + self.tick_ns, heartbeat) if tick else heartbeat
 
     def sequenced_client_last(self) -> dict[bytes, int]:
         """Highest client seq per client that is in the log (accepted but not

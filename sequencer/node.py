@@ -77,6 +77,7 @@ class LeaderSettings:
     beat_ns: int  # the followers' commit beats at least this often
     stream_keys: StreamKeys | None
     pace_from: int = PACE_FROM_MESSAGES
+    max_batch: int = MAX_BATCH_MESSAGES  # a batch is stamped once this many are pending: one append frame
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,7 @@ class SequencerNode:
                 out += self._lose(conn, now) + [Close(conn)]  # no hello: connect again
         out += self._redial(now)
         out += self._beat(now)
-        if self.stamp_due is None and not self._starting and self.leader.timer_due_ns() <= now:
+        if self.stamp_due is None and not self._starting and self.leader.timer_due_ns(not self.ending) <= now:
             out.append(self._stamp_at(now))  # a time tick or a heartbeat
         return out
 
@@ -277,7 +278,7 @@ class SequencerNode:
         for link in self.links.values():
             if link.deadline is not None and link.deadline < due:
                 due = link.deadline
-        return due if self.stamp_due is not None or self._starting else min(due, c.timer_due_ns())
+        return due if self.stamp_due is not None or self._starting else min(due, c.timer_due_ns(not self.ending))
 
     def on_read(self, read: ReadJournal, records: list, now: int) -> list:
         if read.conn == LEAD_TAIL:
@@ -306,18 +307,18 @@ class SequencerNode:
     # --- its own events ------------------------------------------------------------------
 
     def on_inbound(self, datagrams: list, emptied: bool, wall: int, now: int) -> list:
-        """One drain of the inbound socket. A batch is stamped whenever MAX_BATCH_MESSAGES are
+        """One drain of the inbound socket. A batch is stamped whenever `max_batch` messages are
         pending (one batch must fit one append frame); the rest when a Stamp comes due."""
         c = self.leader
         if c is None or self.ending or self._starting:  # (following: clients that know no leader, and resends)
             self.not_leader_drops += len(datagrams)
             return []
-        out = []
+        out, cap = [], self.settings.max_batch
         for data, source in datagrams:
             reason = c.on_inbound(data, now, source)
             if reason is not None and reason != "duplicate":
                 out.append(Dropped(reason, len(data)))
-            if c.pending >= MAX_BATCH_MESSAGES:
+            if c.pending >= cap:
                 out += self._process(c.flush(now, wall), now)
         c.note_drain(emptied, now)
         out += [Advise(source, data) for source, data in c.take_advice()]
@@ -339,7 +340,7 @@ class SequencerNode:
         batch = c.flush(now, wall)
         if batch is not None:
             out += self._process(batch, now)
-        batch, heartbeat = c.on_timer(now, wall)
+        batch, heartbeat = c.on_timer(now, wall, tick=not self.ending)  # (the session's end is its last entry)
         if batch is not None:
             out += self._process(batch, now)
         if heartbeat is not None:

@@ -13,18 +13,20 @@ IO_MODULES = {"asyncio", "socket", "os", "time", "random", "lmdb", "pathlib", "s
 
 # The pure modules of the roles (every module of protocol/ is pure): their cores.
 PURE_IN_ROLES = {"sequencer/core.py", "sequencer/followers.py", "sequencer/client_core.py", "sequencer/node.py",
+                 "sequencer/client_node.py",
                  "rewinder/gapfill.py",
                  "rewinder/node.py", "replicas/audit.py", "replicas/replica_core.py", "replicas/emitter_core.py",
                  "replicas/emitter_node.py", "replicas/replica_node.py"}
 # A process's node core: every decision of that process. The shell and the simulator drive it, and
 # only it, of the cores it combines.
-NODE_CORES = {"EmitterNode", "VoterNode", "RewinderNode", "ReplicaNode", "SequencerNode"}
+NODE_CORES = {"EmitterNode", "VoterNode", "RewinderNode", "ReplicaNode", "SequencerNode", "ClientNode"}
 SHELLS = ["node/voter.py", "node/listener.py", "sequencer/server.py", "sequencer/client.py", "rewinder/server.py",
           "replicas/runtime.py", "replicas/emitter.py"]
 # Cores that a shell and the simulator both still drive, each with the glue around it written twice
-# (issue 59): this list only shrinks, as each role gets its node core.
-NOT_YET_NODE_CORES = {"ListenerCore", "ClientCore", "AuditMachine", "Recovery"}
-VALUES = {"PacketBuilder", "FrameReader", "Reader", "LeaderSettings"}  # codecs, not cores: both may encode and decode
+# (issue 59): every role has its node core now, and this list stays empty.
+NOT_YET_NODE_CORES: set[str] = set()
+VALUES = {"PacketBuilder", "FrameReader", "Reader", "LeaderSettings",  # codecs and settings: both may build them
+          "AuditMachine"}  # the replica's state, as its shell loads it from the disk (fresh when there is none)
 
 
 def imports(path: Path) -> list[str]:

@@ -8,14 +8,15 @@ import dataclasses
 import socket
 import tomllib
 
-from tape.node.listener import StreamListener
 from tape.node.transport import udp_socket
 from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.protocol.limits import DRAIN_DATAGRAMS, GAP_ASKED_OF, HINT_TRIES
+from tape.protocol.listener import Deliver
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
+from tape.sequencer.client import StreamListener
 
 SESSION = moldudp64.session_bytes("TAPE")
 KEY = b"k" * 32
@@ -77,8 +78,7 @@ def open_gap(lst, rewinder) -> tuple:
     """Seqs 1-2 and 5-6 received, 3-4 missing and asked for (as a drain that sees the gap does):
     returns where the answer goes."""
     lst.on_datagram(PacketBuilder(SESSION, 1).add_sequenced(good(2))[0])
-    lst.on_datagram(PacketBuilder(SESSION, 5).add_sequenced(good(2, 5))[0])
-    lst._ask()
+    lst.on_datagram(PacketBuilder(SESSION, 5).add_sequenced(good(2, 5))[0])  # asked at once
     request, reply_to = rewinder.recvfrom(100)
     assert moldudp64.decode_header(request)[1:] == (3, 2)
     return reply_to
@@ -160,12 +160,11 @@ async def test_the_time_something_stays_missing_is_measured_gap_by_gap():
 
 
 async def test_a_drain_delivers_its_runs_in_one_call_and_keeps_their_order_with_the_rest():
-    """A replica applies what one wake-up brings in one call; what is not a run (a packet held
-    ahead of a gap, an undecodable committed message) is carried out after the runs before it."""
+    """A replica applies what one wake-up brings in one call; what is not a run (an undecodable
+    committed message) is carried out after the runs before it."""
     events = []
     lst = StreamListener(config(keys=True), "127.0.0.1", lambda runs: events.append([r.first_seq for r in runs]),
-                         on_undecodable=lambda seq, e: events.append(("undecodable", seq)),
-                         on_ahead=lambda pkt: events.append(("ahead", moldudp64.decode_header(pkt)[1])))
+                         on_undecodable=lambda seq, e: events.append(("undecodable", seq)))
     stream, _ = udp_socket()
     sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     bad = good(3, 9)
@@ -177,7 +176,7 @@ async def test_a_drain_delivers_its_runs_in_one_call_and_keeps_their_order_with_
         await asyncio.sleep(0.05)
         lst.sockets._drain(stream)
         assert lst.datagrams == 5
-        assert events == [[1, 5], ("ahead", 13), ("undecodable", 10), ("ahead", 17)]
+        assert events == [[1, 5], ("undecodable", 10)]  # (13-16 and 17-20 held ahead: no run)
     finally:
         stream.close()
         sender.close()
@@ -185,18 +184,22 @@ async def test_a_drain_delivers_its_runs_in_one_call_and_keeps_their_order_with_
 
 
 def test_the_timer_is_wanted_only_while_a_run_is_missing_or_asked_for_or_a_hint_worth_asking():
-    lst, delivered, _ = listener(keys=True)
-    core = lst.core
+    core = listener(keys=True)[0].core  # (the core alone: a drain through the shell asks at once)
     core.reply_at("127.0.0.1", 9)
-    lst.on_datagram(sealed(1, good(3)))  # 1-4
+    delivered = []
+
+    def feed(data: bytes) -> None:
+        delivered.extend(a.first_seq for a in core.on_datagrams([data]) if isinstance(a, Deliver))
+
+    feed(sealed(1, good(3)))  # 1-4
     assert not core.waiting
-    lst.on_datagram(sealed(9, good(3, 9)))  # 9-12: 5-8 missing
+    feed(sealed(9, good(3, 9)))  # 9-12: 5-8 missing
     assert core.waiting
     assert len(core.on_timer(1)) == GAP_ASKED_OF and core.waiting  # asked for
-    lst.on_datagram(sealed(5, good(3, 5)))
+    feed(sealed(5, good(3, 5)))
     assert delivered == [1, 5, 9] and core.waiting  # filled, its answer not yet timed
     assert core.on_timer(2) == [] and not core.waiting
-    lst.on_datagram(moldudp64.encode_heartbeat(SESSION, 20))  # a hint: 13-19 may exist
+    feed(moldudp64.encode_heartbeat(SESSION, 20))  # a hint: 13-19 may exist
     assert core.waiting
     for second in range(3, 100):  # asked about HINT_TRIES times (each after the answer timeout), then no more
         core.on_timer(second * 10**9)

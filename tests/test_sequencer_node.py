@@ -2,6 +2,7 @@
 endpoint, leading, its followers' links, the order of a batch's steps, the end of the
 session -- as its shell and the simulator drive it, over the replication frames' bytes."""
 
+import dataclasses
 import random
 from collections import defaultdict, deque
 
@@ -164,9 +165,8 @@ def test_a_batch_goes_to_live_followers_before_the_own_journal_and_out_once_a_ma
     assert isinstance(ack(shell, conns[R2], 4, now=t + MS)[-1], sn.Publish)
 
 
-def test_the_batch_cap_stamps_within_one_drain(monkeypatch):
-    monkeypatch.setattr(sn, "MAX_BATCH_MESSAGES", 5)
-    shell = Shell()
+def test_the_batch_cap_stamps_within_one_drain():
+    shell = Shell(settings=dataclasses.replace(SETTINGS, max_batch=5))
     elect(shell)
     t = shell.elected_at + MS
     done = shell.event(shell.node.on_inbound, [(trades(3, 1), "c0"), (trades(3, 4), "c0"), (trades(1, 7), "c0")],
@@ -224,7 +224,7 @@ def test_a_lost_follower_is_dialled_again_and_a_silent_one_given_up():
 
 
 def test_the_end_of_the_session_commits_then_tells_the_followers_and_the_stream():
-    shell = Shell()
+    shell = Shell(settings=dataclasses.replace(SETTINGS, tick_ns=50 * MS))  # (a tick due well within check-quorum)
     elect(shell)
     t, n, conns = shell.elected_at, shell.node, links(shell)
     for f in (B, R1, R2):
@@ -233,6 +233,10 @@ def test_the_end_of_the_session_commits_then_tells_the_followers_and_the_stream(
     (end,) = [a.batch for a in done if isinstance(a, sn.Journal)]
     assert M.decode(end.messages[-1])[M.TYPE] == M.SESSION_END and not n.session_ended()
     assert shell.event(n.on_inbound, [(trades(1), "c0")], True, shell.wall, now=t) == []  # (ending)
+    later = t + 60 * MS  # a time tick due: none after the session's end
+    assert not any(isinstance(a, sn.Stamp) for a in shell.event(n.on_timer, now=later))
+    shell.event(n.on_stamp, shell.wall, now=later)
+    assert shell.journal[-1][0] == end.last_seq
     for f in (B, R1):
         ack(shell, conns[f], end.last_seq, now=t)
     assert n.session_ended()

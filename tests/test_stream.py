@@ -251,7 +251,6 @@ def test_clients_of_one_process_read_the_stream_once_per_interface(tmp_path):
     from tape.ops.config import default_toml, load
     from tape.protocol import messages as M
     from tape.protocol.packets import PacketBuilder
-    from tape.protocol.receiver import Deliver
     from tape.sequencer.client import sharing_listeners
 
     path = tmp_path / "cluster.toml"
@@ -263,7 +262,7 @@ def test_clients_of_one_process_read_the_stream_once_per_interface(tmp_path):
     entries = [M.stamp(trade, 1, moldudp64.session_bytes(n), cseq) for n, cseq in (("load0", 4), ("load1", 7))]
     for c in clients:
         c.core.next_cseq = 10  # as if they had sent that much
-    listeners[0].deliver([Deliver(1, PacketBuilder(b"TAPE      ", 1).add_sequenced(entries)[0], 0)])
+    listeners[0].on_datagram(PacketBuilder(b"TAPE      ", 1).add_sequenced(entries)[0])
     assert [c.acked for c in clients] == [4, 7, 0]  # each found its own in the one packet
 
 
