@@ -32,12 +32,14 @@ import tempfile
 from collections import Counter, deque
 from pathlib import Path
 
+from tape.node import journal_store
 from tape.node.settings import Config, default_of
-from tape.node.voter import decode_election, encode_election
+from tape.node.voter import VoteStore
 from tape.ops.reference import expected_alerts
 from tape.ops.tradegen import TradeGenerator
 from tape.ops.verdict import RunFiles, judge
 from tape.protocol import backoff, moldudp64
+from tape.protocol import journal as fmt
 from tape.protocol import messages as M
 from tape.protocol import soupbintcp as soup
 from tape.protocol.actions import Close, Send
@@ -112,6 +114,7 @@ FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitt
 COALESCE, SPLIT = 0.5, 0.2
 SLOW_NS = (10 * MS, 150 * MS)  # what a slow host (starved, its disk or link congested) adds to a connection's bytes
 GIVE_UP = 60_000 * MS
+SIM_SEGMENT_BYTES = 4096  # a voter's journal segments (the processes' 64 MiB): a run here rolls through several
 # A third of the seeds' replicas catch up over a replay once this many are missing (the processes'
 # REPLAY_BEHIND, 2,000, is more than a run here sequences).
 SIM_REPLAY_BEHIND = 12
@@ -169,8 +172,10 @@ class Voter:
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name, self.wire = sim, name, wire(name)
         self.can_lead = name in SEQUENCERS
-        self.log: list[tuple[int, bytes]] = []  # (term, message) at seq i + 1: durable
-        self.vote: bytes | None = None  # its election.json (node/voter.py's format): None on a new or wiped disk
+        self.dir = sim.disk / name  # its disk: the journal (the store's own files) lives here
+        self.journal: journal_store.Journal | None = None
+        self.log: list[tuple[int, bytes]] = []  # (term, message) at seq i + 1: what its journal must hold
+        self.votes = VoteStore(self.dir / "election.json")  # the processes' own file (none on a new or wiped disk)
         self.checked = 0  # seqs of the committed log already checked against what was published
         self.up = True
         self.full_until = 0  # a fault: the disk refuses writes until then
@@ -182,11 +187,31 @@ class Voter:
         return self.sim.now + self.clock_skew
 
     def records(self) -> list:
-        return [(seq, term, m) for seq, (term, m) in enumerate(self.log, 1)]
+        return list(self.journal.read())
+
+    def open_journal(self) -> None:
+        """The journal as the process opens it: the store's own recovery cuts a torn tail; what is
+        left must be what the voter wrote whole."""
+        self.journal = journal_store.Journal(self.dir / "journal", SESSION, segment_bytes=SIM_SEGMENT_BYTES)
+        if [(t, m) for _, t, m in self.journal.read()] != self.log:
+            raise Violation(f"{self.name}'s journal, reopened, is not the {len(self.log)} entries written whole")
+
+    def lose_disk(self) -> None:
+        """The disk is gone (the process is down): it restarts empty, with no election state."""
+        self.log, self.checked = [], 0
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def close_journal(self) -> None:
+        """The process stops (or dies: with a sync per append, what it wrote is on the disk)."""
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
 
     def restart(self) -> None:
         """A process (re)starting on its durable state: the log and the vote."""
-        state = decode_election(self.vote, f"{self.name}'s election.json")
+        self.close_journal()
+        self.open_journal()
+        state = self.votes.load()
         rng = random.Random(self.sim.rng.random())
         endpoint = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, state.term,
                              state.voted_for, state.log_floor, state.found, self.records(), self.sim.now)
@@ -236,11 +261,12 @@ class Voter:
             self.append(a.records)
         elif isinstance(a, Persist):
             self.write()
-            self.vote = encode_election(a.term, a.voted_for, a.log_floor)
+            self.votes.save(a.term, a.voted_for, a.log_floor)
         elif isinstance(a, Truncate):
+            self.journal.truncate_after(a.after_seq)
             del self.log[a.after_seq:]
         elif isinstance(a, ReadJournal):
-            return self.node.on_read(a, self.records()[a.first - 1:a.first - 1 + a.count], now)
+            return self.node.on_read(a, self.journal.read_batch(a.first, a.count) if a.count else [], now)
         elif isinstance(a, Reload):
             return self.node.on_log(a, self.records(), now)
         elif isinstance(a, Resume):
@@ -295,11 +321,11 @@ class Voter:
         if isinstance(a, SendDatagram):
             self.sim.send(self.name, ADDRESSES[a.addr], ("packet", a.data))
         elif isinstance(a, ReplayRecords):  # as SoupBinTCP frames, drained at once
-            records = self.log[a.first - 1:a.first - 1 + a.count]
-            self.sim.stream(self.name, a.conn, b"".join([soup.sequenced(m) for _, m in records]))
+            records = self.journal.read_batch(a.first, a.count)
+            self.sim.stream(self.name, a.conn, b"".join([soup.sequenced(m) for _, _, m in records]))
             return self.node.on_replayed(a, now)
         elif isinstance(a, ReadGap):
-            return self.node.on_gap_read(a, [m for _, m in self.log[a.first - 1:a.first - 1 + a.count]], now)
+            return self.node.on_gap_read(a, [m for _, _, m in self.journal.read_batch(a.first, a.count)], now)
         return []
 
     def append(self, records) -> None:
@@ -308,13 +334,21 @@ class Voter:
             raise Violation(f"{self.name} appends seq {records[0][0]} after {len(self.log)}")
         if self.torn_write is not None:
             self.tear(records)  # no ack: the process dies mid-write
+        self.journal.append(records)
         self.log.extend((term, m) for _, term, m in records)
 
     def tear(self, records: list) -> None:
         """The process dies in the middle of writing `records`: a prefix of them reached the
         disk (the journal's recovery cuts the torn record), the rest did not, nothing was acked."""
         kept = self.sim.rng.randrange(len(records))
-        self.log.extend((term, m) for _, term, m in records[:kept])
+        whole = list(records)[:kept]
+        if whole:
+            self.journal.append(whole)
+        self.log.extend((term, m) for _, term, m in whole)
+        if self.journal.segments:  # the next record, half written
+            torn = fmt.encode_record(*list(records)[kept])
+            with open(self.journal.segments[-1].path, "ab") as f:
+                f.write(torn[:len(torn) // 2])
         self.sim.trace.append(f"  {self.name} torn after {kept} of {len(records)} records")
         self.sim.crash(self.name, self.torn_write)
         raise Crashed(self.name)
@@ -641,7 +675,9 @@ class Sim:
         self._schedule_faults()
 
     def close(self) -> None:
-        """The replicas' disks go."""
+        """The voters' and replicas' disks go."""
+        for v in self.voters.values():
+            v.close_journal()
         for r in self.replicas.values():
             if r.up:
                 r.store.close()
@@ -824,7 +860,7 @@ class Sim:
                 v = self.voters[name]
                 if v.up:
                     self.crash(name, until)
-                v.log, v.vote, v.checked = [], None, 0  # the disk is gone: it restarts empty
+                v.lose_disk()
         elif kind == "full":
             self.voters[node].full_until = max(self.voters[node].full_until, until)
         elif kind == "crash" and self.voters[node].up:
@@ -879,6 +915,7 @@ class Sim:
     def crash(self, node: str, until: int) -> None:
         v = self.voters[node]
         v.up = False
+        v.close_journal()
         self.drop_connections(node)
         v.torn_write = None
         self.at(max(until, self.now + MS), self.recover, node)
@@ -1065,6 +1102,8 @@ def main(first: int, seeds: int, verbose: bool = False, jobs: int = 1) -> int:
 
     from rich.progress import Progress
 
+    # The voters' journals log the torn tails the faults make, cut as designed: not news here.
+    logging.getLogger("tape.journal").setLevel(logging.ERROR)
     t0 = time.monotonic()
     failures = []
     results = []

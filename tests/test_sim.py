@@ -262,3 +262,14 @@ def test_the_simulator_catches_a_replica_that_applies_its_replay_past_the_listen
 
     monkeypatch.setattr(ReplicaNode, "_replayed", shortcut)
     assert len(caught(range(1, 121), 3, r"Violation: replica-[AB] applying seq \d+ after \d+")) == 3
+
+
+def test_the_simulator_catches_a_journal_that_keeps_its_torn_tail(monkeypatch):
+    # The voters' journals are the store's own files (node/journal_store.py) on the simulator's
+    # disk, torn by the crash faults: a store that finds a torn tail and does not cut it writes the
+    # next records after the half one, and the next open finds the journal corrupt in its middle.
+    from tape.node import journal_store
+    original = journal_store.Journal._note_torn
+    monkeypatch.setattr(journal_store.Journal, "_note_torn", lambda self, seg, offset, nbytes, reason, truncate:
+                        original(self, seg, offset, nbytes, reason, False))
+    assert len(caught(range(1, 201), 3, r"JournalCorruption: journal corrupt at seq \d+")) == 3
