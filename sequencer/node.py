@@ -196,7 +196,7 @@ class SequencerNode:
         self.redial_at: dict[bytes, int] = {}  # follower -> when to dial it (none open)
         self.dials = 0
         self.stamp_due: int | None = None  # the outstanding Stamp
-        self._woken: set[bytes] = set()  # followers to catch up once the batch in hand is journaled
+        self._woken: set[Hashable] = set()  # followers' links to catch up once the batch in hand is journaled
         self.not_leader_drops = 0
         self.terms_led = 0
         self.totals = Totals()
@@ -225,14 +225,14 @@ class SequencerNode:
     def on_connected(self, conn: Hashable, now: int) -> list:
         link = self.links.get(conn)
         if link is None:
-            return self._after(self.voter.on_connected(conn, now), now)
+            return self._after(self.voter.on_connected(conn, now))
         link.deadline = now + self.voter.election_ns  # its hello
         return []
 
     def on_data(self, conn: Hashable, data: bytes, now: int) -> list:
         link = self.links.get(conn)
         if link is None:
-            return self._after(self.voter.on_data(conn, data, now), now)
+            return self._after(self.voter.on_data(conn, data, now))
         try:
             frames = link.frames.feed(data)
         except ProtocolError as e:
@@ -249,11 +249,11 @@ class SequencerNode:
 
     def on_closed(self, conn: Hashable, now: int, by_peer: bool = True) -> list:
         if conn not in self.links:
-            return self._after(self.voter.on_closed(conn, now, by_peer), now)
+            return self._after(self.voter.on_closed(conn, now, by_peer))
         return self._lose(conn, now)
 
     def on_timer(self, now: int) -> list:
-        out = self._after(self.voter.on_timer(now), now)
+        out = self._after(self.voter.on_timer(now))
         if self.leader is None:
             return out
         for conn, link in list(self.links.items()):
@@ -285,7 +285,7 @@ class SequencerNode:
             return self._start_term(read, records, now)
         link = self.links.get(read.conn)
         if link is None:
-            return [] if _is_follower_link(read.conn) else self._after(self.voter.on_read(read, records, now), now)
+            return [] if _is_follower_link(read.conn) else self._after(self.voter.on_read(read, records, now))
         if self.leader is None:
             return []
         if not records:
@@ -296,13 +296,13 @@ class SequencerNode:
         return [Send(read.conn, frames), Drain(read.conn)]
 
     def on_log(self, reload, records, now: int) -> list:
-        return self._after(self.voter.on_log(reload, records, now), now)
+        return self._after(self.voter.on_log(reload, records, now))
 
     def on_disk_full(self, conn: Hashable, now: int) -> list:
-        return self._after(self.voter.on_disk_full(conn, now), now)
+        return self._after(self.voter.on_disk_full(conn, now))
 
     def on_disk_ok(self, now: int) -> list:
-        return self._after(self.voter.on_disk_ok(now), now)
+        return self._after(self.voter.on_disk_ok(now))
 
     # --- its own events ------------------------------------------------------------------
 
@@ -399,7 +399,7 @@ class SequencerNode:
 
     # --- leading -------------------------------------------------------------------------
 
-    def _after(self, actions: list, now: int) -> list:
+    def _after(self, actions: list) -> list:
         """The endpoint's actions, with what this node does on a Lead or a StepDown."""
         out = []
         for a in actions:
@@ -505,7 +505,7 @@ class SequencerNode:
         return out
 
     def _on_hello(self, conn: Hashable, link: Link, hello: rep.Hello, now: int) -> list:
-        out = self._after(self.election.on_higher_term(hello.term, hello.node, now), now)
+        out = self._after(self.election.on_higher_term(hello.term, hello.node, now))
         if self.leader is None:
             return out
         link.joined, link.deadline = True, None
@@ -514,7 +514,7 @@ class SequencerNode:
         return out + [FollowerJoined(link.peer, hello.last_seq)] + self._feed(conn)
 
     def _on_ack(self, link: Link, ack: rep.Ack, now: int) -> list:
-        out = self._after(self.election.on_ack(link.peer, ack.term, now), now)
+        out = self._after(self.election.on_ack(link.peer, ack.term, now))
         c = self.leader
         if c is None:
             return out  # it was in a higher term: stepped down

@@ -28,7 +28,7 @@ def leading(leader: Sequencer, cfg):
     leader.publisher, leader.dest = multicast_sender("127.0.0.1"), (cfg.group, cfg.port)
     election = leader.voter.election
     election.term, election.role = 1, LEADER  # (won: the followers it dials are not running)
-    leader.voter.event(None, lambda now: leader.seq_node._after([Lead(1)], now))
+    leader.voter.act(leader.seq_node._after([Lead(1)]))
     try:
         yield
     finally:
