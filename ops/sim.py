@@ -994,7 +994,7 @@ class Sim:
             if leader.torn_write is not None:
                 # (a crash fault armed for its next write: a leader that dies with its session's end
                 # replicated and not committed leaves voters that may not lead after it, and no
-                # one can commit it: known, docs/failover.md; the next write tears first)
+                # one can commit it: known, docs/stream.md; the next write tears first)
                 return False
             self.ended_by = leader.name
             self.trace.append(f"{self.now / MS:.0f} ms: {leader.name} ends the session")
