@@ -343,12 +343,13 @@ class Voter:
         """The process dies in the middle of writing `records`: a prefix of them reached the
         disk (the journal's recovery cuts the torn record), the rest did not, nothing was acked."""
         kept = self.sim.rng.randrange(len(records))
-        whole = list(records)[:kept]
+        records = list(records)
+        whole = records[:kept]
         if whole:
             self.journal.append(whole)
         self.log.extend((term, m) for _, term, m in whole)
         if self.journal.segments:  # the next record, half written
-            torn = fmt.encode_record(*list(records)[kept])
+            torn = fmt.encode_record(*records[kept])
             with open(self.journal.segments[-1].path, "ab") as f:
                 f.write(torn[:len(torn) // 2])
         self.sim.trace.append(f"  {self.name} torn after {kept} of {len(records)} records")
