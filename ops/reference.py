@@ -83,7 +83,7 @@ def expected_alerts(stream, book_ttl_ns: int, orphan_ttl_ns: int, end_ns: int | 
 
 # --- the replicas' digest, from its definition in docs/replicas.md --------------------------
 
-FOLD_EVERY = 4096  # the chain folds at every seq that is a multiple of this
+FOLD_EVERY = 4096  # the chain folds at every seq that is a multiple of this, and at each session end
 _REASONS = ("duplicate_order", "bad_shares", "client_mismatch", "stock_mismatch", "orphan_expired")
 _ALERT = struct.Struct(">QQQQq16s8sqqQ")
 _SEQ_ID_REASON = struct.Struct(">QQB")
@@ -123,22 +123,26 @@ class _Effects:
             self.records.append((seq, _ORPHAN_EXPIRY, pseq, b"X" + _SEQ_ID_REASON.pack(pseq, 0, 4)))
         return seq is not None
 
-    def digest(self, last_seq: int) -> str:
-        chain, pending, fold_at = bytes(16), b"", FOLD_EVERY
+    def digest(self, last_seq: int, ends: list[int], fold_every: int) -> str:
+        """The chain folded after the effects of each fold point's seq: every multiple of
+        `fold_every` and each session end (`ends`)."""
+        points = sorted(set(range(fold_every, last_seq + 1, fold_every)) | set(ends))
+        chain, pending, next_point = bytes(16), b"", 0
         for seq, _, _, data in sorted(self.records) + [(last_seq + 1, 0, 0, b"")]:
-            while seq > fold_at and fold_at <= last_seq:
+            while next_point < len(points) and seq > points[next_point]:
                 chain = hashlib.blake2b(chain + pending, digest_size=16).digest()
-                pending, fold_at = b"", fold_at + FOLD_EVERY
+                pending, next_point = b"", next_point + 1
             pending += data
         return hashlib.blake2b(chain + pending, digest_size=16).hexdigest()
 
 
-def expected_digest(stream, book_ttl_ns: int, orphan_ttl_ns: int) -> str:
+def expected_digest(stream, book_ttl_ns: int, orphan_ttl_ns: int, fold_every: int = FOLD_EVERY) -> str:
     """The digest replicas that applied `stream` (decoded, from seq 1, stamps
     never decreasing) must report, computed from its definition alone."""
     fx = _Effects()
     books: dict[int, dict] = {}
     orphans: dict[int, list] = {}
+    ends: list[int] = []
     seq = 0
     for seq, m in stream:
         fx.clock_to(seq, m[M.STAMP])
@@ -168,12 +172,14 @@ def expected_digest(stream, book_ttl_ns: int, orphan_ttl_ns: int) -> str:
                 fx.add(seq, b"H")
         else:
             fx.add(seq, b"C")
+            if m[M.TYPE] == M.SESSION_END:
+                ends.append(seq)
     for order_id, book in books.items():
         fx.book_closed(order_id, book)
     for held in orphans.values():
         for pseq, pm in held:
             fx.orphan_expired(pseq, pm[M.STAMP] + orphan_ttl_ns)
-    return fx.digest(seq)
+    return fx.digest(seq, ends, fold_every)
 
 
 def _reject(seq: int, reason: str) -> bytes:

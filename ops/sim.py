@@ -69,6 +69,7 @@ from tape.replicas.emitter_node import (
     RecordDone,
     RecordIntent,
     Redeliver,
+    Why,
 )
 from tape.replicas.replica_node import Applied, AskRewinder, Rebuild, ReplicaNode, TakeSnapshot
 from tape.replicas.snapshot import open_verified
@@ -100,7 +101,7 @@ SEQUENCERS = ("seq-a", "seq-b")
 REWINDERS = ("rw-1", "rw-2")
 VOTERS = SEQUENCERS + REWINDERS
 CLIENTS = ("c0", "c1")
-REPLICAS = ("replica-A", "replica-B")
+REPLICAS = ("replica-A", "replica-B", "replica-C")  # as a cluster runs them: two outvote a third
 EMITTER = "emitter"
 LAN = (*VOTERS, *CLIENTS, *REPLICAS, EMITTER)  # every node, in the order of its address
 # With the processes' election timeouts (300-600 ms), faults over 3 s: as many terms a seed as
@@ -108,7 +109,7 @@ LAN = (*VOTERS, *CLIENTS, *REPLICAS, EMITTER)  # every node, in the order of its
 FAULTS_UNTIL = 3000 * MS
 FAULTS_PER_RUN = (2, 8)
 FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full",
-               "overload", "slow", "crash-replica", "wipe-replica", "one-way")
+               "overload", "slow", "crash-replica", "wipe-replica", "one-way", "corrupt-replica")
 # A connection's bytes as TCP hands them to the reader: a write joins the one before it if that
 # one is not read yet, or comes in two pieces.
 COALESCE, SPLIT = 0.5, 0.2
@@ -118,6 +119,11 @@ SIM_SEGMENT_BYTES = 4096  # a voter's journal segments (the processes' 64 MiB): 
 # A third of the seeds' replicas catch up over a replay once this many are missing (the processes'
 # REPLAY_BEHIND, 2,000, is more than a run here sequences).
 SIM_REPLAY_BEHIND = 12
+# A fifth of the seeds' rewinders answer this few gap requests (the processes' budgets, 2,000 a
+# second a host and 3,000 in all, are more than a run here asks): refused, a listener asks again.
+SIM_GAPFILL_BUDGETS = {"rate_per_s": 40.0, "burst": 8.0, "total_rate_per_s": 60.0, "total_burst": 12.0}
+# The replicas' digests fold every this many seqs (the processes' 4,096, more than a run here sequences).
+SIM_FOLD_EVERY = 32
 # A client submits 1-8 trades a tick (5 ms) with this chance: its 60 trades span most of the faults' time.
 SUBMIT_CHANCE = 0.03
 # The processes' defaults (node/settings.py): the simulator runs the policies as configured.
@@ -223,7 +229,8 @@ class Voter:
                                       STREAM_KEYS, pace_from=PACE_FROM, max_batch=self.sim.max_batch)
             self.node = SequencerNode(endpoint, settings, [wire(v) for v in VOTERS if v != self.name])
         else:
-            self.node = RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"), STREAM_KEYS, GAP_REQUEST_NS)
+            self.node = RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"), STREAM_KEYS, GAP_REQUEST_NS,
+                                     SIM_GAPFILL_BUDGETS if self.sim.seed % 5 == 2 else None)
         self.core, self.election = self.node.core, self.node.election
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.wake_at = self.sim.now
@@ -407,7 +414,9 @@ class Replica:
     """A replica: the ReplicaNode the process runs (the stream, the alert link's bytes, catch-up
     over a rewinder's replay) and its real LMDB snapshots (replicas/snapshot.py, on this run's
     own tmpfs directory), at the processes' cadence. It crashes and resumes from its last
-    snapshot, or loses its disk and starts again from seq 1."""
+    snapshot, or loses its disk and starts again from seq 1. Its state may be corrupted (a bit
+    flips in its memory): the emitter, comparing its digest with the others', must tell it to
+    rebuild, and it applies again from seq 1."""
 
     def __init__(self, sim: "Sim", name: str):
         self.sim, self.name = sim, name
@@ -415,20 +424,29 @@ class Replica:
         self.delivered: list[bytes] = []  # what it applied, in order: checked against what was published
         self.alerts: dict[int, bytes] = {}  # emit seq -> every alert it raised, for the final check
         self.store = None
+        self.corrupt = self.saved_corrupt = False  # its state in memory, and in its last snapshot
+        self.was_corrupted = False
+        self.rebuilds = 0
         self.restart()
+
+    def open_state(self) -> list[bytes]:
+        """The machine and the outbox from its snapshot (fresh if there is none)."""
+        self.store, self.machine, raw, _ = open_verified(
+            self.disk, lambda: AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS,
+                                            fold_every=SIM_FOLD_EVERY), SIM_LOG)
+        self.machine.apply_runs = self._keeping_alerts(self.machine.apply_runs)
+        del self.delivered[self.machine.last_seq:]  # applied again from the snapshot on
+        self.corrupt = self.saved_corrupt
+        return [raw[i:i + ALERT_SIZE] for i in range(0, len(raw), ALERT_SIZE)]
 
     def restart(self) -> None:
         """The process (re)starting on what its disk holds."""
         self.up = True
-        self.store, self.machine, raw, _ = open_verified(
-            self.disk, lambda: AuditMachine(book_ttl_ns=2000 * MS, orphan_ttl_ns=500 * MS), SIM_LOG)
-        self.machine.apply_runs = self._keeping_alerts(self.machine.apply_runs)
-        del self.delivered[self.machine.last_seq:]  # applied again from the snapshot on
+        outbox = self.open_state()
         sim = self.sim
-        self.node = ReplicaNode(wire(self.name), self.machine, [raw[i:i + ALERT_SIZE] for i in range(0, len(raw),
-                                                                                                     ALERT_SIZE)],
-                                SESSION, [wire(r) for r in REWINDERS], wire(EMITTER), GAP_REQUEST_NS, STREAM_KEYS,
-                                default_of(Config, "max_packet"), default_of(Config, "snapshot_every"),
+        self.node = ReplicaNode(wire(self.name), self.machine, outbox, SESSION, [wire(r) for r in REWINDERS],
+                                wire(EMITTER), GAP_REQUEST_NS, STREAM_KEYS, default_of(Config, "max_packet"),
+                                default_of(Config, "snapshot_every"),
                                 default_of(Config, "snapshot_ms") * MS, False, 0.0, sim.now,
                                 REPLAY_BEHIND if sim.seed % 3 else SIM_REPLAY_BEHIND)
         self.node.reply_at(*address(self.name))
@@ -439,6 +457,26 @@ class Replica:
         self.store.close()
         if wipe:
             shutil.rmtree(self.disk)
+            self.saved_corrupt = False
+
+    def corrupt_state(self) -> None:
+        """A bit flips in its state: from here on its digest differs from the others'."""
+        chain = bytearray(self.machine.chain)
+        chain[0] ^= 1
+        self.machine.chain = bytes(chain)
+        self.corrupt = self.was_corrupted = True
+
+    def rebuild(self) -> None:
+        """The emitter's order (replicas/runtime.py _rebuild): its state moved aside, applied
+        again from seq 1."""
+        if not self.was_corrupted:  # (once corrupted, told again after a restart until it agrees: a rebuild more)
+            raise Violation(f"{self.name}, whose state was never corrupted, was told to rebuild")
+        self.store.close()
+        shutil.rmtree(self.disk)
+        self.saved_corrupt, self.rebuilds = False, self.rebuilds + 1
+        self.sim.trace.append(f"{self.sim.now / MS:.0f} ms: {self.name} rebuilds from seq 1")
+        outbox = self.open_state()
+        self.act(self.node.on_rebuilt(self.machine, outbox, self.sim.now))
 
     def _keeping_alerts(self, apply_runs):
         """The machine's apply_runs, keeping every alert it raised for the final check (the outbox
@@ -473,7 +511,8 @@ class Replica:
             if isinstance(a, Applied):
                 for run in a.runs:
                     take_delivered(self.sim, self.name, self.delivered, run)
-                self.sim.check_digest(self.name, self.machine.last_seq, self.machine.digest())
+                if not self.corrupt:
+                    self.sim.check_digest(self.name, self.machine.last_seq, self.machine.digest())
             elif isinstance(a, Send):
                 self.sim.stream(self.name, a.conn, a.data)
             elif isinstance(a, AskRewinder):
@@ -487,9 +526,10 @@ class Replica:
             elif isinstance(a, TakeSnapshot):  # (the shell writes it on its snapshot thread)
                 job = self.store.prepare(self.machine, {"node": self.name}, outbox=b"".join(self.node.core.outbox))
                 self.store.finish(job, self.store.write(job))
+                self.saved_corrupt = self.corrupt
                 self.act(self.node.on_saved(self.sim.now))
-            elif isinstance(a, Rebuild):  # replicas are deterministic: none is ever outvoted
-                raise Violation(f"{self.name} told to rebuild at fold seq {a.fold_seq}")
+            elif isinstance(a, Rebuild):
+                self.rebuild()
 
 
 class Listener:
@@ -619,6 +659,10 @@ class Emitter:
                           for x, kept in zip(a.copies, a.recorded)]
                 queue.extend(self.node.on_looked_up(a, stored, now))
             elif isinstance(a, Divergence):
+                if a.why is Why.DIGEST_OUTVOTED and self.sim.replicas[name_of(a.replica)].was_corrupted:
+                    self.sim.trace.append(f"{now / MS:.0f} ms: the emitter outvotes {name_of(a.replica)} "
+                                          f"at fold seq {a.fold_seq}")
+                    continue
                 seq = emit_seq_of(a.alert) if a.alert else a.fold_seq
                 raise Violation(f"divergence: {a.why.value} at emit seq {seq}")
             elif isinstance(a, Crash):
@@ -839,14 +883,8 @@ class Sim:
             if client.up:
                 client.up = False
                 self.at(max(until, self.now + MS), client.restart_client)
-        elif kind in ("crash-replica", "wipe-replica"):
-            replica = self.replicas[self.rng.choice(REPLICAS)]
-            self.trace[-1] = f"{self.now / MS:.0f} ms: {kind.split('-')[0]} {replica.name} for " \
-                             f"{(until - self.now) / MS:.0f} ms"
-            if replica.up:
-                replica.crash(wipe=kind == "wipe-replica")
-                self.drop_connections(replica.name)
-                self.at(max(until, self.now + MS), replica.restart)
+        elif kind.endswith("-replica"):
+            self.replica_fault(kind, self.replicas[self.rng.choice(REPLICAS)], until)
         elif kind == "crash-emitter":
             e = self.emitter
             if e.up and e.crash_at is None:  # dies at a crash point of its next batch of alerts
@@ -892,6 +930,19 @@ class Sim:
             self.at(until, self.heal)
         elif kind == "garbage":
             self.garbage()
+
+    def replica_fault(self, kind: str, replica: Replica, until: int) -> None:
+        if kind == "corrupt-replica":
+            self.trace[-1] = f"{self.now / MS:.0f} ms: corrupt {replica.name}'s state"
+            if replica.up and not any(r.was_corrupted for r in self.replicas.values()):  # one faulty replica a run
+                replica.corrupt_state()
+            return
+        self.trace[-1] = f"{self.now / MS:.0f} ms: {kind.split('-')[0]} {replica.name} for " \
+                         f"{(until - self.now) / MS:.0f} ms"
+        if replica.up:
+            replica.crash(wipe=kind == "wipe-replica")
+            self.drop_connections(replica.name)
+            self.at(max(until, self.now + MS), replica.restart)
 
     def garbage(self) -> None:
         """Datagrams from a stranger: junk to every socket, a back-off from elsewhere than a
@@ -981,6 +1032,8 @@ class Sim:
             return False  # every fault healed
         if any(r.node.core.outbox for r in self.replicas.values()):
             return False  # alerts the emitter has not acknowledged
+        if any(r.corrupt for r in self.replicas.values()):
+            return False  # a corrupted replica not yet outvoted and rebuilt
         if any(c.next_cseq <= self.per_client or c.acked < c.next_cseq - 1 for c in
                (self.listeners[n].client for n in CLIENTS)):
             return False  # (not only none to resend: seen ahead of a gap is not acknowledged yet)
@@ -1008,6 +1061,14 @@ class Sim:
             return False
         return self.now >= self.end_published
 
+    def unfinished(self) -> str:
+        """What a stalled run still waits for, for its failure message."""
+        leader = self.leader()
+        waits = [f"{r.name} corrupt" for r in self.replicas.values() if r.corrupt]
+        waits += [f"{n} behind" for n, r in self.replicas.items() if leader and len(r.delivered) < leader.commit_seq]
+        waits += [f"{n} unacknowledged" for n in CLIENTS if self.listeners[n].client.acked < self.per_client]
+        return ", ".join(waits or ["no leader" if leader is None else "the session's end"])
+
     def leader(self) -> Voter | None:
         """The leader of the highest term (a stale one may still think it leads)."""
         leading = [v for v in self.voters.values() if v.leader is not None and v.up]
@@ -1023,7 +1084,8 @@ class Sim:
                 if self.settled():
                     break
                 if self.now > GIVE_UP:
-                    raise Violation("no progress: the healed cluster did not finish within 60 s of virtual time")
+                    raise Violation(f"no progress: the healed cluster did not finish within 60 s of virtual time "
+                                    f"({self.unfinished()})")
         return self.check()
 
     def judge_as_a_run(self, c: int) -> None:
@@ -1036,7 +1098,8 @@ class Sim:
                       for n, r in self.replicas.items()},
             alerts=self.emitter.sink, emitter={"divergences": self.emitter.core.divergences},
             load={"acked": sum(cl.acked for cl in clients), "submitted": sum(cl.next_cseq - 1 for cl in clients)},
-            sequencers={s: {"published_terms": self.published_terms.get(s, {})} for s in SEQUENCERS})
+            sequencers={s: {"published_terms": self.published_terms.get(s, {})} for s in SEQUENCERS},
+            fold_every=SIM_FOLD_EVERY)
         checks, figures, _ = judge(run)
         failed = [f"{name} ({figures[name]})" for name, ok in checks.items() if not ok]
         if failed:
@@ -1085,7 +1148,8 @@ class Sim:
         return {"seed": self.seed, "log": c, "terms": len(self.leaders), "virtual_ms": self.now // MS,
                 "faults": len(self.trace), "loss": self.loss, "alerts": len(delivered),
                 "emitter_in_doubt": self.emitter.core.in_doubt,
-                "backoffs": sum(self.listeners[n].client.backoffs for n in CLIENTS)}
+                "backoffs": sum(self.listeners[n].client.backoffs for n in CLIENTS),
+                "rebuilds": sum(r.rebuilds for r in self.replicas.values())}
 
 
 def run_seed(seed: int) -> tuple[int, str | None, dict | None]:
@@ -1132,5 +1196,6 @@ def main(first: int, seeds: int, verbose: bool = False, jobs: int = 1) -> int:
     terms = sum(r["terms"] for r in results)
     print(f"{seeds} seeds in {secs:.1f} s: {len(failures)} failed; {sum(r['log'] for r in results):,} messages "
           f"committed, {terms} terms, {sum(r['faults'] for r in results)} faults injected, "
-          f"{sum(r['backoffs'] for r in results)} back-offs honoured")
+          f"{sum(r['backoffs'] for r in results)} back-offs honoured, "
+          f"{sum(r['rebuilds'] for r in results)} replicas outvoted and rebuilt")
     return 1 if failures else 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tape.node.journal_store import Journal
-from tape.ops.reference import expected_alerts, expected_digest
+from tape.ops.reference import FOLD_EVERY, expected_alerts, expected_digest
 from tape.protocol import messages as M
 
 ALERT_FIELDS = ("emit_seq", "purchase_id", "order_id", "requested", "cumulative")
@@ -40,6 +40,7 @@ class RunFiles:
     load: dict = field(default_factory=dict)  # tape load's JSON report
     sequencers: dict[str, dict] = field(default_factory=dict)  # sequencer -> its status.json
     plain: bool = False  # no fault was injected that should move leadership: one term expected
+    fold_every: int = FOLD_EVERY  # where the replicas' digests fold (the simulator's fold more often)
 
 
 class JournalRecords:
@@ -93,7 +94,7 @@ def judge(run: RunFiles) -> tuple[dict, dict, dict]:
     applied = {r: s.get("last_seq", 0) for r, s in run.replicas.items()}
     digests = {r: s.get("digest", "") for r, s in run.replicas.items()}
     alerts, rejects = _alerts(run, committed())
-    journal_digest = expected_digest(committed(), run.book_ttl_ns, run.orphan_ttl_ns)
+    journal_digest = expected_digest(committed(), run.book_ttl_ns, run.orphan_ttl_ns, run.fold_every)
     published = {s: st.get("published_terms", {}) for s, st in run.sequencers.items()}
     term_issues = term_problems(terms, published)
     acked = run.load.get("acked", 0)

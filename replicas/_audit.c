@@ -15,7 +15,8 @@
  *   apply_fast  applies messages index..end-1 of a packet while each is one
  *               of the cases AuditMachine._apply inlines (a purchase that
  *               fills an open book, raising its alert if it crosses it, a
- *               request that opens a new book, a control message) and no
+ *               request that opens a new book, a control message but the
+ *               session's end, where the digest folds) and no
  *               expiry falls due;
  *               returns how many it applied, leaving the next one to the
  *               Python rules. Effects, dirty ids and expiry entries are
@@ -48,6 +49,7 @@
 #define DUE_PER_BLOCK 4096  /* expiry entries a block of the queue (96 KiB) */
 #define PURCHASE 'P'
 #define REQUEST 'R'
+#define SESSION_END 'E'   /* a fold point of the digest: left to the Python rules */
 
 typedef struct {
     uint64_t order_id;
@@ -883,7 +885,8 @@ static PyObject *apply_fast(PyObject *self, PyObject *const *args, Py_ssize_t na
         }
         int rc = m[2] == PURCHASE ? purchase(&r, m, seq + (uint64_t)n, stamp)
                : m[2] == REQUEST ? request(&r, m, seq + (uint64_t)n, stamp)
-               : effect(&r, 'C') < 0 ? -1 : 1;  /* control: term start, time tick, seal, session end */
+               : m[2] == SESSION_END ? 0
+               : effect(&r, 'C') < 0 ? -1 : 1;  /* control: term start, time tick, seal */
         if (rc < 0) goto done;
         if (rc == 0) break;
     }

@@ -143,8 +143,10 @@ class Books(dict):
 
 class AuditMachine:
     def __init__(self, book_ttl_ns: int = DEFAULT_BOOK_TTL_NS, orphan_ttl_ns: int = DEFAULT_ORPHAN_TTL_NS,
-                 compiled: bool | None = None, books_expected: int = 0):
-        """`compiled`: books in C and the common cases applied from packets' bytes (the default
+                 compiled: bool | None = None, books_expected: int = 0, fold_every: int = DIGEST_BLOCK):
+        """`fold_every`: the digest chain folds at every multiple of it (and at the session's end);
+        replicas compare digests at those seqs, so every replica of a cluster folds at the same.
+        `compiled`: books in C and the common cases applied from packets' bytes (the default
         where Tape was built with a compiler); False: all in Python, the definition.
         `books_expected`: the compiled books' table is sized for that many and its memory written
         now, so that it neither doubles nor faults in fresh pages while the stream runs (each first
@@ -165,11 +167,14 @@ class AuditMachine:
         self.rejects = dict.fromkeys(REJECT_REASONS, 0)
         self.alerts_raised = 0
         self.applied = 0
-        # The digest: a hash chain folded at every seq multiple of DIGEST_BLOCK,
+        # The digest: a hash chain folded at every seq multiple of fold_every and at the session's end,
         # over the effect bytes since the last fold (snapshot-able, unlike a
         # hashlib object, and independent of how the stream was cut).
         self.chain = bytes(16)
         self._codes = bytearray()  # effect bytes since the last fold
+        self.fold_every = fold_every
+        self.fold_seq = 0  # where the chain last folded
+        self._folds_made: list | None = None  # (seq, chain) of each fold, while apply_runs collects them
         self.dirty: set[int] = set()  # order ids whose book or orphans changed since the last snapshot
 
     def new_books(self):
@@ -209,9 +214,17 @@ class AuditMachine:
         self.chain = chain
         self._codes = bytearray(pending)
 
-    def _fold(self) -> None:
+    def _fold(self, seq: int) -> None:
         self.chain = hashlib.blake2b(self.chain + self._codes, digest_size=16).digest()
         self._codes.clear()
+        self.fold_seq = seq
+        if self._folds_made is not None:
+            self._folds_made.append((seq, self.chain))
+
+    def _fold_point(self) -> None:
+        """At a multiple of fold_every, unless the session's end folded there already."""
+        if self.last_seq % self.fold_every == 0 and self.fold_seq != self.last_seq:
+            self._fold(self.last_seq)
 
     def _effect(self, record: bytes) -> None:
         self._codes += record
@@ -232,12 +245,11 @@ class AuditMachine:
         out: list[bytes] = []
         start = 0
         while start < len(msgs):
-            # Runs end at fold points (seq multiples of DIGEST_BLOCK), where the digest chain folds.
+            # Runs end at fold points (seq multiples of fold_every), where the digest chain folds.
             seq = first_seq + start
-            end = min(len(msgs), start + DIGEST_BLOCK - (seq - 1) % DIGEST_BLOCK)
+            end = min(len(msgs), start + self.fold_every - (seq - 1) % self.fold_every)
             self._apply(seq, msgs[start:end] if start or end < len(msgs) else msgs, out)
-            if self.last_seq % DIGEST_BLOCK == 0:
-                self._fold()
+            self._fold_point()
             start = end
         return out
 
@@ -249,20 +261,23 @@ class AuditMachine:
         replica ~1.5 us of Python a packet, more than the C's own work)."""
         alerts: list[bytes] = []
         folds: list[tuple[int, int, bytes]] = []
-        compiled = self.compiled
+        compiled, every = self.compiled, self.fold_every
+        made = self._folds_made = []
         for run in runs:
             first_seq, packet, skip = run.first_seq, run.packet, run.skip
             if compiled and first_seq == self.last_seq + 1:
                 total = (len(packet) - HEADER_SIZE) // messages.SEQUENCED_BLOCK_SIZE
                 last = first_seq + total - skip - 1
-                if (first_seq - 1) // DIGEST_BLOCK == last // DIGEST_BLOCK:  # no fold point in the run
+                if (first_seq - 1) // every == last // every:  # no fold point in the run (the C stops at an end)
                     done = self._apply_common(packet, skip, total, first_seq, alerts)
                     if self.last_seq == last:
                         continue
                     first_seq, skip = self.last_seq + 1, skip + done  # the rest the general way
             alerts += self.apply_packet(first_seq, packet, skip)
-            if self.last_seq // DIGEST_BLOCK > (first_seq - 1) // DIGEST_BLOCK:
-                folds.append((len(alerts), self.last_seq - self.last_seq % DIGEST_BLOCK, self.chain))
+            if made:
+                folds += [(len(alerts), seq, chain) for seq, chain in made]
+                made.clear()
+        self._folds_made = None
         return alerts, folds
 
     def apply_packet(self, first_seq: int, packet: bytes, skip: int = 0) -> list[bytes]:
@@ -278,15 +293,14 @@ class AuditMachine:
         index, total = skip, (len(packet) - HEADER_SIZE) // messages.SEQUENCED_BLOCK_SIZE
         while index < total:
             seq = self.last_seq + 1  # runs end at fold points, where the digest chain folds
-            end = min(total, index + DIGEST_BLOCK - (seq - 1) % DIGEST_BLOCK)
+            end = min(total, index + self.fold_every - (seq - 1) % self.fold_every)
             while index < end:
                 done = self._apply_common(packet, index, end, seq, out)
                 index, seq = index + done, seq + done
                 if index < end:  # not a common case: the rules
                     self._apply(seq, [messages.decode_delivered_one(packet, index)], out)
                     index, seq = index + 1, seq + 1
-            if self.last_seq % DIGEST_BLOCK == 0:
-                self._fold()
+            self._fold_point()
         return out
 
     def _apply_common(self, packet: bytes, index: int, end: int, seq: int, out: list) -> int:
@@ -351,8 +365,10 @@ class AuditMachine:
                     mark(order_id)
                     book_expiry.append((stamp + book_ttl, order_id, seq))
                     code(79)  # 'O'
-            else:  # control: term start, time tick
+            else:  # control: term start, time tick, seal, the session's end
                 code(67)  # 'C'
+                if kind == 69:  # 'E': a fold point too, so that the day's last digests are compared
+                    self._fold(seq)
         self.last_seq = seq
         self.applied += len(msgs)
 

@@ -271,8 +271,8 @@ class EmitterCore:
                 self.diverged[r] = fold_seq
                 rebuild.append(r)
                 self._withdraw(r)
-            elif c == agreed and self.diverged.get(r, fold_seq) < fold_seq:
-                del self.diverged[r]  # rebuilt: it agrees again past the point where it diverged
+            elif c == agreed and self.diverged.get(r, fold_seq + 1) <= fold_seq:
+                del self.diverged[r]  # rebuilt: it agrees again, at or past the point where it diverged
         self.rebuilds_ordered += len(rebuild)
         ready, alarms = self._settle() if rebuild and self.delivery == "quorum" else ([], [])
         return rebuild, ready, alarms

@@ -37,7 +37,7 @@ from tape.protocol import messages
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import GIL_SWITCH_S
 from tape.protocol.moldudp64 import HEADER_SIZE
-from tape.replicas.audit import ALERT_SIZE, DIGEST_BLOCK, AuditMachine
+from tape.replicas.audit import ALERT_SIZE, AuditMachine
 from tape.replicas.replica_node import (
     Applied,
     AskRewinder,
@@ -139,10 +139,9 @@ class Replica(NodeProcess):
             1 if self.discarded else 0
         yield "rebuilds", "counter", "times outvoted on its digest and applied again from seq 1", \
             self.rebuilds
-        # The digest chain at the last fold point (a multiple of 4096 seqs), as a 48-bit number
-        # labelled with that seq: replicas at the same fold_seq must show the same value.
-        fold = m.last_seq - m.last_seq % DIGEST_BLOCK
-        digest = {str(fold): int.from_bytes(m.chain[:6], "big")}
+        # The digest chain at the last fold point (a multiple of 4096 seqs, or the session's end), as
+        # a 48-bit number labelled with that seq: replicas at the same fold_seq must show the same value.
+        digest = {str(m.fold_seq): int.from_bytes(m.chain[:6], "big")}
         yield "digest", "gauge", "digest chain at fold_seq (48 bits)", digest, "fold_seq"
         yield "latency_seconds", "histogram", "sequencer stamp to applied here, one packet in 8 sampled (wall " \
             "clocks: same host or synced)", self.latency_histogram

@@ -97,15 +97,16 @@ class Replay:
 
 class RewinderNode:
     def __init__(self, voter: VoterNode, session: bytes, max_packet: int, stream_keys: StreamKeys | None,
-                 park_ns: int):
+                 park_ns: int, budgets: dict | None = None):
         """`park_ns`: how long a gap request for what is not yet known committed waits (as long
-        as its listener waits for an answer before asking again)."""
+        as its listener waits for an answer before asking again). `budgets`: GapFillCore's
+        (rate_per_s, burst, total_rate_per_s, total_burst), if not the limits'."""
         self.voter = voter
         self.core, self.election = voter.core, voter.election  # (what the shell and metrics read)
         self.session = session
         self.max_packet = max_packet
         self.sealed = stream_keys is not None  # the log's packets are sealed ranges
-        self.gapfill = GapFillCore(session, max_packet, stream_keys, park_s=park_ns / 1e9)
+        self.gapfill = GapFillCore(session, max_packet, stream_keys, park_s=park_ns / 1e9, **(budgets or {}))
         self.replays: dict[Hashable, Replay] = {}
         self.replay_sessions = 0
         self.replay_idle_closed = 0

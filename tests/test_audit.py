@@ -179,3 +179,28 @@ def test_out_of_order_apply_is_refused():
     m.apply(1, seqd(M.purchase_request(1, 1, "C", "S"), 1))
     with pytest.raises(InvariantViolation):
         m.apply(3, seqd(M.purchase_request(2, 1, "C", "S"), 1))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_digest_folds_at_each_session_end_as_its_definition_says(seed):
+    """The session's end is a fold point besides the multiples (here of 7), at one of those too:
+    the machine, fed the stream in any cut, and the reference agree on every prefix."""
+    rng = random.Random(seed)
+    stream, stamp = [], 0
+    for i in range(120):
+        stamp += rng.choice([0, 1, 5, 30])
+        if i in (13, 34, 35, 70) or rng.random() < 0.03:  # ends at 14 (a multiple of 7), 35 then 36, ...
+            stream.append(M.decode(M.session_end(stamp, ORIGIN)))
+            continue
+        order = rng.randrange(1, 30)
+        raw = (M.purchase_request(order, rng.choice([-1, 10, 40]), "A", "X") if rng.random() < 0.3
+               else M.purchase(i, order, rng.choice([0, 5, 20]), rng.choice("AAB"), "X"))
+        stream.append(seqd(raw, stamp, i + 1))
+    whole, cut = AuditMachine(2000, 300, fold_every=7), AuditMachine(2000, 300, fold_every=7, compiled=False)
+    whole.apply_run(1, stream)
+    for end in range(1, len(stream) + 1):
+        cut.apply_run(end, stream[end - 1:end])
+        assert cut.digest() == expected_digest(enumerate(stream[:end], 1), 2000, 300, fold_every=7), end
+    assert whole.digest() == cut.digest() and whole.chain == cut.chain
+    assert expected_digest(enumerate(stream, 1), 2000, 300, fold_every=7) != \
+        expected_digest(enumerate(stream, 1), 2000, 300, fold_every=8)

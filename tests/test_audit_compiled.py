@@ -37,17 +37,19 @@ def seqd(raw: bytes, stamp: int, cseq: int) -> tuple:
 
 @st.composite
 def streams(draw):
-    """Every rule's case: fills, alerts, rejects, held purchases, expiries, control messages, ids at
-    both ends of u64 (few orders, so that they collide)."""
+    """Every rule's case: fills, alerts, rejects, held purchases, expiries, control messages (the
+    session's end, a fold point, among them), ids at both ends of u64 (few orders, so that they collide)."""
     orders = draw(st.lists(st.sampled_from([1, 2, 3, 2**63, 2**64 - 1, 77]), min_size=1, max_size=5, unique=True))
     stamp, out = 0, []
     for i in range(draw(st.integers(1, 150))):
         stamp += draw(st.sampled_from([0, 0, 1, 5, 30, 200]))
-        kind = draw(st.sampled_from("RPPPPPK"))
+        kind = draw(st.sampled_from("RPPPPPKE" if i % 3 == 0 else "RPPPPPK"))
         order, shares = draw(st.sampled_from(orders)), draw(st.sampled_from([-1, 0, 1, 10, 40, 100]))
         client, stock = draw(st.sampled_from("AAAB")), draw(st.sampled_from("XXXY"))
         if kind == "K":
             out.append(M.decode(M.time_tick(stamp, ORIGIN)))
+        elif kind == "E":
+            out.append(M.decode(M.session_end(stamp, ORIGIN)))
         elif kind == "R":
             out.append(seqd(M.purchase_request(order, shares, client, stock), stamp, i + 1))
         else:
@@ -94,7 +96,8 @@ def test_packets_through_the_compiled_cases_end_as_the_pure_rules_do(stream, cut
 def test_a_drain_applied_in_one_call_ends_as_its_packets_applied_one_by_one(stream, cuts, before_fold, per_drain):
     """apply_runs (a replica's drain) against apply_packet of each run on the pure rules: the same
     alerts, the same fold points (with the alerts raised before each and the chain folded there),
-    the same state; fold points fall inside and at the ends of runs."""
+    the same state; fold points (multiples of the block and the session's end, the pure machine fed
+    one message at a time to find them: where its chain changes) fall inside and at the ends of runs."""
     start = 2 * DIGEST_BLOCK - before_fold
     pure, fast = AuditMachine(compiled=False), AuditMachine(compiled=True)
     pure.last_seq = fast.last_seq = start
@@ -108,9 +111,13 @@ def test_a_drain_applied_in_one_call_ends_as_its_packets_applied_one_by_one(stre
     for d in range(0, len(runs), per_drain):
         alerts, folds = [], []
         for run in runs[d:d + per_drain]:  # as a replica applied a drain before
-            alerts += pure.apply_packet(run.first_seq, run.packet, run.skip)
-            if pure.last_seq // DIGEST_BLOCK > (run.first_seq - 1) // DIGEST_BLOCK:
-                folds.append((len(alerts), pure.last_seq - pure.last_seq % DIGEST_BLOCK, pure.chain))
+            folded = []
+            for seq, msg in enumerate(M.decode_delivered(run.packet, run.skip), run.first_seq):
+                chain = pure.chain
+                alerts += pure.apply(seq, msg)
+                if pure.chain != chain:
+                    folded.append((seq, pure.chain))
+            folds += [(len(alerts), seq, chain) for seq, chain in folded]
         assert fast.apply_runs(runs[d:d + per_drain]) == (alerts, folds)
         assert state(fast)[0] == state(pure)[0] and fast.digest() == pure.digest()
 

@@ -229,11 +229,13 @@ def test_a_replica_outvoted_at_a_fold_point_is_told_to_rebuild_and_ignored_until
     assert core.on_digest(A, 4096, GOOD) == ([], [], [])  # one against one: no quorum
     assert core.on_digest(B, 4096, GOOD)[0] == [C] and core.diverged == {C: 4096}
     assert core.on_alerts(C, [alert(7, cumulative=999)]) == ([], [], []) and core.ignored == 1
-    assert core.on_digest(C, 4096, GOOD)[0] == []  # rebuilding: agreeing where it diverged is not enough
-    assert C in core.diverged
+    assert core.on_digest(C, 2048, GOOD)[0] == [] and C in core.diverged  # rebuilding: not there yet
+    # Rebuilt: it agrees where it diverged (the session's end may be the last fold) and counts again.
+    assert core.on_digest(C, 4096, GOOD) == ([], [], []) and core.diverged == {}
+    assert core.on_digest(C, 8192, BAD)[0] == []  # alone at a new fold: nothing to compare
     core.on_digest(A, 8192, GOOD)
-    assert core.on_digest(C, 8192, GOOD) == ([], [], []) and core.diverged == {}  # rebuilt: counted again
-    assert core.rebuilds_ordered == 1
+    assert core.on_digest(B, 8192, GOOD)[0] == [C] and core.diverged == {C: 8192}  # diverged again
+    assert core.rebuilds_ordered == 2
     assert core.on_digest(b"mallory   ", 8192, BAD) == ([], [], [])
 
 

@@ -132,6 +132,19 @@ def test_the_digest_at_each_fold_point_crossed_goes_to_the_emitter_and_again_on_
     assert c.on_welcome(0)[-1] == SendDigest(4096, c.machine.chain)
 
 
+def test_the_session_end_is_a_fold_point_so_that_the_days_last_block_is_compared_too():
+    c, other = core(), core()
+    c.on_welcome(0)
+    end = M.decode(M.session_end(9, b"seq-a     "))
+    tail = [end, M.decode(M.time_tick(9, b"seq-a     "))]  # the end entry, then (say) its seal
+    sent = [a for a in applied(c, 1, overfill(1, 2) + tail) if isinstance(a, SendDigest)]
+    assert sent == [SendDigest(5, c.machine.chain)] and c.machine.last_seq == 6
+    applied(other, 1, overfill(1, 2))  # the same log in other cuts: the same fold
+    applied(other, 5, tail[:1])
+    applied(other, 6, tail[1:])
+    assert other.last_fold == sent[0] and other.machine.digest() == c.machine.digest()
+
+
 def test_a_replica_replays_over_tcp_for_what_it_misses_not_for_what_it_holds():
     """One lost packet holds everything after it: gap fill's work, however much is held. A
     replay starts past REPLAY_BEHIND missing and ends under a quarter of it."""

@@ -181,10 +181,10 @@ def test_the_simulator_catches_listeners_that_take_unsealed_packets(monkeypatch)
     # and sealed with another key: a listener that does not check seals takes them (and may then wait
     # forever for seqs that were never published).
     monkeypatch.setattr(sim.StreamKeys, "verify", lambda self, data: None)
-    violation = (r"Violation: ((c\d|replica-[AB]) delivered (at seq \d+ a message other than the one published"
+    violation = (r"Violation: ((c\d|replica-[ABC]) delivered (at seq \d+ a message other than the one published"
                  r"|a stream that is not the committed log)"
-                 r"|replica-[AB] and replica-[AB] applied up to seq \d+ with different digests"
-                 r"|no progress: the healed cluster did not finish within 60 s of virtual time)$")
+                 r"|replica-[ABC] and replica-[ABC] applied up to seq \d+ with different digests"
+                 r"|no progress: the healed cluster did not finish within 60 s of virtual time .*)$")
     assert len(caught(range(1, 101), 5, violation)) == 5
 
 
@@ -261,7 +261,7 @@ def test_the_simulator_catches_a_replica_that_applies_its_replay_past_the_listen
         return len(batch), self._apply(runs, now)
 
     monkeypatch.setattr(ReplicaNode, "_replayed", shortcut)
-    assert len(caught(range(1, 121), 3, r"Violation: replica-[AB] applying seq \d+ after \d+")) == 3
+    assert len(caught(range(1, 121), 3, r"Violation: replica-[ABC] applying seq \d+ after \d+")) == 3
 
 
 def test_the_simulator_catches_a_journal_that_keeps_its_torn_tail(monkeypatch):
@@ -273,3 +273,38 @@ def test_the_simulator_catches_a_journal_that_keeps_its_torn_tail(monkeypatch):
     monkeypatch.setattr(journal_store.Journal, "_note_torn", lambda self, seg, offset, nbytes, reason, truncate:
                         original(self, seg, offset, nbytes, reason, False))
     assert len(caught(range(1, 201), 3, r"JournalCorruption: journal corrupt at seq \d+")) == 3
+
+
+def test_the_simulator_catches_an_emitter_that_never_orders_a_rebuild(monkeypatch):
+    # Three replicas; one's state corrupted (a bit flipped): the others outvote its digest at the
+    # next fold point (the session's end is one) and the emitter tells it to apply again from seq 1.
+    original = EmitterCore.on_digest
+    monkeypatch.setattr(EmitterCore, "on_digest", lambda self, replica, fold_seq, chain:
+                        ([], *original(self, replica, fold_seq, chain)[1:]))
+    monkeypatch.setattr(sim, "FAULT_KINDS", ("corrupt-replica", "crash", "partition"))
+    assert len(caught(range(1, 61), 2, STALLED + r".*replica-[ABC] corrupt")) == 2
+
+
+def test_the_simulator_catches_a_replica_that_ignores_a_rebuild_order(monkeypatch):
+    from tape.protocol import alertlink
+    from tape.replicas.replica_node import ReplicaNode
+    original = ReplicaNode._alert_frames
+    monkeypatch.setattr(ReplicaNode, "_alert_frames", lambda self, frames, now: original(
+        self, [(kind, p) for kind, p in frames if kind != alertlink.REBUILD], now))
+    monkeypatch.setattr(sim, "FAULT_KINDS", ("corrupt-replica", "crash", "partition"))
+    assert len(caught(range(1, 61), 2, STALLED + r".*replica-[ABC] corrupt")) == 2
+
+
+def test_the_simulator_catches_gap_fill_budgets_that_never_refill(monkeypatch):
+    # A fifth of the seeds' rewinders answer few gap requests (SIM_GAPFILL_BUDGETS): a refused
+    # listener asks again later, and gets its answer once its host's budget has refilled.
+    from tape.rewinder.gapfill import TokenBucket
+
+    def take(self, now):
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+    monkeypatch.setattr(TokenBucket, "take", take)
+    assert len(caught(range(2, 202, 5), 2, STALLED + r".*(behind|unacknowledged)")) == 2
