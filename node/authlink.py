@@ -20,11 +20,11 @@ from tape.protocol.linkauth import (
     HELLO,
     MAGIC,
     NONCE_SIZE,
+    LinkEnd,
     LinkKeys,
     OlderPeer,
     Opener,
     Sealer,
-    offered,
     record_digests,
 )
 
@@ -208,16 +208,15 @@ async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: d
     """Hellos exchanged: the connecting side's first, in `version`; the accepting side's in the
     version offered. Raises OlderPeer (connecting: the peer answered in an older version we speak),
     or ConnectionError (counted in `refused`)."""
-    nonce = os.urandom(NONCE_SIZE)
+    end = LinkEnd(keys, os.urandom(NONCE_SIZE), initiator, version)
     if initiator:
-        writer.write(keys.hello(nonce, version))
+        writer.write(end.opening())
     try:
         async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):  # not wait_for (node/process.py `within`)
             peer = await reader.readexactly(HELLO.size)
-        if not initiator:
-            version = offered(peer)
-            writer.write(keys.hello(nonce, version))
-        sealer, opener = keys.accept(nonce, peer, initiator, version)
+        reply = end.on_hello(peer)
+        if reply:
+            writer.write(reply)
     except OlderPeer:
         raise
     except asyncio.IncompleteReadError as e:
@@ -229,7 +228,7 @@ async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: d
     except ProtocolError as e:
         _refuse(refused, e)
         raise ConnectionError(f"link handshake refused: {e}") from None
-    return SealedReader(reader, opener, refused), SealedWriter(writer, sealer)
+    return SealedReader(reader, end.opener, refused), SealedWriter(writer, end.sealer)
 
 
 async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str, int], timeout: float | None = None):

@@ -44,8 +44,9 @@ from tape.protocol import messages as M
 from tape.protocol import soupbintcp as soup
 from tape.protocol.actions import Close, Send
 from tape.protocol.election import Persist, Refused
-from tape.protocol.errors import InvariantViolation
+from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import REPLAY_BEHIND
+from tape.protocol.linkauth import NONCE_SIZE, LinkEnd, LinkKeys
 from tape.protocol.listener import Deliver, Undecodable
 from tape.protocol.packets import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
@@ -96,7 +97,12 @@ SIM_LOG = logging.getLogger("tape.sim")
 PACE_FROM = 3
 PACED_INTERVAL_NS = 10 * MS
 SESSION = moldudp64.session_bytes("SIM")
-STREAM_KEYS = StreamKeys([b"sim stream key, 32 bytes long..."])
+STREAM_KEY = b"sim stream key, 32 bytes long..."
+STREAM_KEYS = StreamKeys([STREAM_KEY])
+# Every connection runs the link records with keys (protocol/linkauth.py), as a cluster with keys
+# does: replication and alert links the cluster key's, replay connections the stream key's.
+LINK_KEYS = {"replication": LinkKeys([b"sim cluster key, 32 bytes long.."]), "alert": None, "replay": None}
+LINK_KEYS["alert"], LINK_KEYS["replay"] = LINK_KEYS["replication"], LinkKeys([STREAM_KEY])
 SEQUENCERS = ("seq-a", "seq-b")
 REWINDERS = ("rw-1", "rw-2")
 VOTERS = SEQUENCERS + REWINDERS
@@ -697,6 +703,8 @@ class Sim:
         self.cut: dict[tuple[str, str], int] = {}  # (from, to) -> until when nothing goes that way
         self.conns: dict[tuple, dict[str, object]] = {}  # replication connections: (dialer, its name, n) -> ends
         self.handles: dict[tuple, tuple] = {}  # (node, its name for a connection) -> the connection
+        self.links: dict[tuple, LinkEnd] = {}  # (connection, node) -> that end's link records
+        self.ports: dict[tuple, str] = {}  # connection -> the port it was dialled to
         self.dialled = 0
         self.unread: dict[tuple, list] = {}  # (connection, sender) -> the bytes of its last write not yet read
         self.paused: dict[str, list] = {}  # node -> messages waiting for it
@@ -752,11 +760,12 @@ class Sim:
         self.emitter.up = True
         self.emitter.restart()
 
-    # --- replication connections (TCP): ordered, never lost; held across a partition ---------
+    # --- connections (TCP with link records): ordered, never lost; held across a partition --
 
     def dial(self, src: str, conn, dst: str, port: str = "replication") -> None:
-        """`src` connects to `dst`'s replication port (`conn`: its name for it; `dst` names it
-        (src, conn, n)). Refused at once if `dst` is down, timed out across a partition."""
+        """`src` connects to `dst`'s `port` (`conn`: its name for it; `dst` names it (src, conn,
+        n)). Refused at once if `dst` is down, timed out across a partition. Each end is open for
+        its node once the link's hellos are exchanged."""
         self.dialled += 1
         key = (src, conn, self.dialled)  # (a restarted node names its connections anew: this one is new)
         cut = (src, dst) in self.cut or (dst, src) in self.cut  # (a SYN or its answer lost)
@@ -766,21 +775,33 @@ class Sim:
             return
         self.conns[key] = {src: conn, dst: key}  # each end's name for it, while that end is open
         self.handles[(src, conn)] = self.handles[(dst, key)] = key
+        self.ports[key] = port
+        self.links[(key, src)] = LinkEnd(LINK_KEYS[port], self.rng.randbytes(NONCE_SIZE), True)
         self.at(self.now + self.rng.randint(100_000, 3 * MS), self.accept, key, src, dst, port)
 
     def accept(self, key, src: str, dst: str, port: str) -> None:
-        """The connection reaches `dst`: it is open there, then at `src` (first on the way back)."""
-        if dst not in self.conns.get(key, ()):
-            return  # its process died meanwhile: the dialler learns it from that end's close
-        self.stream_to(key, dst, src, ("open", key[1], port))  # (ahead of what `dst` sends on it)
-        self.deliver(src, dst, ("open", key, port))
+        """The connection reaches `dst`: the dialler's hello follows it."""
+        if dst not in self.conns.get(key, ()) or src not in self.conns[key]:
+            return  # a process died meanwhile: the other end learns it from its close
+        self.links[(key, dst)] = LinkEnd(LINK_KEYS[port], self.rng.randbytes(NONCE_SIZE), False)
+        self.transmit(key, src, dst, self.links[(key, src)].opening())
 
     def stream(self, src: str, conn, data: bytes) -> None:
-        """Bytes `src` writes on its connection `conn`."""
+        """Bytes `src`'s node writes on its connection `conn`: in link records."""
         key = self.handles.get((src, conn))
         if key is None or len(ends := self.conns[key]) < 2:
             return  # closed at the other end
         dst = next(n for n in ends if n != src)
+        end = self.links[(key, src)]
+        if not end.established:
+            raise Violation(f"{src} wrote on a connection before it was open")
+        self.transmit(key, src, dst, end.seal(data))
+
+    def transmit(self, key, src: str, dst: str, data: bytes) -> None:
+        """Bytes on the wire from `src`, as TCP hands them to the reader."""
+        ends = self.conns.get(key, {})
+        if src not in ends or dst not in ends:
+            return  # closed at either end meanwhile
         unread = self.unread.get((key, src))
         if unread is not None and self.rng.random() < COALESCE:  # written before the peer read: one read
             unread.append(data)
@@ -807,16 +828,37 @@ class Sim:
         if dst not in self.conns.get(key, ()):
             return  # closed at that end (or that process died) meanwhile
         if msg[0] == "shut":
+            opened = self.links.get((key, dst)) is not None and self.links[(key, dst)].established
             self.close_end(key, dst)
-        elif msg[0] == "bytes":
-            msg = ("bytes", msg[1], b"".join(msg[2]))
-        self.deliver(src, dst, msg)
+            if opened or key[0] == dst:  # (a server's node never hears of a link closed in its handshake)
+                self.deliver(src, dst, msg)
+        else:  # (read by the process, so not while it is paused)
+            self.deliver(src, dst, ("wire", key, b"".join(msg[2])))
+
+    def unseal(self, src: str, dst: str, key, data: bytes) -> list:
+        """What the node at `dst` gets of bytes that came on connection `key`: the connection's
+        opening once the hellos are through, the payloads of whole records."""
+        end = self.links.get((key, dst))
+        if end is None:
+            return []  # closed meanwhile
+        was_open = end.established
+        try:
+            reply, plain = end.receive(data)
+        except ProtocolError as e:  # the simulated peers are honest
+            raise Violation(f"{dst} refused a link from {src}: {e}") from e
+        if reply:
+            self.transmit(key, dst, src, reply)
+        conn = self.conns[key][dst]
+        return ([("open", conn, self.ports[key])] if end.established and not was_open else []) + \
+            ([("bytes", conn, plain)] if plain else [])
 
     def close_end(self, key, node: str) -> None:
         ends = self.conns[key]
         del self.handles[(node, ends.pop(node))]
+        self.links.pop((key, node), None)
         if not ends:
             del self.conns[key]
+            del self.ports[key]
 
     def hang_up(self, src: str, conn) -> None:
         """`src` closes its end; the other end learns it after what was sent before."""
@@ -841,7 +883,8 @@ class Sim:
             self.paused[dst].append((src, msg))
             return
         try:
-            node.receive(src, msg)
+            for m in self.unseal(src, dst, msg[1], msg[2]) if msg[0] == "wire" else [msg]:
+                node.receive(src, m)
         except Crashed:
             pass
         except InvariantViolation as e:  # the process would stop with exit 4: a failed seed

@@ -130,6 +130,54 @@ class LinkKeys:
         return Sealer(out, version), Opener(into, version)
 
 
+class LinkEnd:
+    """One end of a link with keys: the hellos, then the records both ways. What `opening` and
+    `receive` return is written to the connection, their payloads handed on; node/authlink.py
+    does it over asyncio's streams, the simulator over its connections."""
+
+    def __init__(self, keys: LinkKeys, nonce: bytes, initiator: bool, version: bytes = MAGIC):
+        self.keys, self.nonce, self.initiator, self.version = keys, nonce, initiator, version
+        self.sealer: Sealer | None = None
+        self.opener: Opener | None = None
+        self._hello = b""  # the peer's hello, as far as it has come
+
+    def opening(self) -> bytes:
+        """What to write as the connection opens: the connecting side's hello (the accepting
+        side answers the hello it is offered)."""
+        return self.keys.hello(self.nonce, self.version) if self.initiator else b""
+
+    @property
+    def established(self) -> bool:
+        return self.opener is not None
+
+    def on_hello(self, peer_hello: bytes) -> bytes:
+        """The peer's hello, whole: the link's two directions, and what to write back (accepting:
+        its own hello, in the version offered). ProtocolError if it is not a hello we accept
+        (OlderPeer: connecting, the peer answered in an older version we speak)."""
+        assert not self.established
+        if not self.initiator:
+            self.version = offered(peer_hello)
+        self.sealer, self.opener = self.keys.accept(self.nonce, peer_hello, self.initiator, self.version)
+        return b"" if self.initiator else self.keys.hello(self.nonce, self.version)
+
+    def receive(self, data: bytes) -> tuple[bytes, bytes]:
+        """Bytes as they came: (what to write back, the payloads they complete). ProtocolError as
+        on_hello, or if a record does not verify."""
+        if self.opener is not None:
+            return b"", self.opener.open(data)
+        self._hello += data
+        if len(self._hello) < HELLO.size:
+            return b"", b""
+        hello, rest = self._hello[:HELLO.size], self._hello[HELLO.size:]
+        self._hello = b""
+        reply = self.on_hello(hello)
+        return reply, self.opener.open(rest) if rest else b""
+
+    def seal(self, data: bytes, digests: list[bytes] | None = None) -> bytes:
+        assert self.sealer is not None, "a record before the handshake"
+        return self.sealer.seal(data, digests)
+
+
 def record_digests(data: bytes, version: bytes = MAGIC) -> list[bytes]:
     """The digest of each record payload `Sealer.seal` cuts `data` into: the same for every link
     of a version, so that bytes written to several are hashed once."""

@@ -15,6 +15,7 @@ from tape.protocol.linkauth import (
     MAX_RECORD,
     OLDER,
     RECORD,
+    LinkEnd,
     LinkKeys,
     OlderPeer,
     offered,
@@ -156,3 +157,42 @@ def test_an_oversized_record_length_is_refused_before_it_is_buffered():
     with pytest.raises(ProtocolError) as e:
         so.open(RECORD.pack(MAX_RECORD + 1, bytes(16)))
     assert e.value.reason == "bad_record"
+
+
+def chunks(data: bytes, cuts: list[int]) -> list[bytes]:
+    at = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in zip(at, at[1:])]
+
+
+@given(st.lists(st.binary(min_size=1, max_size=300), max_size=5), st.lists(st.integers(0, 2000), max_size=8),
+       st.lists(st.integers(0, 2000), max_size=8))
+def test_two_link_ends_over_bytes_cut_anywhere_hand_on_every_write_in_order(writes, cuts_in, cuts_out):
+    """The hellos, then records both ways, as a connection hands them over: the accepting side's
+    hello coalesced with its first records, hellos in pieces."""
+    keys = LinkKeys([K1])
+    client, server = LinkEnd(keys, b"c" * 16, True), LinkEnd(keys, b"s" * 16, False)
+    assert server.opening() == b"" and not client.established
+    got_server = b""
+    hello = client.opening()
+    for piece in chunks(hello, cuts_in):
+        reply, plain = server.receive(piece)
+        got_server += plain
+    assert server.established and len(reply) == HELLO.size and got_server == b""
+    toward_client = reply + b"".join(server.seal(w) for w in writes)
+    got_client = b"".join(client.receive(piece)[1] for piece in chunks(toward_client, cuts_out))
+    assert client.established and got_client == b"".join(writes)
+    assert server.receive(client.seal(b"back"))[1] == b"back"
+
+
+def test_a_link_end_refuses_a_stranger_without_answering_and_answers_an_older_offer_in_kind():
+    end = LinkEnd(LinkKeys([K1]), b"s" * 16, False)
+    with pytest.raises(ProtocolError, match="unknown_key|not one of ours"):
+        end.receive(LinkKeys([K2]).hello(b"c" * 16))
+    assert not end.established  # (and nothing to write: a stranger learns no nonce)
+    with pytest.raises(ProtocolError, match="not a link hello"):
+        LinkEnd(LinkKeys([K1]), b"s" * 16, False).receive(b"HTTP/1.1 GET /" + bytes(14))
+    older = LinkEnd(LinkKeys([K1]), b"s" * 16, False)
+    reply, _ = older.receive(LinkKeys([K1]).hello(b"c" * 16, OLDER))
+    assert reply[:4] == OLDER and older.version == OLDER
+    with pytest.raises(OlderPeer):
+        LinkEnd(LinkKeys([K1]), b"c" * 16, True).receive(reply)
