@@ -33,6 +33,7 @@ from collections import Counter, deque
 from pathlib import Path
 
 from tape.node import journal_store
+from tape.node.journal_repair import open_checked
 from tape.node.settings import Config, default_of
 from tape.node.voter import VoteStore
 from tape.ops.reference import expected_alerts
@@ -115,7 +116,7 @@ LAN = (*VOTERS, *CLIENTS, *REPLICAS, EMITTER)  # every node, in the order of its
 FAULTS_UNTIL = 3000 * MS
 FAULTS_PER_RUN = (2, 8)
 FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitter", "crash-client", "wipe", "full",
-               "overload", "slow", "crash-replica", "wipe-replica", "one-way", "corrupt-replica")
+               "overload", "slow", "crash-replica", "wipe-replica", "one-way", "corrupt-replica", "corrupt-journal")
 # A connection's bytes as TCP hands them to the reader: a write joins the one before it if that
 # one is not read yet, or comes in two pieces.
 COALESCE, SPLIT = 0.5, 0.2
@@ -202,13 +203,36 @@ class Voter:
         return list(self.journal.read())
 
     def open_journal(self) -> None:
-        """The journal as the process opens it: the store's own recovery cuts a torn tail; what is
-        left must be what the voter wrote whole."""
+        """The journal as the process opens it (node/journal_repair.py): the store's own recovery
+        cuts a torn tail, what is left must be what the voter wrote whole; a damaged record is cut
+        there with what follows, and the election state set aside (a disk lost from that point)."""
         # (no fdatasync: on this disk a write is durable once made, and a crash tears only what the fault says)
-        self.journal = journal_store.Journal(self.dir / "journal", SESSION, segment_bytes=SIM_SEGMENT_BYTES,
-                                             fsync="never")
-        if [(t, m) for _, t, m in self.journal.read()] != self.log:
+        self.journal, held, damage = open_checked(
+            lambda: journal_store.Journal(self.dir / "journal", SESSION, segment_bytes=SIM_SEGMENT_BYTES,
+                                          fsync="never"),
+            self.dir, lambda journal: [(t, m) for _, t, m in journal.read()])
+        if held != (self.log[:len(held)] if damage else self.log):
             raise Violation(f"{self.name}'s journal, reopened, is not the {len(self.log)} entries written whole")
+        if damage:
+            self.sim.trace.append(f"  {self.name}'s journal cut at its damage: {len(held)} of {len(self.log)} kept")
+            self.log, self.checked = held, min(self.checked, len(held))
+
+    def damage_journal(self) -> None:
+        """A bit of a record on its disk flips (the process is down): found when it starts. Not
+        in the journal's last record, which a flip makes look torn (docs/failover.md)."""
+        segments = journal_store.Journal(self.dir / "journal", readonly=True).segments
+        spans = [(seg.path, seg.size) for seg in segments if seg.size > fmt.SEGMENT_HEADER_SIZE]
+        if spans and self.log:
+            path, size = spans[-1]
+            spans[-1] = path, size - len(fmt.encode_record(len(self.log), *self.log[-1]))
+            spans = [(path, size) for path, size in spans if size > fmt.SEGMENT_HEADER_SIZE]
+        if spans:
+            path, size = self.sim.rng.choice(spans)
+            with open(path, "r+b") as f:
+                f.seek(self.sim.rng.randrange(fmt.SEGMENT_HEADER_SIZE, size))
+                byte = f.read(1)[0]
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte ^ 1 << self.sim.rng.randrange(8)]))
 
     def lose_disk(self) -> None:
         """The disk is gone (the process is down): it restarts empty, with no election state."""
@@ -945,6 +969,10 @@ class Sim:
                 if v.up:
                     self.crash(name, until)
                 v.lose_disk()
+        elif kind == "corrupt-journal" and not self.wiped and self.voters[node].up:
+            self.wiped = True  # a disk that lost data: as many a run as disks lost whole
+            self.crash(node, until)
+            self.voters[node].damage_journal()
         elif kind == "full":
             self.voters[node].full_until = max(self.voters[node].full_until, until)
         elif kind == "crash" and self.voters[node].up:
