@@ -3,19 +3,22 @@
 The node cores the processes run -- SequencerNode and RewinderNode (each
 around a VoterNode, every voter's replication endpoint), ReplicaNode,
 EmitterNode and ClientNode (the client library's) -- in one process on a
-seeded virtual network and clock, with the processes' election timeouts. Replication and alert links are connections
-carrying the real frames' bytes: ordered and never lost, held across a
-partition until it heals, closed when a process dies; datagrams (the stream,
-gap fills, inbound trades, back-offs) are delayed, dropped, duplicated and
-reordered. Voters crash (keeping their log and vote), some in the middle of a
-journal write (torn), lose their disks, find them full, pause, run slow and
-are cut off by partitions (both ways or one); replicas crash and resume from
-their snapshots, or lose their disks; the emitter crashes at its crash
-points; a leader is overloaded (its inbound socket never emptied), so that it
-tells clients to back off and they pause; all at times chosen by the seed. After the faults
-the network heals and the run goes on until every trade is acknowledged,
-every replica has applied the log and every alert is delivered; DESIGN.md
-section 9 is checked as it runs and at the end.
+seeded virtual network and clock, with the processes' election timeouts.
+Replication, alert and replay links are connections carrying the real
+frames' bytes inside link records with keys: ordered and never lost, held
+across a partition until it heals, closed when a process dies; datagrams
+(the stream, gap fills, inbound trades, back-offs) are delayed, dropped,
+duplicated and reordered. Voters crash (keeping their log and vote), some in
+the middle of a journal write (torn), lose their disks or a bit of one, find
+them full, pause, run slow and are cut off by partitions (both ways or one);
+three replicas crash and resume from their snapshots, lose their disks, or
+have their state corrupted (outvoted on their digest, they rebuild); the
+emitter crashes at its crash points; a leader is overloaded (its inbound
+socket never emptied), so that it tells clients to back off and they pause;
+all at times chosen by the seed. After the faults the network heals and the
+run goes on until every trade is acknowledged, every replica has applied the
+log and every alert is delivered; DESIGN.md section 9 is checked as it runs
+and at the end.
 
     tape sim --seeds 1000            # seeds 1..1000
     tape sim --first 4711 --seeds 1 -v
