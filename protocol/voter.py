@@ -57,7 +57,7 @@ class LogState:
         self.term_starts: list[tuple[int, int]] = []  # (first seq, term), ascending
         self.last = (0, 0)  # (seq, term) of the last record noted
         self.last_seal = 0  # seq of the last seal (protocol/streamauth.py): what follows is an open range
-        self.ended = False  # the log holds the session's end: no new term may follow it
+        self.end_seq = 0  # the seq of the log's last session end (0: none)
 
     def note_term(self, first_seq: int, term: int) -> None:
         """Entries of `term` from `first_seq` on. All a leader notes of its own
@@ -91,8 +91,9 @@ class LogState:
         seal = kinds.rfind(messages.AUTH)
         if seal >= 0:
             self.last_seal = first + seal
-        if messages.SESSION_END in kinds:
-            self.ended = True
+        end = kinds.rfind(messages.SESSION_END)
+        if end >= 0:
+            self.end_seq = first + end
         self.last = (first + len(blob) // SEQUENCED_SIZE - 1, term)
 
     def _note_each(self, records) -> None:
@@ -107,7 +108,7 @@ class LogState:
             elif kind == messages.AUTH:
                 self.last_seal = seq
             elif kind == messages.SESSION_END:
-                self.ended = True
+                self.end_seq = seq
         if seq is not None:
             self.last = (seq, term)
 
@@ -116,8 +117,13 @@ class LogState:
         self.term_starts = []
         self.last = (0, 0)
         self.last_seal = 0
-        self.ended = False
+        self.end_seq = 0
         self.note(records)
+
+    @property
+    def ended(self) -> bool:
+        """The log holds the session's end: a term that follows it only ends the session again."""
+        return self.end_seq > 0
 
     def term_at(self, seq: int) -> int:
         i = bisect.bisect_right(self.term_starts, (seq, 1 << 64)) - 1
@@ -136,7 +142,7 @@ class VoterCore:
         self.log = LogState()
         self.log.rebuild(records)
         self.last_seq, self.last_term = self.log.last
-        self.election = ElectionCore(name, voters, can_lead and not self.log.ended, self.position, rng, timeout_ns,
+        self.election = ElectionCore(name, voters, can_lead, self.position, rng, timeout_ns,  # (commit unknown yet)
                                      max(term, self.last_term), voted_for, now_ns,
                                      recovering, log_floor, stall_ns)
         self.follower = FollowerCore(name, self.last_seq, self.last_term, self.term_at, term=self.election.term)
@@ -166,17 +172,20 @@ class VoterCore:
         self._may_lead()
 
     def _may_lead(self) -> None:
-        """A sequencer whose log holds the session's end campaigns no more: nothing follows the end."""
-        self.election.can_lead = self.can_lead and not self.log.ended
+        """A sequencer whose log holds the session's end campaigns only while it does not know that
+        end committed: a leader that died with it replicated, not committed, leaves logs whose
+        next leader ends the session again (its term start, then the end), which commits the first."""
+        self.election.can_lead = self.can_lead and not (self.log.ended and self.commit_seq >= self.log.end_seq)
 
     @property
     def commit_seq(self) -> int:
         return self.follower.commit_seq
 
-    def note_own(self, first_seq: int, last_seq: int, term: int, sealed: bool = False) -> None:
-        """The leader appended its own batch (`sealed`: it ends with a seal): the log moves
-        without a per-message look."""
+    def note_own(self, first_seq: int, last_seq: int, term: int, sealed: bool = False, end_seq: int = 0) -> None:
+        """The leader appended its own batch (`sealed`: it ends with a seal; `end_seq`: the
+        session's end in it): the log moves without a per-message look."""
         self.log.note_term(first_seq, term)
+        self.log.end_seq = end_seq or self.log.end_seq
         self.last_seq, self.last_term = last_seq, term
         # The follower's view of the log too: an append of a later leader that reaches this one
         # before its step-down is carried out is judged against the log as it is.
@@ -193,6 +202,7 @@ class VoterCore:
         self.log.client_last = client_last
         self.follower = FollowerCore(self.name, self.last_seq, self.last_term, self.term_at, term=self.election.term)
         self.follower.commit_seq = commit_seq
+        self._may_lead()
 
     # --- events ----------------------------------------------------------------------------
 
@@ -221,6 +231,8 @@ class VoterCore:
             out.append(AppendRecords(res.records, False))
             self._noted(res.records)
             self.appended += len(res.records)
+        elif self.follower.commit_seq != before:
+            self._may_lead()  # (the end may be known committed now)
         if self.election.leader == a.leader and self.election.term == a.term:
             self._leader_conns[conn] = (a.leader, a.term)
         return rep.Ack(self.election.term, self.name, res.success, res.last_seq), out

@@ -9,9 +9,10 @@ Actions out, carried out by the shell (replicas/runtime.py):
     SendDigest(fold_seq, chain)  the digest chain at the last fold point crossed,
                          to the alert channel (the emitter compares replicas)
     Snapshot()           save the machine and the outbox to LMDB, atomically
-    Exit()               the session's end entry is applied and every alert
-                         acknowledged (with --exit-on-end); an end-of-session
-                         packet is only a hint (it cannot be sealed)
+    Exit()               the session's end entry is applied, every alert
+                         acknowledged and nothing more known to exist (with
+                         --exit-on-end); an end-of-session packet is only a
+                         hint (it cannot be sealed)
 
 The outbox holds every alert the emitter has not acknowledged: on each
 (re)connection the emitter's welcome says its mark, and what follows it is
@@ -149,8 +150,8 @@ class ReplicaCore:
         out: list[ReplicaAction] = []
         if self._since_snapshot and now_ns - self._snapshot_at >= self.snapshot_ns:
             out.append(Snapshot())
-        if self.exit_on_end and self.session_ended and not self.outbox:
-            out.append(Exit())
+        if self.exit_on_end and self.session_ended and not self.outbox and not rx.lag():
+            out.append(Exit())  # (a stream that shows more: a next leader ends the session again)
         return out
 
     @staticmethod

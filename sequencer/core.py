@@ -127,10 +127,12 @@ class LeaderCore:
 
     # --- inbound ---------------------------------------------------------------
 
-    def start_term(self, now_ns: int, wall_ns: int) -> Batch:
-        """A new leader's first entry: the term start, committed before anything new. A range
-        the log ends with, cut short (the old leader died mid-catch-up), is sealed first: it is
-        not published (it is an earlier term's); listeners fill it from the rewinders."""
+    def start_term(self, now_ns: int, wall_ns: int, ended: bool = False) -> Batch:
+        """A new leader's first entry: the term start, committed before anything new; on a log
+        that holds the session's end (`ended`: its leader died before it committed), the
+        session's end follows it, the term's last entry. A range the log ends with, cut short (the
+        old leader died mid-catch-up), is sealed first: it is not published (it is an earlier
+        term's); listeners fill it from the rewinders."""
         prev_seq, prev_term = self.last_seq, self.last_term
         closing = []
         if self._open_range is not None:
@@ -139,7 +141,10 @@ class LeaderCore:
             self.last_seq += 1
             self.published_seq = self.last_seq  # heartbeats announce it: listeners ask the rewinders
             self._builder.next_seq = self.last_seq + 1
-        self._sequence_control(messages.term_start(self._stamp(wall_ns), self.name, self.term, self.name))
+        stamp = self._stamp(wall_ns)
+        self._sequence_control(messages.term_start(stamp, self.name, self.term, self.name))
+        if ended:
+            self._sequence_control(messages.session_end(stamp, self.name))
         batch = self.flush(now_ns, wall_ns)
         self.term_start_seq = batch.first_seq
         return Batch(prev_seq + 1, prev_seq, prev_term, self.term, closing + batch.messages)

@@ -202,7 +202,9 @@ class SequencerNode:
         self.totals = Totals()
         self.published_seq = 0  # highest seq this process published, in any term
         self.published_terms: dict[int, list[int]] = {}  # term -> [first, last] seq this process published
-        self.ending = False
+        self.ending = False  # the session's end stamped: no trade, no time tick follows it
+        self.ending_again = False  # leading a log that held the end: it announces it once it commits
+        self.end_told = False  # EndOfSession given
         self._starting = False  # elected, the term's first entry not yet stamped
 
     @property
@@ -336,7 +338,7 @@ class SequencerNode:
         out = []
         if self._starting:
             self._starting = False
-            out += self._process(c.start_term(now, wall), now)
+            out += self._process(c.start_term(now, wall, ended=self.ending), now)
         batch = c.flush(now, wall)
         if batch is not None:
             out += self._process(batch, now)
@@ -362,7 +364,10 @@ class SequencerNode:
         c = self.leader
         if c is None:
             return []
-        self.core.note_own(batch.first_seq, batch.last_seq, batch.term, batch.messages[-1][0] == M.AUTH)
+        tail = [m[0] for m in batch.messages[-2:]] if self.ending else []  # (the end: last, or before its seal)
+        end_seq = batch.first_seq + len(batch.messages) - len(tail) + tail.index(M.SESSION_END) \
+            if M.SESSION_END in tail else 0
+        self.core.note_own(batch.first_seq, batch.last_seq, batch.term, batch.messages[-1][0] == M.AUTH, end_seq)
         out = self._publish(c.on_journaled(batch.last_seq), now)
         woken, self._woken = self._woken, set()
         for conn in sorted(woken, key=str):
@@ -379,7 +384,7 @@ class SequencerNode:
     def on_end(self, wall: int, now: int) -> list:
         """The process stops: what is pending, then the session's last entry."""
         c = self.leader
-        if c is None:
+        if c is None or self.ending:
             return []
         self.ending = True
         return self._process(c.end_session(now, wall), now)
@@ -393,8 +398,9 @@ class SequencerNode:
         no later append would tell them), then the end-of-session packet, repeated as MoldUDP64
         servers do: a listener that lost the one packet would wait for a session that ended."""
         c = self.leader
-        if c is None:
+        if c is None or self.end_told:
             return []
+        self.end_told = True
         return self._beat(now, force=True) + [EndOfSession(c.end_of_session(), EOS_REPEATS, EOS_INTERVAL_NS)]
 
     # --- leading -------------------------------------------------------------------------
@@ -437,7 +443,8 @@ class SequencerNode:
         self.followers = FollowerLinks(s.beat_ns)
         self.terms_led += 1
         self.redial_at = dict.fromkeys(self.follower_names, now)
-        self.ending = False
+        self.ending = self.ending_again = self.core.log.ended  # (its term only ends the session again)
+        self.end_told = False
         self._starting = True
         return [Led(e.term, last_seq + 1)] + self._redial(now) + [StampNow()]
 
@@ -489,7 +496,10 @@ class SequencerNode:
         if msgs:  # which seqs this process published in which term: drills judge terms by it
             span = self.published_terms.setdefault(c.term, [first, 0])
             span[1] = c.published_seq
-        return [Publish(packets, c.published_seq)]
+        out = [Publish(packets, c.published_seq)]
+        if self.ending_again and self.session_ended():  # no stop asked for it: no shell waits to tell it
+            out += self.on_session_ended(now)
+        return out
 
     # --- the followers -----------------------------------------------------------------
 

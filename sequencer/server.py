@@ -75,7 +75,7 @@ class Sequencer(NodeProcess):
         self._stamped: deque[tuple[int, int, int]] = deque()  # (last seq, stamped ns, messages) of unpublished batches
         self.commit_latency = LatencySamples()  # stamped to published, one weighted sample a batch
         self.commit_histogram = LatencyHistogram()
-        self._end: sn.EndOfSession | None = None
+        self._end: asyncio.Task | None = None  # the end-of-session packets going out
 
     # --- metrics -----------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class Sequencer(NodeProcess):
             sn.SteppedDown: self._stepped_down,
             sn.FollowerJoined: lambda a: log.info("follower %s connected at seq %d",
                                                   a.peer.decode(errors="replace").strip(), a.last_seq),
-            sn.EndOfSession: lambda a: setattr(self, "_end", a),
+            sn.EndOfSession: lambda a: setattr(self, "_end", self.spawn(self._announce_end(a))),
         }
 
     def _replicate(self, a: sn.Replicate) -> list:
@@ -274,9 +274,12 @@ class Sequencer(NodeProcess):
         while not n.session_ended() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self.voter.event(None, n.on_session_ended)
-        end, self._end = self._end, None
-        if end is None:
-            return
+        if self._end is not None:
+            await self._end
+
+    async def _announce_end(self, end: sn.EndOfSession) -> None:
+        """The final commit point to the followers first, then the end-of-session packets."""
+        n = self.seq_node
         for conn in list(n.joined.values()):
             if (writer := self.voter.writer(conn)) is not None:
                 try:

@@ -111,14 +111,21 @@ def test_a_phase_brings_only_the_first_snapshot_forward():
 def test_exit_only_once_the_end_entry_is_applied_and_every_alert_acknowledged():
     c = core()
     rx = StreamReceiver(b"TAPE      ")
+
+    def delivered(first: int, msgs: list) -> None:  # through the listener's receiver, then applied
+        rx.on_packet(b"TAPE      ", first, len(msgs), packet_of(first, msgs, b"TAPE      ")[20:])
+        applied(c, first, msgs)
+
     rx.on_packet(b"TAPE      ", 5, 0xFFFF, b"")  # an end-of-session packet: a hint, not the end
-    applied(c, 1, overfill(1, 2))
+    delivered(1, overfill(1, 2))
     assert Exit() not in c.on_timer(0, rx)
     end = M.decode(M.session_end(9, b"seq-a     "))
-    applied(c, 5, [end, M.decode(M.time_tick(9, b"seq-a     "))])  # the end entry, then (say) its seal
+    delivered(5, [end, M.decode(M.time_tick(9, b"seq-a     "))])  # the end entry, then (say) its seal
     assert Exit() not in c.on_timer(0, rx)  # alerts not acknowledged
     c.on_welcome(4)
     assert Exit() in c.on_timer(0, rx)
+    rx.on_packet(b"TAPE      ", 9, 0xFFFF, b"")  # the stream shows more: a next leader ends it again
+    assert Exit() not in c.on_timer(0, rx)
 
 
 def test_the_digest_at_each_fold_point_crossed_goes_to_the_emitter_and_again_on_every_welcome():

@@ -280,3 +280,37 @@ def test_a_new_leader_whose_clock_is_behind_stamps_from_its_logs_last_stamp():
     shell = Shell(records, term=1)
     elect(shell)
     assert M.SEQUENCED.unpack(shell.journal[-1][2])[M.STAMP] == late + 3  # the term start: not before seq 3's
+
+
+def ended_log() -> list:
+    """A log whose leader (seq-b, term 1) stamped the session's end and died before it committed."""
+    msgs = [M.term_start(10, B, 1, B), M.time_tick(20, B), M.session_end(30, B)]
+    return [(seq, 1, m) for seq, m in enumerate(msgs, 1)]
+
+
+def test_a_log_holding_an_end_not_known_committed_leads_once_more_to_end_the_session_again():
+    # Without it, no sequencer could lead after a leader that died with its end replicated: the
+    # end would stay uncommitted for good (found by the simulator: a leader's disk full at the end).
+    shell = Shell(ended_log(), settings=dataclasses.replace(SETTINGS, tick_ns=50 * MS), term=1)
+    n = shell.node
+    assert n.election.can_lead  # the commit point is not known: it may be uncommitted
+    elect(shell)
+    t, conns = shell.elected_at, links(shell)
+    assert n.ending and [M.decode(m)[M.TYPE] for _, _, m in shell.journal[3:]] == [M.TERM_START, M.SESSION_END]
+    assert shell.event(n.on_inbound, [(trades(1), "c0")], True, shell.wall, now=t) == []  # nothing follows the end
+    for f in (B, R1, R2):
+        join(shell, conns[f], last_seq=3, term=1, now=t)
+    ack(shell, conns[B], 5, now=t)
+    done = ack(shell, conns[R1], 5, now=t)  # committed: it tells the followers and the stream by itself
+    assert n.session_ended() and isinstance(done[-1], sn.EndOfSession)
+    assert shell.event(n.on_end, shell.wall, now=t) == [] and shell.event(n.on_session_ended, now=t) == []
+    assert len([p for p in shell.published if moldudp64.decode_header(p)[2] not in (0, 0xFFFF)]) >= 1
+
+
+def test_a_follower_that_knows_its_logs_end_committed_campaigns_no_more():
+    shell = Shell(ended_log(), term=1)
+    n = shell.node
+    beat = rep.encode_append(1, B, 3, 1, 3, 1, [])  # the leader's final beat: committed through the end
+    shell.event(n.on_connected, ("in", 1))
+    shell.event(n.on_data, ("in", 1), beat)
+    assert n.core.commit_seq == 3 and not n.election.can_lead
