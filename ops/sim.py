@@ -105,8 +105,8 @@ STREAM_KEY = b"sim stream key, 32 bytes long..."
 STREAM_KEYS = StreamKeys([STREAM_KEY])
 # Every connection runs the link records with keys (protocol/linkauth.py), as a cluster with keys
 # does: replication and alert links the cluster key's, replay connections the stream key's.
-LINK_KEYS = {"replication": LinkKeys([b"sim cluster key, 32 bytes long.."]), "alert": None, "replay": None}
-LINK_KEYS["alert"], LINK_KEYS["replay"] = LINK_KEYS["replication"], LinkKeys([STREAM_KEY])
+CLUSTER_LINK_KEYS = LinkKeys([b"sim cluster key, 32 bytes long.."])
+LINK_KEYS = {"replication": CLUSTER_LINK_KEYS, "alert": CLUSTER_LINK_KEYS, "replay": LinkKeys([STREAM_KEY])}
 SEQUENCERS = ("seq-a", "seq-b")
 REWINDERS = ("rw-1", "rw-2")
 VOTERS = SEQUENCERS + REWINDERS
@@ -125,6 +125,7 @@ FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitt
 COALESCE, SPLIT = 0.5, 0.2
 SLOW_NS = (10 * MS, 150 * MS)  # what a slow host (starved, its disk or link congested) adds to a connection's bytes
 GIVE_UP = 60_000 * MS
+TWO_DISKS_LOST = 0.5  # the chance that a disk loss takes two voters' disks at once
 SIM_SEGMENT_BYTES = 4096  # a voter's journal segments (the processes' 64 MiB): a run here rolls through several
 # A third of the seeds' replicas catch up over a replay once this many are missing (the processes'
 # REPLAY_BEHIND, 2,000, is more than a run here sequences).
@@ -964,7 +965,8 @@ class Sim:
                                  f"for {(until - self.now) / MS:.0f} ms"
         elif kind == "wipe" and not self.wiped:
             self.wiped = True  # one disk loss per run, of one voter or two at once: more is beyond the fault model
-            nodes = [node] + ([self.rng.choice([v for v in VOTERS if v != node])] if self.rng.random() < 0.5 else [])
+            nodes = [node] + ([self.rng.choice([v for v in VOTERS if v != node])]
+                              if self.rng.random() < TWO_DISKS_LOST else [])
             self.trace[-1] = f"{self.now / MS:.0f} ms: wipe {' and '.join(nodes)} for {(until - self.now) / MS:.0f} ms"
             for name in nodes:
                 v = self.voters[name]
@@ -1121,14 +1123,17 @@ class Sim:
         session again by itself."""
         leader = self.leader()
         node = leader.node
-        if not node.ending:
-            self.trace.append(f"{self.now / MS:.0f} ms: {leader.name} ends the session")
-            leader.act(node.on_end(leader.clock(), self.now))
-            return False
-        if not node.session_ended():
-            return False
-        if not node.end_told:
-            leader.act(node.on_session_ended(self.now))
+        try:
+            if not node.ending:
+                self.trace.append(f"{self.now / MS:.0f} ms: {leader.name} ends the session")
+                leader.act(node.on_end(leader.clock(), self.now))
+                return False
+            if not node.session_ended():
+                return False
+            if not node.end_told:
+                leader.act(node.on_session_ended(self.now))
+                return False
+        except Crashed:  # (its journal write of the end torn: a crash fault armed for it)
             return False
         return self.now >= self.end_published
 

@@ -6,7 +6,8 @@ rewinders (the stream key), run the link's own frames inside authenticated
 records; the frames themselves do not change.
 
 Handshake: the connecting side sends its hello at once; the accepting side
-answers with its own, in the version the connecting side offered (both
+answers with its own, in the version the connecting side offered, if that
+hello names a key it holds (a stranger gets no nonce, only the close; both
 sides wait for the other's nonce before their first record anyway, so
 answering costs no round trip):
 
