@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -y -qq
 
-.PHONY: demo test test-fast test-loaded bench sysdeps clean
+.PHONY: demo test test-fast test-pure test-pure-fast test-loaded bench sysdeps clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard */_*.c)
 	python3 -m venv $(VENV)
@@ -41,12 +41,22 @@ demo: $(STAMP) sysdeps
 test: $(STAMP) sysdeps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q --durations=25
+	$(MAKE) --no-print-directory test-pure-fast
 
 # The inner loop: unit, property and fuzz tests and 200 simulator seeds; no process, no JVM
 # (a test of this tier that starts a process fails: tests/conftest.py). Needs no system packages.
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
 	TAPE_TEST_TIER=fast $(VENV)/bin/pytest -q -m "not process and not spark and not slow" --durations=10
+
+# The pure-Python leg: every C extension hidden (TAPE_PURE=1, protocol/extensions.py), so that
+# each part runs its Python twin. test-pure is the whole suite; make test runs its fast tier.
+test-pure: $(STAMP) sysdeps
+	TAPE_PURE=1 $(VENV)/bin/pytest -q --durations=25
+
+test-pure-fast: $(STAMP)
+	@echo "the fast tier again with every C extension hidden (TAPE_PURE=1)"
+	TAPE_PURE=1 TAPE_TEST_TIER=fast $(VENV)/bin/pytest -q -m "not process and not spark and not slow" --durations=10
 
 # make test RUNS times in a row while two busy loops take both cores (each loop
 # bounded by timeout, killed at the end): the suite must not depend on an idle machine.

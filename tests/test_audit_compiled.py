@@ -6,10 +6,10 @@ digest); and where a C compiler exists it was built."""
 import gc
 import random
 import resource
-import shutil
 from collections import deque
 
 import pytest
+from compilers import where_built
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import packet_of as packet
@@ -26,7 +26,7 @@ compiled = pytest.mark.skipif(audit.apply_fast is None, reason="built without a 
 ORIGIN = b"client1   "
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+@where_built
 def test_the_compiled_audit_was_built_where_a_compiler_exists():
     assert audit.apply_fast is not None and AuditMachine().compiled
 

@@ -2,11 +2,11 @@
 sockets: the same datagrams, whole and in order, the same limit, the same refusals and errors; and
 where a C compiler exists it was built."""
 
-import shutil
 import socket
 import time
 
 import pytest
+from compilers import where_built
 
 from tape.node import batchio
 from tape.node.transport import udp_socket
@@ -16,7 +16,7 @@ RECEIVERS = [batchio.recv_datagrams, batchio.recv_datagrams_pure]
 SENDERS = [batchio.send_datagrams, batchio.send_datagrams_pure]
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+@where_built
 def test_the_c_calls_were_built_where_a_compiler_exists():
     assert batchio.recv_datagrams is not batchio.recv_datagrams_pure
     assert batchio.send_datagrams is not batchio.send_datagrams_pure

@@ -8,7 +8,6 @@ import io
 import json
 import os
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 
 import lmdb
 import pytest
+from compilers import where_built
 from conftest import connect, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -528,7 +528,7 @@ CLIENT_AND_STOCK = (st.binary(min_size=24, max_size=24)
                     | st.lists(st.sampled_from(FIELD_BYTES), min_size=24, max_size=24).map(bytes))
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+@where_built
 def test_the_c_alert_lines_were_built_where_a_compiler_exists():
     assert sinks._alert_lines_c is not None
 

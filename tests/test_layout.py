@@ -45,8 +45,13 @@ def imports(path: Path) -> list[str]:
     return out
 
 
+# protocol/'s one module that is not a core: it reads the environment once, at import, to choose
+# which implementation loads (TAPE_PURE=1 hides the C extensions).
+NOT_PURE_IN_PROTOCOL = {"extensions.py", "__init__.py"}
+
+
 def is_pure(folder: str, path: Path) -> bool:
-    return folder == "protocol" or f"{folder}/{path.name}" in PURE_IN_ROLES
+    return (folder == "protocol" and path.name not in NOT_PURE_IN_PROTOCOL) or f"{folder}/{path.name}" in PURE_IN_ROLES
 
 
 def modules():

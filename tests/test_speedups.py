@@ -4,11 +4,11 @@ refusals; and where a C compiler exists it was built (else the tests and benchma
 measure the fallback unawares)."""
 
 import hashlib
-import shutil
 import struct
 import zlib
 
 import pytest
+from compilers import where_built
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,7 +24,7 @@ RECORDS = st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1
                              st.one_of(st.binary(max_size=300), st.binary(min_size=75, max_size=75))), max_size=40)
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+@where_built
 def test_the_c_encoder_was_built_where_a_compiler_exists():
     assert fmt.encode_records is not fmt.encode_records_pure
 
