@@ -211,8 +211,11 @@ class AuditMachine:
         return bytes(self._codes)
 
     def restore_digest(self, chain: bytes, pending: bytes) -> None:
+        """From a snapshot, after last_seq: where the chain last folded is the last multiple (or,
+        past a session's end, that end: a label of the metrics only, which the next fold puts right)."""
         self.chain = chain
         self._codes = bytearray(pending)
+        self.fold_seq = self.last_seq - self.last_seq % self.fold_every
 
     def _fold(self, seq: int) -> None:
         self.chain = hashlib.blake2b(self.chain + self._codes, digest_size=16).digest()
