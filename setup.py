@@ -1,5 +1,5 @@
 """What pyproject.toml cannot say stably: the C extensions. Optional: without a compiler the build
-skips them and the same functions run in Python (protocol/journal.py, replicas/audit.py, ...)."""
+skips them and the same functions run in Python (protocol/journal.py, replicas/audit_core.py, ...)."""
 
 from setuptools import Extension, setup
 
@@ -7,5 +7,5 @@ setup(ext_modules=[
     Extension("tape.protocol._speedups", sources=["protocol/_speedups.c"], optional=True),
     Extension("tape.replicas._audit", sources=["replicas/_audit.c"], optional=True),
     Extension("tape.replicas._alertlines", sources=["replicas/_alertlines.c"], optional=True),
-    Extension("tape.node._batchio", sources=["node/_batchio.c"], optional=True),
+    Extension("tape.runtime._mmsg", sources=["runtime/_mmsg.c"], optional=True),
 ])

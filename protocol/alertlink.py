@@ -22,8 +22,10 @@ import struct
 from itertools import groupby
 from operator import itemgetter
 
-from . import framing
+from tape.protocol import framing
 
+# How many replicas must send an alert before the emitter delivers it: the first, or a majority.
+DELIVERY = ("first", "quorum")
 FRAME = framing.FRAME
 MARK = struct.Struct(">Q")
 HELLO, WELCOME, ALERT, ACK, DIGEST, REBUILD = (ord(c) for c in "HWAKDX")

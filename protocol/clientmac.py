@@ -11,7 +11,7 @@ import functools
 import hashlib
 import hmac
 
-from .limits import MAX_CLIENT_KEYS
+from tape.protocol.limits import MAX_CLIENT_KEYS
 
 BLOCK_SIZE = 64  # SHA-256's block: keys longer than this are hashed first (RFC 2104, section 2)
 _INNER_PAD = bytes(b ^ 0x36 for b in range(256))

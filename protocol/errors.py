@@ -19,5 +19,5 @@ class InvariantViolation(RuntimeError):
     """A core found its own state impossible (two leaders in a term, a seq
     applied out of order, a journal ahead of what was stamped). The one
     class for every role: the process stops with exit 4 and a CRITICAL line
-    rather than guess (tape.node.process). What the network sends is never
+    rather than guess (tape.runtime.process). What the network sends is never
     this: it is input to count and drop."""

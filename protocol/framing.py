@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import struct
 
-from .errors import ProtocolError
+from tape.protocol.errors import ProtocolError
 
 try:
-    from ._speedups import frames as _frames
+    from tape.protocol._speedups import frames as _frames
 except ImportError:  # built without a C compiler
     _frames = None
 

@@ -50,7 +50,7 @@ ACK_EVERY_NS = 100_000_000
 # into batches of at most this many messages.
 MAX_BATCH_MESSAGES = 65_536
 # A batch this large says messages come fast: the leader paces the next one (stream.batch_interval_ms;
-# sequencer/core.py batch_due_ns). Below it (at 25,000 msg/s a batch held 76-84) each is stamped at once.
+# sequencer/leader_core.py batch_due_ns). Below it (at 25,000 msg/s a batch held 76-84) each is stamped at once.
 PACE_FROM_MESSAGES = 256
 CATCHUP_CHUNK = 2_000  # journal entries per catch-up append to a follower behind
 FETCH_MAX = 100_000  # entries one fetch answer carries at most
@@ -58,15 +58,15 @@ FETCH_READ_TIMEOUT_NS = 2_000_000_000  # a fetch answer that stalls this long be
 MAX_LIVE_BUFFER = 32 << 20  # bytes queued to a follower before it is caught up from the journal instead
 MAX_HELD_BATCHES = 4096  # per client: batches held that arrived ahead of a lost one
 # A commit point that moved goes to the followers in an empty append only once no append (which
-# carries it) went for this long: the leader's timer period (sequencer/server.py).
+# carries it) went for this long: the leader's timer period (sequencer/sequencer_shell.py).
 COMMIT_BEAT_AFTER_NS = 5_000_000
 
-# The newest records a journal keeps in memory as they were appended (node/journal_store.py), for
+# The newest records a journal keeps in memory as they were appended (runtime/storage/journal_store.py), for
 # gap fills and catch-ups of the log's tail (65 ms at 250,000 msg/s; ~2 MB): older reads, and any
 # after a restart, go to the files, whose damage is met there (docs/runbook.md).
 JOURNAL_RECENT_RECORDS = 16_384
 # A journal's synced bytes kept in the page cache behind its end (~260 ms at 250,000 msg/s);
-# older pages are given back after each fsync (node/journal_store.py, docs/decisions.md).
+# older pages are given back after each fsync (runtime/storage/journal_store.py, docs/decisions.md).
 JOURNAL_CACHED_BYTES = 4 << 20
 # Client keys whose padded HMAC-SHA256 states are kept (protocol/clientmac.py, ~0.5 KB each): a
 # cluster with more clients than this recomputes them (slower, not wrong).
@@ -91,7 +91,7 @@ CONTROL_READ = 65536  # bytes per read() on a low-rate connection (hellos, acks,
 # frame, cost an mmap, an mremap, a munmap and a page fault (~15 µs against ~3 µs here,
 # docs/performance.md); a larger frame takes more reads.
 SOCKET_RECV = 64 << 10
-# What one recv() asks for on a voter's inbound link (node/authlink.py `large_reads`): a paced batch's
+# What one recv() asks for on a voter's inbound link (runtime/links.py `large_reads`): a paced batch's
 # append (200-300 KB at 250,000 msg/s) in one read, and a leader ahead of its follower has sent several
 # by the time it reads (one fsync and one acknowledgement for all of them: group commit).
 BEHIND_RECV = 1 << 20

@@ -52,8 +52,8 @@ from typing import Callable
 
 from blake3 import blake3
 
-from .errors import ProtocolError
-from .streamauth import key_id
+from tape.protocol.errors import ProtocolError
+from tape.protocol.streamauth import key_id
 
 MAGIC = b"TPL3"  # the version offered when connecting
 OLDER = b"TPL2"  # still spoken with a peer that offers or answers it
@@ -133,7 +133,7 @@ class LinkKeys:
 
 class LinkEnd:
     """One end of a link with keys: the hellos, then the records both ways. What `opening` and
-    `receive` return is written to the connection, their payloads handed on; node/authlink.py
+    `receive` return is written to the connection, their payloads handed on; runtime/links.py
     does it over asyncio's streams, the simulator over its connections."""
 
     def __init__(self, keys: LinkKeys, nonce: bytes, initiator: bool, version: bytes = MAGIC):

@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 import struct
 
-from .errors import ProtocolError
-from .moldudp64 import HEADER_SIZE
+from tape.protocol.errors import ProtocolError
+from tape.protocol.moldudp64 import HEADER_SIZE
 
 REQUEST = ord("R")
 PURCHASE = ord("P")

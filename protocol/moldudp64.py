@@ -16,10 +16,10 @@ from __future__ import annotations
 import struct
 from typing import Iterable, NamedTuple
 
-from .errors import ProtocolError
+from tape.protocol.errors import ProtocolError
 
 try:
-    from ._speedups import header as _header
+    from tape.protocol._speedups import header as _header
 except ImportError:  # built without a C compiler
     _header = None
 

@@ -16,9 +16,9 @@ from itertools import islice
 
 from sortedcontainers import SortedDict
 
-from .errors import ProtocolError
-from .limits import MAX_HELD_SCANNED, RECEIVER_MAX_HELD
-from .moldudp64 import MAX_BLOCKS
+from tape.protocol.errors import ProtocolError
+from tape.protocol.limits import MAX_HELD_SCANNED, RECEIVER_MAX_HELD
+from tape.protocol.moldudp64 import MAX_BLOCKS
 
 
 @dataclass(slots=True)  # (not frozen: one is made for every packet, and a frozen one's __init__ costs 3x)

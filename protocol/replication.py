@@ -31,9 +31,9 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from . import framing
-from .errors import ProtocolError
-from .messages import SEQUENCED_SIZE
+from tape.protocol import framing
+from tape.protocol.errors import ProtocolError
+from tape.protocol.messages import SEQUENCED_SIZE
 
 FRAME = framing.FRAME
 APPEND = struct.Struct(">Q10sQQQQI")

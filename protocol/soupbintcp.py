@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 
-from .errors import ProtocolError
+from tape.protocol.errors import ProtocolError
 
 FRAME_LEN = struct.Struct(">H")
 MAX_FRAME = 0xFFFF

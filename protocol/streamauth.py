@@ -44,11 +44,19 @@ import struct
 
 from blake3 import blake3
 
-from .messages import AUTH, BLOCK_PREFIX, CLIENT_SEQ_AT, ORIGIN_AT, SEQUENCED, SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE
-from .moldudp64 import HEADER, HEADER_SIZE
+from tape.protocol.messages import (
+    AUTH,
+    BLOCK_PREFIX,
+    CLIENT_SEQ_AT,
+    ORIGIN_AT,
+    SEQUENCED,
+    SEQUENCED_BLOCK_SIZE,
+    SEQUENCED_SIZE,
+)
+from tape.protocol.moldudp64 import HEADER, HEADER_SIZE
 
 try:
-    from ._speedups import seal_run, set_blake3_tagger, verify_sealed
+    from tape.protocol._speedups import seal_run, set_blake3_tagger, verify_sealed
 except ImportError:  # built without a C compiler
     seal_run = verify_sealed = set_blake3_tagger = None
 

@@ -1,5 +1,5 @@
 """Every decision of a voter's replication endpoint (sequencers and rewinders). Pure:
-the node core that node/voter.py's shell and the simulator (ops/sim.py) both drive,
+the node core that runtime/voter_shell.py's shell and the simulator (ops/verification/sim.py) both drive,
 over the replication frames' bytes (protocol/replication.py).
 
 It serves the connections other voters open to it (greet with a hello; answer an

@@ -4,7 +4,7 @@
  *
  *   alert_lines(joined, prefix, prefix_json, line_type)
  *       the AlertLine (alert_id, line) of each 88-byte alert record of `joined`
- *       (replicas/audit.py's ALERT_RECORD, end to end): alert_id = prefix + the
+ *       (replicas/audit_core.py's ALERT_RECORD, end to end): alert_id = prefix + the
  *       purchase seq in decimal; `prefix_json` is json's escaping of `prefix`
  *       (both ASCII); client and stock decoded as ASCII with U+FFFD for any
  *       other byte, trailing whitespace stripped (str.rstrip), and escaped as

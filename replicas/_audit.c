@@ -1,5 +1,5 @@
 /* A replica's books in C, and the audit's two common cases applied straight
- * from a delivered packet's bytes (replicas/audit.py holds the rules; this
+ * from a delivered packet's bytes (replicas/audit_core.py holds the rules; this
  * is where most messages go in a replica process, docs/replicas.md).
  *
  *   BookTable   order id -> book, a mapping with the Python books' interface
@@ -379,7 +379,7 @@ static PyObject *table_take_dirty(BookTable *t, PyObject *unused) {
 }
 
 /* A book's key and snapshot record at `key` (8 + RECORD_SIZE bytes): the snapshot's layout
- * (replicas/audit.py BOOK), keys u64 big-endian. */
+ * (replicas/audit_core.py BOOK), keys u64 big-endian. */
 static void pack_book(unsigned char *key, uint64_t order_id, const Book *b) {
     unsigned char *rec = key + 8;
     put_be64(key, order_id);
@@ -741,7 +741,7 @@ static PyTypeObject ExpiryQueueType = {
 /* --- the common cases, from a packet's bytes ------------------------------------------------ */
 
 #define AT_PURCHASE_ID 43
-#define ALERT_RECORD 88     /* audit.py ALERT_RECORD: ">QQQQq16s8sqqQ" */
+#define ALERT_RECORD 88     /* audit_core.py ALERT_RECORD: ">QQQQq16s8sqqQ" */
 
 typedef struct {  /* one apply_fast call's context */
     BookTable *t;
@@ -775,7 +775,7 @@ static int effect(Run *r, char code) {
     return at == NULL ? -1 : 0;
 }
 
-/* The purchase that first crosses its book: its alert record (audit.py's Alert.encode, byte for
+/* The purchase that first crosses its book: its alert record (audit_core.py's Alert.encode, byte for
  * byte), appended to the alerts, and its effect ('A' + the record). */
 static int alert(Run *r, const Book *b, const unsigned char *m, uint64_t seq, uint64_t stamp) {
     unsigned char *rec = (unsigned char *)effect_space(r, 1 + ALERT_RECORD);

@@ -6,7 +6,7 @@ found in doubt at start. Alerts are their records' bytes as replicas send
 them (replicas.audit.Alert.encode), read only for their emit seq: copies
 are judged and votes counted by bytes, and the shell decodes only what it
 delivers. Actions out, carried out in order by the shell
-(replicas/emitter.py):
+(replicas/emitter_shell.py):
 
     RecordIntent(alerts, done)  the outbox and the new mark, and the previous
                            batch's done, in one durable transaction (delivered=True:
@@ -78,8 +78,9 @@ import struct
 from dataclasses import dataclass, field
 from operator import itemgetter
 
+from tape.protocol.alertlink import DELIVERY
 from tape.protocol.limits import MAX_PENDING_ALERTS
-from tape.replicas.audit import ALERT_SIZE, Alert
+from tape.replicas.audit_core import ALERT_SIZE, Alert
 
 emit_seq_of = Alert.emit_seq_of
 _EMIT_SEQ = struct.Struct(f">Q{ALERT_SIZE - 8}x")  # a record's emit seq alone
@@ -91,7 +92,6 @@ def emit_seqs(alerts: list[bytes]) -> list[int]:
     return list(map(_FIRST, _EMIT_SEQ.iter_unpack(Alert.joined(alerts))))
 
 CRASH_POINTS = ("before_intent", "after_intent", "after_deliver", "after_done")
-DELIVERY = ("first", "quorum")
 FOLDS_KEPT = 64  # fold points whose replica digests are remembered (64 x 4096 seqs)
 
 

@@ -2,7 +2,7 @@
 
 Events in: in-order runs of committed messages (a listener's Deliver), the emitter's welcome and
 acks on the alert channel, the channel's loss, the time, the stream's state.
-Actions out, carried out by the shell (replicas/runtime.py):
+Actions out, carried out by the shell (replicas/replica_shell.py):
 
     SendAlerts(alerts)   write them (their records, `Alert.encode`) to the alert channel, in
                          emit-seq order
@@ -37,7 +37,7 @@ from tape.protocol.limits import REPLAY_BEHIND
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE, SESSION_END
 from tape.protocol.moldudp64 import HEADER_SIZE
 from tape.protocol.receiver import Deliver, StreamReceiver
-from tape.replicas.audit import ALERT_SIZE, AuditMachine
+from tape.replicas.audit_core import ALERT_SIZE, AuditMachine
 
 
 @dataclass(slots=True)  # (not frozen: made for most packets, and a frozen one's __init__ costs 3x)

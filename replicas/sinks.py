@@ -25,8 +25,8 @@ from operator import itemgetter
 from pathlib import Path
 from typing import NamedTuple
 
-from tape.replicas.audit import ALERT_RECORD, Alert
-from tape.replicas.emitter_node import forget_oldest
+from tape.replicas.audit_core import ALERT_RECORD, Alert
+from tape.replicas.emitter_node_core import forget_oldest
 
 try:
     from tape.replicas._alertlines import alert_lines as _alert_lines_c

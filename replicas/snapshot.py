@@ -32,9 +32,9 @@ from pathlib import Path
 
 import lmdb
 
-from tape.node.aside import aside_path
 from tape.protocol import messages as M
-from tape.replicas.audit import BOOK, PACKED_BOOK, AuditMachine
+from tape.replicas.audit_core import BOOK, PACKED_BOOK, AuditMachine
+from tape.runtime.storage.quarantine import aside_path
 
 ORPHAN = struct.Struct(">Q")  # seq, followed by the 75-byte message
 STATE = struct.Struct(">QQQ16sI")  # last_seq, now_ns, applied, chain, len(pending)

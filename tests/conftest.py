@@ -14,7 +14,7 @@ settings.register_profile("ci", max_examples=200, deadline=None)
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-TAPE = [sys.executable, "-m", "tape.ops.cli"]  # the real CLI, in this venv
+TAPE = [sys.executable, "-m", "tape.ops.cli.main"]  # the real CLI, in this venv
 
 
 # For a Spark command's JVMs (and a standalone cluster's), which live for one small job each: compiled
@@ -57,7 +57,7 @@ def _try_connect(port: int) -> socket.socket | None:
 @pytest.fixture(scope="session")
 def spark():
     """One local Spark session for every Spark test (start-up costs seconds)."""
-    from tape.ops.spark import session
+    from tape.ops.spark.source import session
 
     s = session("local[2]", "tape-tests")
     yield s
@@ -67,7 +67,7 @@ def spark():
 @contextlib.contextmanager
 def small_disk(path: Path, size: str):
     """A tmpfs of `size` mounted at `path` for the test (root only); yields the filler's path."""
-    from tape.ops.faults import FaultUnavailable, mount_tmpfs
+    from tape.ops.verification.faults import FaultUnavailable, mount_tmpfs
 
     try:
         mount_tmpfs(path, size)

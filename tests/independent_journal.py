@@ -1,5 +1,5 @@
 """A journal reader written from docs/journal-format.md alone: it shares no code or
-constant with protocol/journal.py, node/journal_store.py or the Spark source, so the
+constant with protocol/journal.py, runtime/storage/journal_store.py or the Spark source, so the
 tests can hold each of them against it."""
 
 import binascii

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tape.ops.reference import FOLD_EVERY, expected_alerts, expected_digest
+from tape.ops.verification.reference import FOLD_EVERY, expected_alerts, expected_digest
 from tape.protocol import messages as M
-from tape.replicas.audit import Alert, AuditMachine
+from tape.replicas.audit_core import Alert, AuditMachine
 
 ORIGIN = b"client1   "
 
@@ -173,7 +173,7 @@ def test_two_replicas_fed_the_same_stream_agree_at_every_seq(stream, cuts):
 def test_out_of_order_apply_is_refused():
     import pytest
 
-    from tape.replicas.audit import InvariantViolation
+    from tape.replicas.audit_core import InvariantViolation
 
     m = AuditMachine()
     m.apply(1, seqd(M.purchase_request(1, 1, "C", "S"), 1))

@@ -14,21 +14,21 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import packet_of as packet
 
-from tape.ops.tradegen import TradeGenerator
+from tape.ops.verification.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol.errors import InvariantViolation
 from tape.protocol.limits import MAX_BOOKS_EXPECTED
 from tape.protocol.receiver import Deliver
-from tape.replicas import audit
-from tape.replicas.audit import DIGEST_BLOCK, Alert, AuditMachine, Books
+from tape.replicas import audit_core
+from tape.replicas.audit_core import DIGEST_BLOCK, Alert, AuditMachine, Books
 
-compiled = pytest.mark.skipif(audit.apply_fast is None, reason="built without a C compiler")
+compiled = pytest.mark.skipif(audit_core.apply_fast is None, reason="built without a C compiler")
 ORIGIN = b"client1   "
 
 
 @where_built
 def test_the_compiled_audit_was_built_where_a_compiler_exists():
-    assert audit.apply_fast is not None and AuditMachine().compiled
+    assert audit_core.apply_fast is not None and AuditMachine().compiled
 
 
 def seqd(raw: bytes, stamp: int, cseq: int) -> tuple:
@@ -159,7 +159,7 @@ def test_the_books_expiry_entries_are_no_python_objects():
 def test_the_expiry_queue_behaves_as_a_deque(ops):
     """Appends and pops in runs that fill, spend and cross its blocks (4,096 entries each), and its
     list of blocks (8, then doubled; slid to the front when the first are spent)."""
-    queue, ref, n = audit.ExpiryQueue(), deque(), 0
+    queue, ref, n = audit_core.ExpiryQueue(), deque(), 0
     for append, k in ops:
         for _ in range(k if append else min(k, len(ref))):
             if append:
@@ -169,7 +169,7 @@ def test_the_expiry_queue_behaves_as_a_deque(ops):
             else:
                 assert queue.popleft() == ref.popleft()
         assert len(queue) == len(ref) and (not ref or (queue[0], queue[-1]) == (ref[0], ref[-1]))
-    assert list(queue) == list(ref) and list(audit.ExpiryQueue(ref)) == list(ref)
+    assert list(queue) == list(ref) and list(audit_core.ExpiryQueue(ref)) == list(ref)
     for _ in ref:
         queue.popleft()
     with pytest.raises(IndexError):
@@ -183,7 +183,7 @@ def test_the_expiry_queue_behaves_as_a_deque(ops):
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 3000), st.integers(-5, 5)), max_size=3000))
 def test_the_compiled_books_behave_as_a_dict(ops):
     """Inserts and deletes past growth (1,024 slots at first) and clustered ids: a dict is the model."""
-    table, model = audit.BookTable(), Books()
+    table, model = audit_core.BookTable(), Books()
     for put, order_id, shares in ops:
         order_id *= 1024  # ids that share home slots
         if put:
@@ -203,7 +203,7 @@ def test_the_compiled_books_behave_as_a_dict(ops):
 def test_a_snapshot_takes_any_ids_sorted_and_once(ids):
     """Ids anywhere in the u64 range, or close together (bytes that every id shares are skipped by
     the compiled sort), some with a book: the same keys and records as the definition."""
-    table, model = audit.BookTable(), Books()
+    table, model = audit_core.BookTable(), Books()
     for order_id in sorted(ids)[::3]:
         table[order_id] = model[order_id] = [1, 2, b"C" * 16, b"S" * 8, order_id, True, 2**64 - 1]
     assert table.take_packed(ids) == model.take_packed(ids)
@@ -220,11 +220,11 @@ def test_books_put_from_a_snapshots_bucket_are_the_books_packed(books):
     for order_id, shares, alerted in books:
         model[order_id] = [shares, -shares - 1, b"C" * 16, b"S" * 8, order_id, alerted, 2**64 - 1 - order_id]
     pairs = b"".join(model.packed([order_id]) for order_id, _, _ in books)  # repeats included, in order
-    table, pure = audit.BookTable(), Books()
+    table, pure = audit_core.BookTable(), Books()
     table.put_packed(pairs)
     pure.put_packed(pairs)
     assert table == pure == model and len(table) == len(model)
-    for books_of in (audit.BookTable(), Books()):
+    for books_of in (audit_core.BookTable(), Books()):
         with pytest.raises(ValueError):
             books_of.put_packed(pairs + b"x")
 
@@ -233,7 +233,7 @@ def test_books_put_from_a_snapshots_bucket_are_the_books_packed(books):
 @pytest.mark.parametrize("seed", range(3))
 def test_the_compiled_books_stay_a_dict_through_many_deletes(seed):
     """A dense table (runs of neighbours in the probe sequence) where deletes must move books back."""
-    rng, table, model = random.Random(seed), audit.BookTable(), Books()
+    rng, table, model = random.Random(seed), audit_core.BookTable(), Books()
     for step in range(40_000):
         order_id = rng.randrange(3000)
         if rng.random() < 0.55:
@@ -251,7 +251,7 @@ def test_the_compiled_books_stay_a_dict_through_many_deletes(seed):
 def test_a_doubling_moves_the_books_a_few_at_a_time_and_they_stay_found(stride):
     """The 513th book doubles a fresh table; its books move over the next inserts (none stalls for
     all of them), while reads, overwrites and deletes find each book in whichever array holds it."""
-    rng, table, model = random.Random(stride), audit.BookTable(), Books()
+    rng, table, model = random.Random(stride), audit_core.BookTable(), Books()
     ids = [i * stride % 2**64 for i in range(1, 3000)]
     for n, order_id in enumerate(ids, 1):
         table[order_id] = model[order_id] = [n, 0, b"C" * 16, b"S" * 8, 0, False, 0]
@@ -288,7 +288,7 @@ def test_a_table_sized_for_the_books_expected_neither_doubles_nor_faults_while_t
     books = 300_000
     record = [0, 0, b"C" * 16, b"S" * 8, 0, False, 0]
     for expected, grows in ((books, False), (0, True)):
-        table = audit.BookTable(expected=expected)
+        table = audit_core.BookTable(expected=expected)
         gc.collect()
         faults, moved = _page_faults(), False
         for order_id in range(books):
@@ -303,7 +303,7 @@ def test_a_table_sized_for_the_books_expected_neither_doubles_nor_faults_while_t
     assert _audit.MAX_EXPECTED == MAX_BOOKS_EXPECTED  # the config accepts what the table does
     for wrong in (-1, MAX_BOOKS_EXPECTED + 1):
         with pytest.raises(ValueError):
-            audit.BookTable(expected=wrong)
+            audit_core.BookTable(expected=wrong)
 
 
 @compiled
@@ -313,7 +313,7 @@ def test_a_run_of_books_that_wraps_round_the_table_survives_deletes():
                 [*by_home[1022][:1], *by_home[1023]], [*by_home[1023], *by_home[0]],  # displaced
                 [*by_home[1022], *by_home[1023], *by_home[0]]):
         for gone in ids:
-            table = audit.BookTable()
+            table = audit_core.BookTable()
             for order_id in ids:
                 table[order_id] = [order_id, 0, b"C" * 16, b"S" * 8, 0, False, 0]
             del table[gone]
@@ -323,7 +323,7 @@ def test_a_run_of_books_that_wraps_round_the_table_survives_deletes():
 
 @compiled
 def test_the_compiled_books_refuse_what_a_book_cannot_hold():
-    table = audit.BookTable()
+    table = audit_core.BookTable()
     good = [1, 0, b"C" * 16, b"S" * 8, 0, False, 0]
     for key, book, error in [(2**64, good, OverflowError), (-1, good, OverflowError), ("1", good, TypeError),
                              (1, good[:6], ValueError), (1, [1, 0, b"C", b"S" * 8, 0, False, 0], ValueError),
@@ -341,7 +341,7 @@ def test_a_packet_cut_short_is_refused_before_anything_changes():
     m = AuditMachine(compiled=True)
     pkt = packet(1, [seqd(M.purchase_request(1, 100, "A", "X"), 5, 1)] * 3)
     with pytest.raises(ValueError):
-        audit.apply_fast(m.books, m._codes, m._book_expiry, m.orphans, 1, 0, 2**64 - 1, pkt[:-1], 0, 3, 1, [])
+        audit_core.apply_fast(m.books, m._codes, m._book_expiry, m.orphans, 1, 0, 2**64 - 1, pkt[:-1], 0, 3, 1, [])
     assert len(m.books) == 0 and not m.take_dirty() and not m.pending_effects
 
 
@@ -352,7 +352,7 @@ def test_both_kinds_replay_a_random_stream_to_the_same_digest():
                  M.purchase(i, rng.randrange(1, i + 2), rng.choice([10, 30, 60]), "A", "X"), i, i + 1)
             for i in range(1, 9000)]
     machines = [AuditMachine(10**4, 10**3, compiled=False)] + \
-        ([AuditMachine(10**4, 10**3, compiled=True)] if audit.apply_fast else [])
+        ([AuditMachine(10**4, 10**3, compiled=True)] if audit_core.apply_fast else [])
     for m in machines:
         for first in range(0, len(msgs), 17):
             m.apply_packet(first + 1, packet(first + 1, msgs[first:first + 17]))
@@ -365,7 +365,7 @@ def test_a_failure_inside_the_compiled_cases_stops_the_machine_as_impossible(mon
     def failing(*args):
         raise MemoryError()
 
-    monkeypatch.setattr(audit, "apply_fast", failing)
+    monkeypatch.setattr(audit_core, "apply_fast", failing)
     m = AuditMachine(compiled=True)
     with pytest.raises(InvariantViolation):
         m.apply_packet(1, packet(1, [seqd(M.purchase_request(1, 100, "A", "X"), 5, 1)]))

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from tape.node.journal_store import Journal
-from tape.ops.local import LocalCluster
+from tape.ops.verification.local import LocalCluster
 from tape.protocol import backoff
 from tape.protocol import messages as M
 from tape.protocol import messages as msg
@@ -23,9 +22,10 @@ from tape.protocol.limits import (
     RESEND_ASK_FLOOR_NS,
     RESEND_ASK_INTERVAL_NS,
 )
-from tape.protocol.packets import PacketBuilder
+from tape.protocol.stamping import PacketBuilder
+from tape.runtime.storage.journal_store import Journal
 from tape.sequencer.client_core import ClientCore
-from tape.sequencer.core import LeaderCore
+from tape.sequencer.leader_core import LeaderCore
 
 S = b"TAPE      "
 A, B = b"clientA   ", b"clientB   "

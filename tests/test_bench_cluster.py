@@ -14,9 +14,9 @@ import pytest
 from conftest import TAPE
 from rich.console import Console
 
-from tape.ops import bench_cluster
-from tape.ops.bench_cluster import PROCESSES, marginal_us
-from tape.ops.local import host_steal_seconds, scheduled_count
+from tape.ops.bench import cluster_cpu
+from tape.ops.bench.cluster_cpu import PROCESSES, marginal_us
+from tape.ops.verification.local import host_steal_seconds, scheduled_count
 
 pytestmark = pytest.mark.process
 
@@ -91,10 +91,10 @@ def test_a_failed_run_keeps_its_files_and_names_the_failed_checks(tmp_path, monk
         (Path(out) / "report.json").write_text("{}")
         return {"verdict": "fail", "checks": {"exactly-once alerts": False, "stamps never go backwards": True}}
 
-    monkeypatch.setattr(bench_cluster, "run_up", failing_run_up)
+    monkeypatch.setattr(cluster_cpu, "run_up", failing_run_up)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     console = Console(record=True, width=400)
-    bench_cluster._run_keeping_failures(console, 250_000, 8, None)
+    cluster_cpu._run_keeping_failures(console, 250_000, 8, None)
     [kept] = tmp_path.glob("tape-bench-250000-8s-*")
     assert (kept / "report.json").exists()
     said = console.export_text()
@@ -114,13 +114,13 @@ def test_bench_rewinder_journals_and_acknowledges_every_message():
 
 def test_the_endpoint_bench_fails_when_the_last_message_is_not_journaled(monkeypatch):
     """The endpoint's figure counts only a run in which the follower journaled every message."""
-    from tape.ops import bench_follower
+    from tape.ops.bench import rewinder_endpoint
 
-    real = bench_follower._appends
-    monkeypatch.setattr(bench_follower, "_appends", lambda n, batch, leader: real(n, batch, leader)[:-1])
-    monkeypatch.setattr(bench_follower, "LEADER_TIMEOUT_S", 2)
+    real = rewinder_endpoint._appends
+    monkeypatch.setattr(rewinder_endpoint, "_appends", lambda n, batch, leader: real(n, batch, leader)[:-1])
+    monkeypatch.setattr(rewinder_endpoint, "LEADER_TIMEOUT_S", 2)
     with pytest.raises(RuntimeError, match="the leader failed|journaled"):
-        bench_follower.bench_endpoint(n=1_000, batch=100)
+        rewinder_endpoint.bench_endpoint(n=1_000, batch=100)
 
 
 def test_bench_stream_times_the_sequencer_process_as_it_runs():
@@ -137,13 +137,13 @@ def test_bench_stream_times_the_sequencer_process_as_it_runs():
 def test_the_sequencer_process_bench_fails_when_a_batch_never_arrives(monkeypatch):
     """A batch lost on the way holds every later one (the client seqs have a gap): the run
     raises rather than time the messages before it."""
-    from tape.ops import bench_leader
+    from tape.ops.bench import sequencer_endpoint
 
-    real = bench_leader._batches
-    monkeypatch.setattr(bench_leader, "_batches", lambda *args: (lambda b: b[:3] + b[4:])(real(*args)))
-    monkeypatch.setattr(bench_leader, "STALL_S", 2.0)
+    real = sequencer_endpoint._batches
+    monkeypatch.setattr(sequencer_endpoint, "_batches", lambda *args: (lambda b: b[:3] + b[4:])(real(*args)))
+    monkeypatch.setattr(sequencer_endpoint, "STALL_S", 2.0)
     with pytest.raises(RuntimeError, match="nothing sequenced for 2 s at client seq"):
-        bench_leader.bench_leader(n=5_000)
+        sequencer_endpoint.bench_leader(n=5_000)
 
 
 def test_bench_replica_times_the_replica_process_as_it_runs():
@@ -160,20 +160,21 @@ def test_bench_replica_times_the_replica_process_as_it_runs():
 def test_the_replica_process_bench_fails_when_a_packet_never_arrives(monkeypatch):
     """A packet lost on the way (no rewinder here to fill the gap) stops the replica short of the
     last message: the run raises rather than time what came before it."""
-    from tape.ops import bench_replica
+    from tape.ops.bench import replica_endpoint
 
-    real = bench_replica._stream
-    monkeypatch.setattr(bench_replica, "_stream", lambda *args: (lambda p, last: (p[:5] + p[6:], last))(*real(*args)))
-    monkeypatch.setattr(bench_replica, "STALL_S", 2.0)
+    real = replica_endpoint._stream
+    monkeypatch.setattr(replica_endpoint, "_stream",
+                        lambda *args: (lambda p, last: (p[:5] + p[6:], last))(*real(*args)))
+    monkeypatch.setattr(replica_endpoint, "STALL_S", 2.0)
     with pytest.raises(RuntimeError, match="nothing applied for 2 s at seq"):
-        bench_replica.bench_replica_endpoint(n=5_000)
+        replica_endpoint.bench_replica_endpoint(n=5_000)
 
 
 @pytest.mark.parametrize("keys", [False, True])
 def test_bench_sequencer_sequences_every_message_with_keys_or_without(keys):
     """The leader's path on one core, also as `tape up` runs it (client MACs checked, packets
     sealed): the benchmark raises unless the core accepted every message it was offered."""
-    from tape.ops.bench import bench_sequencer
+    from tape.ops.bench.throughput import bench_sequencer
 
     assert bench_sequencer(n=3_000, fsync="batch", keys=keys) > 0
 
@@ -199,35 +200,35 @@ def test_bench_disk_times_every_append_of_journals_flushing_at_once(tmp_path):
 
 def test_bench_disk_fails_when_an_append_is_not_flushed(monkeypatch, tmp_path):
     """A journal that never syncs (fsync "never") is not what the benchmark times: it raises."""
-    from tape.ops import bench_disk
+    from tape.ops.bench import disk
 
-    real = bench_disk.Journal
-    monkeypatch.setattr(bench_disk, "Journal", lambda d, *a, fsync="batch", **k: real(d, *a, fsync="never", **k))
+    real = disk.Journal
+    monkeypatch.setattr(disk, "Journal", lambda d, *a, fsync="batch", **k: real(d, *a, fsync="never", **k))
     with pytest.raises(RuntimeError, match=r"fsyncs, not 50 after 5 each"):
-        bench_disk.bench_disk(1, 5, 10, 1.0, str(tmp_path))
+        disk.bench_disk(1, 5, 10, 1.0, str(tmp_path))
 
 
 def test_bench_disk_fails_at_once_when_a_writer_dies(monkeypatch, tmp_path):
     """A writer that cannot open its journal ends the run with an error, not a wait of minutes."""
-    from tape.ops import bench_disk
+    from tape.ops.bench import disk
 
     def refused(*args, **kwargs):
         raise OSError("no journal here")
 
-    monkeypatch.setattr(bench_disk, "Journal", refused)
+    monkeypatch.setattr(disk, "Journal", refused)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"exit codes \[1\]"):
-        bench_disk.bench_disk(1, 500, 10, 12.0, str(tmp_path))
+        disk.bench_disk(1, 500, 10, 12.0, str(tmp_path))
     assert time.monotonic() - t0 < 10
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_bench_disk_names_the_file_system_and_warns_of_memory(capsys):
     """Figures from a file system in memory would say nothing of a disk: the run says so."""
-    from tape.ops import bench_disk
+    from tape.ops.bench import disk
 
-    assert bench_disk.filesystem("/dev/shm") in bench_disk.MEMORY_FILE_SYSTEMS
-    assert bench_disk.filesystem("/") != "unknown"
-    bench_disk.bench_disk(1, 3, 10, 1.0, "/dev/shm")
+    assert disk.filesystem("/dev/shm") in disk.MEMORY_FILE_SYSTEMS
+    assert disk.filesystem("/") != "unknown"
+    disk.bench_disk(1, 3, 10, 1.0, "/dev/shm")
     said = " ".join(capsys.readouterr().out.split())
     assert "(tmpfs)" in said and "memory, not a disk" in said, said

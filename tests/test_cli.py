@@ -3,8 +3,8 @@ import subprocess
 import pytest
 from conftest import TAPE
 
-from tape.ops.cli import build_parser
-from tape.ops.load import TURN_TRADES, turn_trades
+from tape.ops.cli.main import build_parser
+from tape.ops.verification.load import TURN_TRADES, turn_trades
 
 
 def subcommand_paths(parser, prefix=()):

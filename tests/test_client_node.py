@@ -1,12 +1,12 @@
-"""ClientNode (sequencer/client_node.py): every decision of a process's clients on one
+"""ClientNode (sequencer/client_node_core.py): every decision of a process's clients on one
 interface -- the stream's listener, each client's acknowledgements and resends, a restarted
 client's recovery -- as the client library and the simulator drive it."""
 
 from tape.protocol import backoff, moldudp64
 from tape.protocol import messages as M
 from tape.protocol.limits import GAP_ASKED_OF
-from tape.protocol.packets import PacketBuilder
-from tape.sequencer import client_node as cn
+from tape.protocol.stamping import PacketBuilder
+from tape.sequencer import client_node_core as cn
 
 S = moldudp64.session_bytes("TEST")
 MS = 1_000_000

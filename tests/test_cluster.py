@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from conftest import TAPE, wait_for
 
-from tape.node.journal_store import Journal
-from tape.ops.config import load
-from tape.ops.local import LocalCluster
-from tape.ops.reference import expected_alerts
+from tape.ops.verification.local import LocalCluster
+from tape.ops.verification.reference import expected_alerts
 from tape.protocol import messages as M
-from tape.protocol.packets import messages_per_packet
-from tape.replicas.audit import AuditMachine
+from tape.protocol.stamping import messages_per_packet
+from tape.replicas.audit_core import AuditMachine
 from tape.replicas.emitter_core import CRASH_POINTS
 from tape.replicas.snapshot import SnapshotStore
+from tape.runtime.config import load
+from tape.runtime.storage.journal_store import Journal
 
 pytestmark = pytest.mark.process
 REPLICAS = ("replica-A", "replica-B", "replica-C")

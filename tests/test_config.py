@@ -2,7 +2,7 @@ import tomllib
 
 import pytest
 
-from tape.ops.config import ConfigError, default, default_toml, load, parse
+from tape.runtime.config import ConfigError, default, default_toml, load, parse
 
 
 def test_default_config_is_a_loopback_cluster():
@@ -92,7 +92,7 @@ def test_an_interface_is_a_nodes_own_then_the_clusters_then_its_hosts():
 
 
 def test_config_check_finds_what_cannot_work_on_any_host(tmp_path):
-    from tape.ops.config_check import problems_anywhere
+    from tape.ops.cli.config_check import problems_anywhere
 
     assert problems_anywhere(lan()) == []
     doc = tomllib.loads(default_toml("/x", replicas=3, sequencers=2, hosts=HOSTS))
@@ -106,11 +106,11 @@ def test_config_check_finds_what_cannot_work_on_any_host(tmp_path):
 
 
 def test_netif_resolves_this_hosts_addresses_and_interface_names_and_names_what_it_has():
-    from tape.node import netif
+    from tape.runtime import interfaces
 
-    assert netif.resolve("lo") == "127.0.0.1" and netif.resolve("127.0.0.1") == "127.0.0.1"
-    with pytest.raises(netif.InterfaceError, match=r"not an address of this host \(have: .*lo 127.0.0.1"):
-        netif.resolve("203.0.113.77")
-    with pytest.raises(netif.InterfaceError, match="no network interface of that name"):
-        netif.resolve("nosuch0")
-    assert netif.is_local("0.0.0.0") and not netif.is_local("203.0.113.77")
+    assert interfaces.resolve("lo") == "127.0.0.1" and interfaces.resolve("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(interfaces.InterfaceError, match=r"not an address of this host \(have: .*lo 127.0.0.1"):
+        interfaces.resolve("203.0.113.77")
+    with pytest.raises(interfaces.InterfaceError, match="no network interface of that name"):
+        interfaces.resolve("nosuch0")
+    assert interfaces.is_local("0.0.0.0") and not interfaces.is_local("203.0.113.77")

@@ -1,11 +1,11 @@
-"""Deadlines in the shells (node/process.py `within`): they time out and return as
+"""Deadlines in the shells (runtime/process.py `within`): they time out and return as
 asyncio.wait_for does, and never swallow a cancellation (Python 3.11's wait_for does)."""
 
 import asyncio
 
 import pytest
 
-from tape.node.process import within
+from tape.runtime.process import within
 
 
 async def test_a_deadline_never_swallows_a_cancellation_that_comes_as_its_awaitable_completes():

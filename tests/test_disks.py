@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import small_disk, wait_for
 
-from tape.ops.config import load
-from tape.ops.faults import fill, flip_record_byte
-from tape.ops.journal_tool import digest as journal_digest
-from tape.ops.local import TAPE, LocalCluster
+from tape.ops.cli.journal_tool import digest as journal_digest
+from tape.ops.verification.faults import fill, flip_record_byte
+from tape.ops.verification.local import TAPE, LocalCluster
 from tape.protocol import moldudp64
 from tape.protocol.election import VOTE_LOST
 from tape.protocol.limits import JOURNAL_RECENT_RECORDS
+from tape.runtime.config import load
 
 pytestmark = pytest.mark.process
 TOTAL = 24_000

@@ -9,9 +9,9 @@ import pytest
 from conftest import TAPE
 from rich.console import Console
 
-from tape.ops.drill import DRILLS, Drill
-from tape.ops.load import SENDING
-from tape.ops.up import run_up
+from tape.ops.verification.drill import DRILLS, Drill
+from tape.ops.verification.load import SENDING
+from tape.ops.verification.up import run_up
 
 pytestmark = pytest.mark.process
 
@@ -48,7 +48,7 @@ def test_every_drill_passes_its_verdict(tmp_path, drill):
 
 
 def test_the_term_check_judges_terms_not_names():
-    from tape.ops.verdict import term_problems
+    from tape.ops.verification.verdict import term_problems
 
     terms = [{"seq": 1, "term": 1, "leader": "seq-a"}, {"seq": 100, "term": 2, "leader": "seq-b"},
              {"seq": 200, "term": 3, "leader": "seq-a"}]

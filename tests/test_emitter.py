@@ -21,14 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from linkclient import LinkSocket
 
-from tape.ops.config import load
-from tape.ops.local import LocalCluster
+from tape.ops.verification.local import LocalCluster
 from tape.protocol import alertlink
 from tape.replicas import sinks
-from tape.replicas.audit import Alert
-from tape.replicas.emitter import Emitter
-from tape.replicas.emitter_node import keep_newest
+from tape.replicas.audit_core import Alert
+from tape.replicas.emitter_node_core import keep_newest
+from tape.replicas.emitter_shell import Emitter
 from tape.replicas.sinks import JsonLinesSink, WebhookSink
+from tape.runtime.config import load
 
 
 class Endpoint:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tape.replicas.audit import Alert
+from tape.replicas.audit_core import Alert
 from tape.replicas.emitter_core import (
     Crash,
     DeliverAlerts,

@@ -1,11 +1,11 @@
-"""EmitterNode (replicas/emitter_node.py): the emitter process's decisions over the links' bytes."""
+"""EmitterNode (replicas/emitter_node_core.py): the emitter process's decisions over the links' bytes."""
 
 from test_emitter_core import alert
 
 from tape.protocol import alertlink
 from tape.protocol.actions import Close, Send
 from tape.protocol.limits import ACK_EVERY_NS, DONE_ALONE_AFTER_NS, RECORD_AFTER_NS
-from tape.replicas.emitter_node import (
+from tape.replicas.emitter_node_core import (
     DeliverAlerts,
     Divergence,
     EmitterNode,

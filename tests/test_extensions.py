@@ -12,8 +12,9 @@ from compilers import where_built
 from tape.protocol import extensions
 
 ROOT = Path(__file__).resolve().parent.parent
-LOADED = ("import sys, tape.ops.cli, tape.ops.sim, tape.replicas.runtime, tape.replicas.sinks, tape.node.batchio\n"
-          "from tape.replicas.audit import AuditMachine\n"
+LOADED = ("import sys, tape.ops.cli.main, tape.ops.verification.sim, tape.replicas.replica_shell, tape.replicas.sinks\n"
+          "import tape.runtime.mmsg\n"
+          "from tape.replicas.audit_core import AuditMachine\n"
           "print(sorted(m for m in sys.modules if m.rsplit('.', 1)[-1].startswith('_') and m.startswith('tape.')),"
           " AuditMachine().compiled)")
 

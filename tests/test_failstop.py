@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tape.ops.local import LocalCluster
+from tape.ops.verification.local import LocalCluster
 
 pytestmark = pytest.mark.process
 
@@ -38,9 +38,9 @@ def wait_exit(proc, timeout: float = 30.0) -> int:
 
 
 @pytest.mark.parametrize("node, where", [
-    ("seq-a", "tape.sequencer.core:LeaderCore.on_journaled"),  # raised in the election task, as it starts leading
+    ("seq-a", "tape.sequencer.leader_core:LeaderCore.on_journaled"),  # raised in the election task, on taking office
     ("rw-1", "tape.protocol.follower:FollowerCore.on_append"),  # raised in the voter's connection handler
-    ("replica-A", "tape.replicas.audit:AuditMachine.apply_runs"),  # raised in the stream's reader callback
+    ("replica-A", "tape.replicas.audit_core:AuditMachine.apply_runs"),  # raised in the stream's reader callback
     ("emitter", "tape.replicas.emitter_core:EmitterCore.on_alerts"),  # raised in the alert link's connection handler
 ])
 def test_an_impossible_state_stops_the_process_with_exit_4(tmp_path, node, where):

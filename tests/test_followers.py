@@ -1,7 +1,7 @@
-"""FollowerLinks (sequencer/followers.py): what the leader sends each follower next."""
+"""FollowerLinks (sequencer/followers_core.py): what the leader sends each follower next."""
 
 from tape.protocol.limits import COMMIT_BEAT_AFTER_NS
-from tape.sequencer.followers import FollowerLinks
+from tape.sequencer.followers_core import FollowerLinks
 
 F, G = b"rw-1      ", b"rw-2      "
 

@@ -7,14 +7,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import inbound, sequenced
 
-from tape.node.voter import VoteStore
 from tape.protocol import backoff
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.packets import PacketBuilder
 from tape.protocol.receiver import StreamReceiver
+from tape.protocol.stamping import PacketBuilder
+from tape.runtime.voter_shell import VoteStore
 
 KEY = b"k" * 32
 VALID = st.one_of(

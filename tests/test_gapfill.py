@@ -1,7 +1,7 @@
 from tape.protocol import moldudp64 as m
 from tape.protocol.limits import GAP_PARKED_MAX, MAX_BATCH_MESSAGES
 from tape.protocol.streamauth import StreamKeys
-from tape.rewinder.gapfill import PARKED, Answer, GapFillCore, Refuse
+from tape.rewinder.gapfill_core import PARKED, Answer, GapFillCore, Refuse
 
 S = b"TAPE      "
 P = 1400  # the stream's packet size: 17 blocks of 77 bytes after the header

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
-from tape.ops.config import load
-from tape.ops.journal_tool import digest as journal_digest
-from tape.ops.local import LocalCluster
+from tape.ops.cli.journal_tool import digest as journal_digest
+from tape.ops.verification.local import LocalCluster
 from tape.protocol import moldudp64
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
+from tape.runtime.config import load
 
 pytestmark = pytest.mark.process
 TOTAL = 10_000

@@ -13,9 +13,9 @@ from conftest import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tape.ops import hostile
-from tape.ops.local import LocalCluster
-from tape.ops.onramp import submit_all
+from tape.ops.cli.onramp import submit_all
+from tape.ops.verification import hostile
+from tape.ops.verification.local import LocalCluster
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 

@@ -10,12 +10,12 @@ from conftest import TAPE, small_disk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tape.node.diskspace import DiskFull
-from tape.node.journal_store import LARGEST_FOLIO, RESERVE_AHEAD_BYTES, Journal, JournalCorruption
-from tape.ops.faults import fill as fill_disk
+from tape.ops.verification.faults import fill as fill_disk
 from tape.protocol import journal as fmt
 from tape.protocol import messages as msg
 from tape.protocol.limits import JOURNAL_CACHED_BYTES
+from tape.runtime.storage.diskspace import DiskFull
+from tape.runtime.storage.journal_store import LARGEST_FOLIO, RESERVE_AHEAD_BYTES, Journal, JournalCorruption
 
 S = b"TAPE      "
 

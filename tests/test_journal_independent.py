@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from independent_journal import Corrupt, read_journal
 
-from tape.node.journal_store import Journal, JournalCorruption
 from tape.protocol import messages as M
+from tape.runtime.storage.journal_store import Journal, JournalCorruption
 
 SESSION = b"TAPE      "
 
@@ -36,7 +36,7 @@ def independent_fields(raw: bytes) -> tuple:
 
 def spark_source_rows(path) -> list:
     """The Spark data source's reader, run without a cluster: (seq, term, order_id, shares, stamp, client seq)."""
-    from tape.ops.spark import TapeReader
+    from tape.ops.spark.source import TapeReader
 
     reader = TapeReader({"path": str(path)})
     out = []

@@ -10,9 +10,9 @@ import subprocess
 import pytest
 from conftest import TAPE, wait_for
 
-from tape.ops.drill import LAN_DRILLS
-from tape.ops.lan import Lan, LanCluster, LanUnavailable
-from tape.ops.verdict import judge, read_run
+from tape.ops.verification.drill import LAN_DRILLS
+from tape.ops.verification.lan import Lan, LanCluster, LanUnavailable
+from tape.ops.verification.verdict import judge, read_run
 
 pytestmark = pytest.mark.process
 VOTERS = ("seq-a", "seq-b", "rw-1", "rw-2")

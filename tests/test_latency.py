@@ -1,9 +1,9 @@
-"""Latency samples (node/latency.py): a packet's trades counted at once keep what counting them one by one keeps."""
+"""Latency samples (runtime/latency.py): a packet's trades counted at once keep what counting them one by one keeps."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tape.node.latency import EveryNth, LatencySamples
+from tape.runtime.latency import EveryNth, LatencySamples
 
 
 @given(st.lists(st.tuples(st.integers(0, 10**9), st.integers(1, 400)), max_size=200), st.integers(2, 64))

@@ -1,4 +1,4 @@
-"""The leader's event loop (sequencer/server.py around sequencer/node.py): what it does in which
+"""The leader's event loop (sequencer/sequencer_shell.py around sequencer/sequencer_node_core.py): what it does in which
 turn. A real Sequencer, leading alone with its real journal, reading a real client's signed batch
 from a real socket."""
 
@@ -7,15 +7,15 @@ import contextlib
 import select
 import socket
 
-from tape.node.transport import multicast_sender
-from tape.ops.local import LocalCluster
-from tape.ops.tradegen import TradeGenerator
+from tape.ops.verification.local import LocalCluster
+from tape.ops.verification.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.protocol.election import LEADER, Lead
 from tape.protocol.limits import PACE_FROM_MESSAGES
+from tape.runtime.udp import multicast_sender
 from tape.sequencer.client_core import ClientCore
-from tape.sequencer.server import Sequencer
+from tape.sequencer.sequencer_shell import Sequencer
 
 
 @contextlib.contextmanager

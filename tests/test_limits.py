@@ -6,7 +6,7 @@ import pytest
 
 from tape.protocol import limits, messages, moldudp64
 from tape.protocol import replication as rep
-from tape.sequencer.core import LeaderCore
+from tape.sequencer.leader_core import LeaderCore
 
 
 def test_a_broken_relation_fails_at_import(monkeypatch):

@@ -8,11 +8,11 @@ import pytest
 from conftest import connect, wait_for
 from linkclient import LinkSocket
 
-from tape.node.authlink import MAX_CONNECTIONS_PER_HOST
-from tape.ops.local import LocalCluster
+from tape.ops.verification.local import LocalCluster
 from tape.protocol import alertlink
 from tape.protocol import soupbintcp as soup
 from tape.protocol.limits import REPLAY_IDLE_TIMEOUT_S
+from tape.runtime.links import MAX_CONNECTIONS_PER_HOST
 
 pytestmark = pytest.mark.process
 

@@ -8,15 +8,15 @@ import dataclasses
 import socket
 import tomllib
 
-from tape.node.transport import udp_socket
-from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.protocol.limits import DRAIN_DATAGRAMS, GAP_ASKED_OF, HINT_TRIES
 from tape.protocol.listener import Deliver
-from tape.protocol.packets import PacketBuilder
+from tape.protocol.stamping import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
-from tape.sequencer.client import StreamListener
+from tape.runtime.config import default_toml, parse
+from tape.runtime.udp import udp_socket
+from tape.sequencer.client_shell import StreamListener
 
 SESSION = moldudp64.session_bytes("TAPE")
 KEY = b"k" * 32

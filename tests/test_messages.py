@@ -6,7 +6,7 @@ from strategies import ascii_text, i64, inbound, sequenced, session, u64
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
 from tape.protocol.errors import ProtocolError
-from tape.protocol.packets import PacketBuilder, messages_per_packet
+from tape.protocol.stamping import PacketBuilder, messages_per_packet
 
 
 @given(u64, i64, ascii_text(16), ascii_text(8), u64, session, u64)

@@ -8,12 +8,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def exported_metrics(data: Path) -> set[str]:
     """Every metric family the four role runtimes serve, read from their real collectors."""
-    from tape.ops.config import default
-    from tape.ops.metrics import FunctionCollector
-    from tape.replicas.emitter import Emitter
-    from tape.replicas.runtime import Replica
-    from tape.rewinder.server import Rewinder
-    from tape.sequencer.server import Sequencer
+    from tape.replicas.emitter_shell import Emitter
+    from tape.replicas.replica_shell import Replica
+    from tape.rewinder.rewinder_shell import Rewinder
+    from tape.runtime.config import default
+    from tape.runtime.metrics import FunctionCollector
+    from tape.sequencer.sequencer_shell import Sequencer
 
     cfg = default(data)
     cfg.nodes += [type(cfg.nodes[0])("replica-A", "replica", data=str(data / "replica-A")),
@@ -46,7 +46,7 @@ def test_every_alert_links_to_a_runbook_section_that_exists():
 
 
 def test_systemd_units_run_real_subcommands():
-    from tape.ops.cli import build_parser
+    from tape.ops.cli.main import build_parser
 
     parser = build_parser()
     for unit in (ROOT / "ops" / "systemd").glob("tape-*@.service"):
@@ -59,7 +59,7 @@ def test_systemd_units_run_real_subcommands():
 def test_the_prometheus_targets_are_the_ports_tape_config_prints():
     import tomllib
 
-    from tape.ops.config import default_toml
+    from tape.runtime.config import default_toml
 
     cfg = tomllib.loads(default_toml("/var/lib/tape", replicas=3, sequencers=2))
     expected = {n["name"].lower(): n["metrics_port"] for n in cfg["node"]}

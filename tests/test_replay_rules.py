@@ -1,7 +1,7 @@
-"""The rewinder's replay rules (rewinder/replay.py)."""
+"""The rewinder's replay rules (rewinder/replay_core.py)."""
 
 from tape.protocol import soupbintcp as soup
-from tape.rewinder import replay
+from tape.rewinder import replay_core
 
 SESSION = b"TAPE      "
 
@@ -11,19 +11,19 @@ def login(session: str, seq: int) -> bytes:
 
 
 def test_a_login_for_this_session_or_any_is_accepted_from_its_seq():
-    assert replay.on_login(login("TAPE", 42), SESSION, 100) == replay.Accept(42)
-    assert replay.on_login(login("", 42), SESSION, 100) == replay.Accept(42)
+    assert replay_core.on_login(login("TAPE", 42), SESSION, 100) == replay_core.Accept(42)
+    assert replay_core.on_login(login("", 42), SESSION, 100) == replay_core.Accept(42)
 
 
 def test_seq_zero_means_from_the_newest_committed_message_on():
-    assert replay.on_login(login("TAPE", 0), SESSION, 100) == replay.Accept(101)
+    assert replay_core.on_login(login("TAPE", 0), SESSION, 100) == replay_core.Accept(101)
 
 
 def test_another_session_is_rejected():
-    assert replay.on_login(login("OTHER", 1), SESSION, 100) == replay.Reject(soup.REJECT_SESSION_UNAVAILABLE)
+    assert replay_core.on_login(login("OTHER", 1), SESSION, 100) == replay_core.Reject(soup.REJECT_SESSION_UNAVAILABLE)
 
 
 def test_only_committed_messages_are_sent_in_bounded_chunks():
-    assert replay.next_chunk(101, 100) is None
-    assert replay.next_chunk(1, 100) == (1, 100)
-    assert replay.next_chunk(1, 10**6) == (1, replay.REPLAY_CHUNK)
+    assert replay_core.next_chunk(101, 100) is None
+    assert replay_core.next_chunk(1, 100) == (1, 100)
+    assert replay_core.next_chunk(1, 10**6) == (1, replay_core.REPLAY_CHUNK)

@@ -6,7 +6,7 @@ from strategies import packet_of
 
 from tape.protocol import messages as M
 from tape.protocol.receiver import Deliver, StreamReceiver
-from tape.replicas.audit import Alert, AuditMachine
+from tape.replicas.audit_core import Alert, AuditMachine
 from tape.replicas.replica_core import Exit, ReplicaCore, SendAlerts, SendDigest, Snapshot
 
 MS = 1_000_000

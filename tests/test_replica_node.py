@@ -1,4 +1,4 @@
-"""ReplicaNode (replicas/replica_node.py): every decision of a replica process -- the stream,
+"""ReplicaNode (replicas/replica_node_core.py): every decision of a replica process -- the stream,
 the alert link, the catch-up over replay, snapshots, a rebuild -- as its shell and the
 simulator drive it."""
 
@@ -12,8 +12,8 @@ from tape.protocol import soupbintcp as soup
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import REPLAY_BEHIND
 from tape.protocol.streamauth import StreamKeys
-from tape.replicas.audit import Alert, AuditMachine
-from tape.replicas.replica_node import (
+from tape.replicas.audit_core import Alert, AuditMachine
+from tape.replicas.replica_node_core import (
     HOUSEKEEPING_NS,
     REDIAL_NS,
     Applied,

@@ -1,4 +1,4 @@
-"""RewinderNode (rewinder/node.py): every decision of the rewinder process -- its voter
+"""RewinderNode (rewinder/rewinder_node_core.py): every decision of the rewinder process -- its voter
 endpoint, gap fill and replay -- as its shell and the simulator drive it."""
 
 import random
@@ -11,7 +11,15 @@ from tape.protocol.actions import Close, Send
 from tape.protocol.limits import REPLAY_CHUNK, REPLAY_HEARTBEAT_NS
 from tape.protocol.streamauth import StreamKeys
 from tape.protocol.voter_node import Committed, VoterNode
-from tape.rewinder.node import IDLE_NS, LOGIN_NS, ReadGap, Reject, ReplayRecords, RewinderNode, SendDatagram
+from tape.rewinder.rewinder_node_core import (
+    IDLE_NS,
+    LOGIN_NS,
+    ReadGap,
+    Reject,
+    ReplayRecords,
+    RewinderNode,
+    SendDatagram,
+)
 
 S = moldudp64.session_bytes("TEST")
 A, B, R1, R2 = (n.ljust(10).encode() for n in ("seq-a", "seq-b", "rw-1", "rw-2"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tape.ops.cli import build_parser
+from tape.ops.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNBOOK = (ROOT / "docs" / "runbook.md").read_text()

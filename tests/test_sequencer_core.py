@@ -10,7 +10,7 @@ from tape.protocol import moldudp64 as m
 from tape.protocol import replication as rep
 from tape.protocol.follower import FollowerCore
 from tape.protocol.limits import PACE_FROM_MESSAGES
-from tape.sequencer.core import InvariantViolation, LeaderCore, rebuild_client_state
+from tape.sequencer.leader_core import InvariantViolation, LeaderCore, rebuild_client_state
 
 S = b"TAPE      "
 A, B = b"clientA   ", b"clientB   "
@@ -88,7 +88,7 @@ def test_acks_beyond_the_log_are_dropped_and_a_later_terms_never_reaches_the_lea
     core, _ = leader()
     assert core.on_ack(F1, 1, True, 99) == [] and core.dropped == {"ack_beyond_log": 1}
     assert core.match[F1] == 0 and core.commit_seq == 0  # a peer's word moved nothing
-    with pytest.raises(InvariantViolation):  # the election steps the node down first (sequencer/node.py)
+    with pytest.raises(InvariantViolation):  # the election steps the node down first (sequencer/sequencer_node_core.py)
         core.on_ack(F1, 2, True, 0)
 
 
@@ -157,7 +157,7 @@ def test_rebuilt_dedupe_state_drops_retransmits_of_what_the_log_holds():
 
 
 def test_a_restarted_client_resumes_after_what_the_stream_holds_and_nothing_is_sequenced_twice():
-    from tape.protocol.packets import PacketBuilder
+    from tape.protocol.stamping import PacketBuilder
     from tape.sequencer.client_core import ClientCore
 
     trades = [msg.purchase_request(i, 10, "X", "Y") for i in range(1, 21)]  # client seq i names trades[i - 1]
@@ -181,7 +181,7 @@ def test_a_restarted_client_resumes_after_what_the_stream_holds_and_nothing_is_s
 
 
 def test_a_resumed_client_does_not_wait_for_trades_its_earlier_run_got_in():
-    from tape.protocol.packets import PacketBuilder
+    from tape.protocol.stamping import PacketBuilder
     from tape.sequencer.client_core import ClientCore
 
     trades = [msg.purchase_request(i, 10, "X", "Y") for i in range(1, 11)]
@@ -346,7 +346,7 @@ def test_a_batch_is_stamped_from_its_bytes_as_its_messages_one_by_one(msgs, data
 
 
 def test_what_the_rules_cannot_apply_is_sequenced_as_a_reject_the_client_sees():
-    from tape.protocol.packets import PacketBuilder
+    from tape.protocol.stamping import PacketBuilder
     from tape.sequencer.client_core import ClientCore
 
     huge = msg.purchase(1, 1, 2**62, "X", "Y")  # twice would overflow a replica's i64 cumulative shares

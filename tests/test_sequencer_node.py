@@ -1,4 +1,4 @@
-"""SequencerNode (sequencer/node.py): every decision of the sequencer process -- its voter
+"""SequencerNode (sequencer/sequencer_node_core.py): every decision of the sequencer process -- its voter
 endpoint, leading, its followers' links, the order of a batch's steps, the end of the
 session -- as its shell and the simulator drive it, over the replication frames' bytes."""
 
@@ -15,7 +15,7 @@ from tape.protocol.actions import Close, Send
 from tape.protocol.election import Cause
 from tape.protocol.errors import InvariantViolation
 from tape.protocol.voter_node import AppendRecords, Dial, Persist, ReadJournal, VoterNode
-from tape.sequencer import node as sn
+from tape.sequencer import sequencer_node_core as sn
 from tape.sequencer.client_core import ClientCore
 
 S = moldudp64.session_bytes("TEST")
@@ -28,7 +28,7 @@ SETTINGS = sn.LeaderSettings(S, {C0: None}, 1400, tick_ns=1000 * MS, heartbeat_n
 
 
 class Shell:
-    """Carries the node's actions out as sequencer/server.py and node/voter.py do, over an
+    """Carries the node's actions out as sequencer/sequencer_shell.py and runtime/voter_shell.py do, over an
     in-memory journal; what it sent, published, dialled and closed is kept."""
 
     def __init__(self, records=(), settings=SETTINGS, term: int = 0, drain_at_once: bool = True):
@@ -126,7 +126,7 @@ def links(shell: Shell) -> dict:
 
 
 def trades(n: int, cseq: int = 1) -> bytes:
-    from tape.ops.tradegen import TradeGenerator
+    from tape.ops.verification.tradegen import TradeGenerator
     client = ClientCore(C0, None, 1400, 10**12)
     client.next_cseq = cseq
     (datagram,) = client.submit(TradeGenerator(seed=cseq).take(n), 0)

@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from tape.ops import sim
+from tape.ops.verification import sim
 from tape.protocol import moldudp64
 from tape.protocol.election import ElectionCore
 from tape.protocol.listener import ListenerCore
 from tape.protocol.voter import VoterCore
 from tape.replicas.emitter_core import EmitterCore, RecordDone, RecordIntent
 from tape.sequencer.client_core import ClientCore
-from tape.sequencer.core import LeaderCore
-from tape.sequencer.followers import FollowerLinks
+from tape.sequencer.followers_core import FollowerLinks
+from tape.sequencer.leader_core import LeaderCore
 
 
 def caught(seeds, enough: int, violation: str, others_too: bool = False) -> list[str]:
@@ -280,7 +280,7 @@ def test_the_simulator_catches_a_replica_that_applies_its_replay_past_the_listen
     # Replayed entries go through the same listener as the stream (its order, its seals). Applied
     # straight from the replay, they overlap what the stream delivered meanwhile.
     from tape.protocol.receiver import Deliver
-    from tape.replicas.replica_node import ReplicaNode
+    from tape.replicas.replica_node_core import ReplicaNode
 
     def shortcut(self, seq, batch, now):
         builder = sim.PacketBuilder(self.session, seq, self.max_packet)
@@ -292,10 +292,10 @@ def test_the_simulator_catches_a_replica_that_applies_its_replay_past_the_listen
 
 
 def test_the_simulator_catches_a_journal_that_keeps_its_torn_tail(monkeypatch):
-    # The voters' journals are the store's own files (node/journal_store.py) on the simulator's
+    # The voters' journals are the store's own files (runtime/storage/journal_store.py) on the simulator's
     # disk, torn by the crash faults: a store that finds a torn tail and does not cut it writes the
     # next records after the half one, and the next open finds the journal corrupt in its middle.
-    from tape.node import journal_store
+    from tape.runtime.storage import journal_store
     original = journal_store.Journal._note_torn
     monkeypatch.setattr(journal_store.Journal, "_note_torn", lambda self, seg, offset, nbytes, reason, truncate:
                         original(self, seg, offset, nbytes, reason, False))
@@ -314,7 +314,7 @@ def test_the_simulator_catches_an_emitter_that_never_orders_a_rebuild(monkeypatc
 
 def test_the_simulator_catches_a_replica_that_ignores_a_rebuild_order(monkeypatch):
     from tape.protocol import alertlink
-    from tape.replicas.replica_node import ReplicaNode
+    from tape.replicas.replica_node_core import ReplicaNode
     original = ReplicaNode._alert_frames
     monkeypatch.setattr(ReplicaNode, "_alert_frames", lambda self, frames, now: original(
         self, [(kind, p) for kind, p in frames if kind != alertlink.REBUILD], now))
@@ -325,7 +325,7 @@ def test_the_simulator_catches_a_replica_that_ignores_a_rebuild_order(monkeypatc
 def test_the_simulator_catches_gap_fill_budgets_that_never_refill(monkeypatch):
     # A fifth of the seeds' rewinders answer few gap requests (SIM_GAPFILL_BUDGETS): a refused
     # listener asks again later, and gets its answer once its host's budget has refilled.
-    from tape.rewinder.gapfill import TokenBucket
+    from tape.rewinder.gapfill_core import TokenBucket
 
     def take(self, now):
         if self.tokens < 1.0:

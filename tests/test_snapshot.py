@@ -12,16 +12,14 @@ import pytest
 from conftest import small_disk
 from strategies import packet_of
 
-from tape.node.journal_store import Journal
-from tape.ops.config import default, default_toml
-from tape.ops.faults import fill
-from tape.ops.local import TAPE
-from tape.ops.tradegen import TradeGenerator
+from tape.ops.verification.faults import fill
+from tape.ops.verification.local import TAPE
+from tape.ops.verification.tradegen import TradeGenerator
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
-from tape.replicas import audit
-from tape.replicas.audit import DIGEST_BLOCK, PACKED_BOOK, AuditMachine
-from tape.replicas.runtime import Replica
+from tape.replicas import audit_core
+from tape.replicas.audit_core import DIGEST_BLOCK, PACKED_BOOK, AuditMachine
+from tape.replicas.replica_shell import Replica
 from tape.replicas.snapshot import (
     BOOK,
     BUCKET_SHIFT,
@@ -32,6 +30,8 @@ from tape.replicas.snapshot import (
     open_verified,
     records_sum_pure,
 )
+from tape.runtime.config import default, default_toml
+from tape.runtime.storage.journal_store import Journal
 
 ORIGIN = moldudp64.session_bytes("load0")
 
@@ -315,8 +315,8 @@ def test_a_truncated_or_zeroed_file_is_refused_not_a_sigbus(tmp_path):
     os.truncate(data, size // 2)
     # In a child: were the check missing, reading a page past the end would kill it with SIGBUS.
     child = subprocess.run([sys.executable, "-c", "import sys; from tape.replicas.snapshot import *\n"
-                            f"try: SnapshotStore({str(path)!r}).load(__import__('tape.replicas.audit').replicas."
-                            "audit.AuditMachine(200 * 10**6, 3 * 10**6))\n"
+                            f"try: SnapshotStore({str(path)!r}).load(__import__('tape.replicas.audit_core').replicas."
+                            "audit_core.AuditMachine(200 * 10**6, 3 * 10**6))\n"
                             "except SnapshotInvalid as e: sys.exit(f'invalid: {e}')"],
                            capture_output=True, text=True, timeout=60)
     assert child.returncode == 1 and "is truncated" in child.stderr, child
@@ -343,7 +343,7 @@ def test_a_replica_moves_a_bad_snapshot_aside_and_starts_from_seq_1(tmp_path, ca
     store.save(m)  # the fresh store takes snapshots again
 
 
-@pytest.mark.skipif(audit.apply_fast is None, reason="built without a C compiler")
+@pytest.mark.skipif(audit_core.apply_fast is None, reason="built without a C compiler")
 def test_a_replica_sizes_its_books_for_the_books_expected_fresh_or_loaded(tmp_path):
     path, digest, _ = saved(tmp_path)
     tables = []  # each fresh machine's table, as made

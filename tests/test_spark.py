@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import TAPE
 
-from tape.node.journal_store import Journal
-from tape.ops.spark import reconcile
+from tape.ops.spark.source import reconcile
+from tape.runtime.storage.journal_store import Journal
 
 pytestmark = [pytest.mark.spark, pytest.mark.process]
 
@@ -57,7 +57,7 @@ def test_a_seq_range_read_returns_exactly_that_range(spark, multi_segment):
 
 
 def test_audit_finds_nothing_then_exactly_the_three_planted_findings(spark, run_dir, tmp_path, capsys):
-    from tape.ops.audit_cmd import show
+    from tape.ops.spark.audit_job import show
 
     journal, alerts = str(run_dir / "journal" / "seq-a"), run_dir / "alerts.jsonl"
     clean = reconcile(spark, journal, str(alerts), "TAPE", 3600 * 10**9, 10 * 10**9)
@@ -113,8 +113,8 @@ def random_journal(path: Path, seed: int, n: int = 4000) -> list:
 def test_the_spark_rules_equal_the_reference_on_random_journals(spark, tmp_path, book_ttl, orphan_ttl):
     from pyspark.sql import functions as F
 
-    from tape.ops.reference import expected_alerts
-    from tape.ops.spark import alerts_df, apply_rules, journal_df
+    from tape.ops.spark.source import alerts_df, apply_rules, journal_df
+    from tape.ops.verification.reference import expected_alerts
     from tape.protocol import messages as M
 
     stream = random_journal(tmp_path / "j", seed=book_ttl + orphan_ttl)
@@ -198,7 +198,7 @@ def test_skip_mode_counts_each_corrupt_record_and_keeps_the_rest(spark, corrupte
 
 
 def test_analytics_in_skip_mode_count_and_name_the_corrupt_records(spark, corrupted):
-    from tape.ops.analytics import compute
+    from tape.ops.spark.analytics import compute
 
     path, segs = corrupted
     report = compute(spark, str(path), 3600 * 10**9, 10 * 10**9, skip_corrupt=True)
@@ -209,8 +209,8 @@ def test_analytics_in_skip_mode_count_and_name_the_corrupt_records(spark, corrup
 def test_analytics_agree_with_a_plain_count_of_the_journal(spark, run_dir, tmp_path):
     from collections import Counter
 
-    from tape.ops.analytics import compute
-    from tape.ops.reference import expected_alerts
+    from tape.ops.spark.analytics import compute
+    from tape.ops.verification.reference import expected_alerts
     from tape.protocol import messages as M
 
     journal = str(run_dir / "journal" / "seq-a")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import TAPE, short_lived_jvm, wait_for
 
-from tape.node.transport import free_port
+from tape.runtime.udp import free_port
 
 pytestmark = [pytest.mark.spark, pytest.mark.process]
 SPARK_HOME = Path(__import__("pyspark").__file__).parent
@@ -96,9 +96,9 @@ def test_audit_analytics_and_export_on_a_standalone_cluster_whose_workers_lack_t
                                                                         spark, tmp_path):
     """The commands on the cluster give what the same functions give in this process (local[2]):
     the audit of alerts with one missing finds it and exits 1 (test_spark: 0 when all match)."""
-    from tape.ops.analytics import compute
-    from tape.ops.config import load
-    from tape.ops.spark import reconcile
+    from tape.ops.spark.analytics import compute
+    from tape.ops.spark.source import reconcile
+    from tape.runtime.config import load
 
     cfg = load(None)
     ttls = int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9)

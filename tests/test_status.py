@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from conftest import TAPE, wait_for
 
-from tape.ops.local import LocalCluster
+from tape.ops.verification.local import LocalCluster
 
 pytestmark = pytest.mark.process
 

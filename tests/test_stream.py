@@ -12,12 +12,12 @@ import pytest
 from conftest import connect, wait_for
 from linkclient import LinkSocket
 
-from tape.node.journal_store import Journal
-from tape.ops.journal_tool import digest as journal_digest
-from tape.ops.local import LocalCluster as Cluster
+from tape.ops.cli.journal_tool import digest as journal_digest
+from tape.ops.verification.local import LocalCluster as Cluster
 from tape.protocol import moldudp64
 from tape.protocol import soupbintcp as soup
 from tape.protocol.linkauth import LinkKeys
+from tape.runtime.storage.journal_store import Journal
 
 pytestmark = pytest.mark.process
 
@@ -243,10 +243,10 @@ def test_forged_replication_frames_without_the_cluster_key_change_nothing(cluste
 
 
 def test_clients_of_one_process_read_the_stream_once_per_interface(tmp_path):
-    from tape.ops.config import default_toml, load
     from tape.protocol import messages as M
-    from tape.protocol.packets import PacketBuilder
-    from tape.sequencer.client import sharing_listeners
+    from tape.protocol.stamping import PacketBuilder
+    from tape.runtime.config import default_toml, load
+    from tape.sequencer.client_shell import sharing_listeners
 
     path = tmp_path / "cluster.toml"
     text = default_toml(tmp_path, clients=3)
@@ -289,9 +289,9 @@ def test_clients_send_new_batches_to_the_leader_alone(tmp_path):
 
 
 async def test_a_client_runs_its_resend_timer_only_while_something_waits_for_its_acknowledgement(tmp_path):
-    from tape.ops.config import default_toml, load
     from tape.protocol import messages as M
-    from tape.sequencer.client import Client
+    from tape.runtime.config import default_toml, load
+    from tape.sequencer.client_shell import Client
 
     path = tmp_path / "cluster.toml"
     path.write_text(default_toml(tmp_path, free=True))

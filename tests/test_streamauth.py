@@ -9,9 +9,9 @@ from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.protocol.limits import GAP_ASKED_OF, GAPS_ASKED_AT_ONCE, HINT_TRIES
 from tape.protocol.listener import Ahead, Deliver, ListenerCore
-from tape.protocol.packets import PacketBuilder, messages_per_packet
+from tape.protocol.stamping import PacketBuilder, messages_per_packet
 from tape.protocol.streamauth import StreamKeys, seal_covers, sealed_ranges
-from tape.sequencer.core import InvariantViolation, LeaderCore
+from tape.sequencer.leader_core import InvariantViolation, LeaderCore
 
 S = moldudp64.session_bytes("TAPE")
 LEADER = moldudp64.session_bytes("seq-a")

@@ -49,7 +49,7 @@ def test_a_node_that_exits_unbidden_aborts_the_run_naming_it(tmp_path, plant):
 
 
 def test_a_run_that_outlives_its_deadline_fails(tmp_path, plant):
-    from tape.ops.up import run_up
+    from tape.ops.verification.up import run_up
 
     plant("load:hang")  # the load generator never submits, so the load never finishes
     report = run_up(1000, 1.0, 0.0, str(tmp_path / "run"), 1, slack_s=2.0)

@@ -1,14 +1,14 @@
-"""The run verdict (ops/verdict.py) fails each of its rows on a fabricated bad run."""
+"""The run verdict (ops/verification/verdict.py) fails each of its rows on a fabricated bad run."""
 
 import copy
 
 import pytest
 
-from tape.ops.reference import expected_alerts
-from tape.ops.tradegen import TradeGenerator
-from tape.ops.verdict import RunFiles, judge
+from tape.ops.verification.reference import expected_alerts
+from tape.ops.verification.tradegen import TradeGenerator
+from tape.ops.verification.verdict import RunFiles, judge
 from tape.protocol import messages as M
-from tape.replicas.audit import AuditMachine
+from tape.replicas.audit_core import AuditMachine
 
 ORIGIN = b"load0".ljust(10)
 TTL = 10**15
@@ -142,7 +142,7 @@ def test_the_log_is_what_a_majority_holds():
 
 @pytest.mark.parametrize("chunk", [7, 400, 65_536])
 def test_agreement_reads_journals_a_chunk_at_a_time(monkeypatch, chunk):
-    from tape.ops import verdict
+    from tape.ops.verification import verdict
 
     monkeypatch.setattr(verdict, "AGREEMENT_CHUNK", chunk)
     records = good_run().journals["seq-a"]
@@ -160,7 +160,7 @@ def test_agreement_reads_journals_a_chunk_at_a_time(monkeypatch, chunk):
 def test_client_seq_runs_find_exactly_the_seqs_held_twice():
     import random
 
-    from tape.ops.verdict import _SeqRuns
+    from tape.ops.verification.verdict import _SeqRuns
 
     rng = random.Random(5)
     for _ in range(200):

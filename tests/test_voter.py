@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tape.node import authlink
-from tape.node.voter import Voter, VoteStore
-from tape.ops.config import default_toml, parse
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
 from tape.protocol.limits import BEHIND_RECV, STALL_SHARE
+from tape.runtime import links
+from tape.runtime.config import default_toml, parse
+from tape.runtime.voter_shell import VoterShell, VoteStore
 
 
 def records(first: int, last: int, term: int = 1) -> list:
@@ -22,7 +22,7 @@ def records(first: int, last: int, term: int = 1) -> list:
             for s in range(first, last + 1)]
 
 
-async def fetch(voter: Voter, peer) -> int:
+async def fetch(voter: VoterShell, peer) -> int:
     """What the voter takes from `peer` with one fetch (a real connection), as it would after a
     vote refused for its being behind."""
     before = voter.journal.last_seq
@@ -42,9 +42,9 @@ async def test_a_sequencer_behind_a_rewinder_fetches_what_it_lacks(tmp_path):
     for node in (seq_b, rw_1, cfg.node("seq-a")):  # election state on disk: none would mean recovering first
         Path(node.data).mkdir(parents=True, exist_ok=True)
         VoteStore(Path(node.data) / "election.json").save(1, None)
-    rewinder = Voter(cfg, rw_1, ahead, can_lead=False)
-    sequencer = Voter(cfg, seq_b, behind, can_lead=True)
-    server = await authlink.start_server(rewinder.serve, rw_1.host, rw_1.replication_port)
+    rewinder = VoterShell(cfg, rw_1, ahead, can_lead=False)
+    sequencer = VoterShell(cfg, seq_b, behind, can_lead=True)
+    server = await links.start_server(rewinder.serve, rw_1.host, rw_1.replication_port)
     try:
         taken = await fetch(sequencer, rw_1)
     finally:
@@ -55,9 +55,9 @@ async def test_a_sequencer_behind_a_rewinder_fetches_what_it_lacks(tmp_path):
     # Nothing is taken when the logs do not line up (our entry before the fetch point is of another term).
     other = cfg.open_journal(cfg.node("seq-a"))
     other.append(records(1, 50, term=1) + records(51, 55, term=2))
-    stranger = Voter(cfg, cfg.node("seq-a"), other, can_lead=True)
+    stranger = VoterShell(cfg, cfg.node("seq-a"), other, can_lead=True)
     stranger.election.term = 2
-    server = await authlink.start_server(rewinder.serve, rw_1.host, rw_1.replication_port)
+    server = await links.start_server(rewinder.serve, rw_1.host, rw_1.replication_port)
     try:
         assert await fetch(stranger, rw_1) == 0 and other.last_seq == 55
     finally:
@@ -98,20 +98,20 @@ class AcksAfterSync:
 async def test_appends_read_together_share_one_fsync_and_are_acked_after_it(tmp_path):
     """A leader ahead of a voter has sent several appends by the time it reads: one fsync covers
     them all (group commit), and no ack leaves before it. The voter reads its link BEHIND_RECV a
-    recv() (authlink.large_reads)."""
+    recv() (links.large_reads)."""
     cfg = parse(tomllib.loads(default_toml(tmp_path, free=True)))
     rw_1 = cfg.node("rw-1")
     Path(rw_1.data).mkdir(parents=True)
     VoteStore(Path(rw_1.data) / "election.json").save(1, None)
     journal = DurableSeqs(cfg.open_journal(rw_1))
-    voter = Voter(cfg, rw_1, journal, can_lead=False)
+    voter = VoterShell(cfg, rw_1, journal, can_lead=False)
     spies = []
 
     async def serve(reader, writer):
         spies.append(AcksAfterSync(writer, journal))
         await voter.serve(reader, spies[-1])
 
-    server = await authlink.start_server(serve, rw_1.host, rw_1.replication_port)
+    server = await links.start_server(serve, rw_1.host, rw_1.replication_port)
     try:
         reader, writer = await asyncio.open_connection(rw_1.host, rw_1.replication_port)
         frames = rep.FrameReader()
@@ -139,7 +139,7 @@ async def test_a_voter_ticks_at_its_election_deadline_and_otherwise_only_as_its_
     node = cfg.node("seq-b")
     Path(node.data).mkdir(parents=True, exist_ok=True)
     VoteStore(Path(node.data) / "election.json").save(1, None)
-    voter = Voter(cfg, node, cfg.open_journal(node), can_lead=True)
+    voter = VoterShell(cfg, node, cfg.open_journal(node), can_lead=True)
     tick_s = voter.tick_ns / 1e9
     assert tick_s == pytest.approx(cfg.election_ms / 1000 * STALL_SHARE * 0.4)
     ticks = []

@@ -1,5 +1,5 @@
 """VoterNode (protocol/voter_node.py): every decision of a voter's replication endpoint, over
-the frames' bytes, as its shell (node/voter.py) and the simulator drive it."""
+the frames' bytes, as its shell (runtime/voter_shell.py) and the simulator drive it."""
 
 import random
 

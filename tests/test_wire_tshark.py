@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from tape.node.transport import free_port, multicast_sender
 from tape.protocol import messages as msg
 from tape.protocol import moldudp64 as m
-from tape.protocol.packets import PacketBuilder
+from tape.protocol.stamping import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
-from tape.sequencer.core import LeaderCore
+from tape.runtime.udp import free_port, multicast_sender
+from tape.sequencer.leader_core import LeaderCore
 
 pytestmark = [
     pytest.mark.process,

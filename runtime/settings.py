@@ -1,0 +1,145 @@
+"""The cluster's settings: what every node process is configured with.
+
+A plain schema with every default written once, here. `tape.runtime.config`
+fills it from a TOML file (or the embedded loopback default); the roles
+only read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from tape.protocol import moldudp64
+
+ROLES = ("sequencer", "rewinder", "replica", "emitter")
+VOTER_ROLES = ("sequencer", "rewinder")
+SINKS = ("jsonl", "webhook", "stdout")
+
+
+@dataclass
+class NodeSettings:
+    name: str
+    role: str
+    host: str = "127.0.0.1"
+    interface: str = ""  # multicast: an address or interface name of its host; "": [stream] interface, else host
+    data: str = ""
+    inbound_port: int = 0
+    replication_port: int = 0
+    gapfill_port: int = 0
+    replay_port: int = 0
+    metrics_port: int = 0
+    alert_port: int = 0
+    sinks: list[str] = field(default_factory=lambda: ["jsonl"])
+    webhook_url: str = ""
+    webhook_timeout_ms: int = 5000
+    delivery: str = "first"  # emitter: "first" copy of an alert, or once a "quorum" of replicas sent it
+
+    @property
+    def wire_name(self) -> bytes:
+        return moldudp64.session_bytes(self.name)
+
+
+@dataclass
+class ClientSettings:
+    name: str
+    key: bytes | None = None
+    interface: str = ""  # where it hears the stream (its acks): as a node's
+
+
+@dataclass
+class Config:
+    group: str
+    port: int
+    session: str = "TAPE"
+    # [stream]
+    interface: str = ""  # one multicast interface for every node: only where each host has it (a name, loopback)
+    max_packet: int = moldudp64.DEFAULT_MAX_PACKET
+    seal: str = "blake2b"  # the hash of the leader's seals (protocol/streamauth.py SEALS); listeners check either
+    heartbeat_ms: int = 1000
+    tick_ms: int = 1000
+    batch_interval_ms: int = 0  # pace batches while messages come fast (leader_core.py batch_due_ns); 0: never
+    # [journal]
+    fsync: str | float = "batch"
+    segment_mb: int = 64
+    # [timeouts]
+    client_resend_ms: int = 50
+    gap_request_ms: int = 8
+    election_ms: int = 300
+    leader_heartbeat_ms: int = 50
+    # [audit]
+    book_ttl_s: float = 3600.0
+    orphan_ttl_s: float = 10.0
+    snapshot_every: int = 100_000
+    snapshot_ms: int = 1000
+    books_expected: int = 0  # books a replica's table is sized and its memory written for at start
+    # [keys]: the first of each list signs, any verifies (rotation); empty: that link is not authenticated
+    stream_keys: list[bytes] = field(default_factory=list)  # the public stream, gap fill, replay logins
+    cluster_keys: list[bytes] = field(default_factory=list)  # replication between voters, alerts to the emitter
+    nodes: list[NodeSettings] = field(default_factory=list)
+    clients: list[ClientSettings] = field(default_factory=list)
+
+    @property
+    def stream_auth(self):
+        """The stream's StreamKeys, or None without a stream key."""
+        from tape.protocol.streamauth import StreamKeys
+
+        return StreamKeys(self.stream_keys, self.seal) if self.stream_keys else None
+
+    @property
+    def cluster_link(self):
+        """LinkKeys for replication and alert links, or None without a cluster key."""
+        from tape.protocol.linkauth import LinkKeys
+
+        return LinkKeys(self.cluster_keys) if self.cluster_keys else None
+
+    @property
+    def replay_link(self):
+        """LinkKeys for replay connections (the stream key: who may read the stream), or None."""
+        from tape.protocol.linkauth import LinkKeys
+
+        return LinkKeys(self.stream_keys) if self.stream_keys else None
+
+    @property
+    def session_bytes(self) -> bytes:
+        return moldudp64.session_bytes(self.session)
+
+    def interface_of(self, who: NodeSettings | ClientSettings) -> str:
+        """The multicast interface of a node or client: its own, else the cluster's, else its host's
+        address (loopback for a client, or a node bound to every address)."""
+        host = getattr(who, "host", "")
+        return who.interface or self.interface or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
+
+    def node(self, name: str) -> NodeSettings:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node named {name!r} (have {', '.join(n.name for n in self.nodes)})")
+
+    def by_role(self, role: str) -> list[NodeSettings]:
+        return [n for n in self.nodes if n.role == role]
+
+    @property
+    def voters(self) -> list[NodeSettings]:
+        return [n for n in self.nodes if n.role in VOTER_ROLES]
+
+    def client(self, name: str) -> ClientSettings:
+        for c in self.clients:
+            if c.name == name:
+                return c
+        raise KeyError(f"no client named {name!r}")
+
+    def open_journal(self, node: NodeSettings):
+        """The node's journal, with this cluster's session and journal settings."""
+        from tape.runtime.storage.journal_store import Journal
+
+        return Journal(Path(node.data) / "journal", self.session_bytes, fsync=self.fsync,
+                       segment_bytes=self.segment_mb << 20)
+
+
+def default_of(cls, name: str):
+    """The default written above for `cls`'s field `name`."""
+    for f in fields(cls):
+        if f.name == name:
+            return f.default_factory() if callable(f.default_factory) else f.default
+    raise KeyError(name)
