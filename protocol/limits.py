@@ -1,21 +1,15 @@
-"""Every size and count limit of the shells and cores, named once, with the
-relations between them asserted at import: a change that breaks one (say, a
-drain that could build an append larger than a follower accepts) fails on
-the first import, not in production.
+"""The protocol's limits, named once: the sizes, counts, rates and times that bound what a core
+holds or sends, and that the nodes of a cluster must agree on. Their relations are asserted at
+import: a change that breaks one (say, a drain that could build an append larger than a follower
+accepts) fails on the first import, not in production. How a process is tuned (buffers, reads,
+caches, timeouts of its own) is runtime/tuning.py's: no peer sees it.
 """
 
 from __future__ import annotations
 
 from tape.protocol import messages, moldudp64, replication, soupbintcp
 
-# --- datagrams -------------------------------------------------------------------------
-DATAGRAM_BUFFER = 65536  # bytes read per recv(): any UDP payload fits
-DRAIN_DATAGRAMS = 512  # datagrams one wake-up of a data-plane socket reads before yielding
-# How long a replica's snapshot thread may run Python before the thread that applies gets the GIL
-# back (Python's default is 5 ms: the stream waited that long while a save was written).
-GIL_SWITCH_S = 0.001
-GAP_REQUEST_DRAIN = 256  # gap-fill requests one wake-up of a rewinder answers
-GAP_REQUEST_BUFFER = 65_536  # bytes read per gap-fill request (padded to the answer's size without keys)
+# --- gap fill and the emitter's holdings -------------------------------------------------
 # Gap-fill budgets (requests answered per second): per requesting host (all its ports together)
 # and for the whole server. An answer costs ~0.1 ms of a rewinder's loop (docs/stream.md), so the
 # total bounds gap fill to about a third of one core whatever the number of hosts asking.
@@ -42,7 +36,7 @@ RECORD_AFTER_NS = 20_000_000
 # The emitter tells each replica the recorded mark at most this often, one acknowledgement covering
 # every record since: each is a sealed write and a replica woken to trim its outbox. At 5 ms (every
 # record, 20 ms apart) the replicas' CPU was 4-11% and the emitter's 4-15% above what it is at 100 ms
-# (docs/performance.md, eighth sitting of 2026-11-28); a replica keeps ~0.1 s more alerts meanwhile.
+# (docs/performance.md); a replica keeps ~0.1 s more alerts meanwhile.
 ACK_EVERY_NS = 100_000_000
 
 # --- the leader's batches ----------------------------------------------------------------
@@ -61,13 +55,6 @@ MAX_HELD_BATCHES = 4096  # per client: batches held that arrived ahead of a lost
 # carries it) went for this long: the leader's timer period (sequencer/sequencer_shell.py).
 COMMIT_BEAT_AFTER_NS = 5_000_000
 
-# The newest records a journal keeps in memory as they were appended (runtime/storage/journal_store.py), for
-# gap fills and catch-ups of the log's tail (65 ms at 250,000 msg/s; ~2 MB): older reads, and any
-# after a restart, go to the files, whose damage is met there (docs/runbook.md).
-JOURNAL_RECENT_RECORDS = 16_384
-# A journal's synced bytes kept in the page cache behind its end (~260 ms at 250,000 msg/s);
-# older pages are given back after each fsync (runtime/storage/journal_store.py, docs/decisions.md).
-JOURNAL_CACHED_BYTES = 4 << 20
 # Client keys whose padded HMAC-SHA256 states are kept (protocol/clientmac.py, ~0.5 KB each): a
 # cluster with more clients than this recomputes them (slower, not wrong).
 MAX_CLIENT_KEYS = 1024
@@ -84,17 +71,6 @@ RESEND_ASK_FLOOR_NS = 5_000_000
 MAX_RETRY_MS = 1_000  # the longest pause a client honours, whatever a back-off says
 
 # --- TCP reads and frames ----------------------------------------------------------------
-STREAM_READ = 1 << 20  # bytes per read() on a replication or replay connection
-CONTROL_READ = 65536  # bytes per read() on a low-rate connection (hellos, acks, alerts)
-# Bytes one recv() of a TCP link's socket asks for. asyncio reads into a new bytes object of its
-# own 256 KiB each time, above glibc's mmap threshold (128 KiB), so every read, however small the
-# frame, cost an mmap, an mremap, a munmap and a page fault (~15 µs against ~3 µs here,
-# docs/performance.md); a larger frame takes more reads.
-SOCKET_RECV = 64 << 10
-# What one recv() asks for on a voter's inbound link (runtime/links.py `large_reads`): a paced batch's
-# append (200-300 KB at 250,000 msg/s) in one read, and a leader ahead of its follower has sent several
-# by the time it reads (one fsync and one acknowledgement for all of them: group commit).
-BEHIND_RECV = 1 << 20
 REPLICATION_FRAME = replication.MAX_FRAME
 REPLAY_CHUNK = 1_000  # committed messages per replay write
 REPLAY_LOGIN_FRAME = 1024  # largest frame a replay server accepts before the login
@@ -142,10 +118,7 @@ def _check() -> None:
         "a batch must fit one append frame"
     assert CATCHUP_CHUNK <= MAX_BATCH_MESSAGES and FETCH_MAX * messages.SEQUENCED_SIZE <= REPLICATION_FRAME, \
         "catch-up and fetch answers must fit one append frame"
-    assert DATAGRAM_BUFFER >= moldudp64.MAX_UDP_PAYLOAD, "a recv() must hold any datagram"
-    assert GAP_REQUEST_BUFFER >= moldudp64.MAX_UDP_PAYLOAD, "a padded request must fit the request buffer"
     assert GAPFILL_HOST_RATE <= GAPFILL_TOTAL_RATE and GAPFILL_HOST_BURST <= GAPFILL_TOTAL_BURST
-    assert REPLAY_CHUNK * (messages.SEQUENCED_SIZE + 3) <= STREAM_READ
     assert soupbintcp.FRAME_LEN.size + 1 + 46 <= REPLAY_LOGIN_FRAME <= soupbintcp.MAX_FRAME, "a login must fit"
     assert REPLAY_BEHIND < RECEIVER_MAX_HELD
     assert BACKOFF_RETRY_MS <= MAX_RETRY_MS and BACKOFF_RETRY_MS * 1_000_000 <= BACKOFF_INTERVAL_NS, \

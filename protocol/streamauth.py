@@ -8,8 +8,8 @@ its seq, is journaled, replicated and replayed) and carries a keyed
     'A' | first seq covered u64 | entries covered i64 | tag 16 | key id 8 |
     algorithm u64 | stamp u64 | origin (the leader) 10 | 0 u64
 
-The algorithm names the tag's hash: 0 keyed BLAKE2b-128 (every seal made
-before 2026-11-28), 1 keyed BLAKE3 cut to 16 bytes, its 32-byte key
+The algorithm names the tag's hash: 0 keyed BLAKE2b-128 (the first
+algorithm; its logs are still read), 1 keyed BLAKE3 cut to 16 bytes, its 32-byte key
 derived from the stream key (`blake3_key`). A leader makes the one its
 config names (`[stream] seal`); listeners check either, so a log sealed
 both ways verifies whole.

@@ -40,7 +40,6 @@ from pathlib import Path
 import lmdb
 
 from tape.protocol.actions import Close, Send
-from tape.protocol.limits import CONTROL_READ
 from tape.replicas import sinks as sinklib
 from tape.replicas.audit_core import ALERT_STAMP, Alert
 from tape.replicas.emitter_node_core import (
@@ -57,6 +56,7 @@ from tape.runtime.latency import LatencySamples
 from tape.runtime.process import NodeProcess
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.settings import Config, NodeSettings
+from tape.runtime.tuning import CONTROL_READ, EMITTER_MAP_BYTES
 
 log = logging.getLogger("tape.emitter")
 _KEY = itemgetter(slice(0, 8))
@@ -80,7 +80,7 @@ class Emitter(NodeProcess):
         super().__init__(cfg, node, log)
         self.data = Path(node.data)
         self.data.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(self.data / "lmdb"), map_size=4 << 30, max_dbs=4)
+        self.env = lmdb.open(str(self.data / "lmdb"), map_size=EMITTER_MAP_BYTES, max_dbs=4)
         self.meta = self.env.open_db(b"meta")
         self.outbox = self.env.open_db(b"outbox")
         self.delivered_db = self.env.open_db(b"delivered")

@@ -29,7 +29,6 @@ import lmdb
 
 from tape.protocol import messages
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import GIL_SWITCH_S
 from tape.protocol.moldudp64 import HEADER_SIZE
 from tape.replicas.audit_core import ALERT_SIZE, AuditMachine
 from tape.replicas.replica_node_core import (
@@ -51,6 +50,7 @@ from tape.runtime.process import NodeProcess
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.settings import Config, NodeSettings
 from tape.runtime.stream_sockets import GapTimer, StreamSockets
+from tape.runtime.tuning import GIL_SWITCH_S
 
 log = logging.getLogger("tape.replica")
 TRADE_TYPES = bytes((messages.REQUEST, messages.PURCHASE))

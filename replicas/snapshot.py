@@ -35,6 +35,7 @@ import lmdb
 from tape.protocol import messages as M
 from tape.replicas.audit_core import BOOK, PACKED_BOOK, AuditMachine
 from tape.runtime.storage.quarantine import aside_path
+from tape.runtime.tuning import REPLICA_MAP_BYTES
 
 ORPHAN = struct.Struct(">Q")  # seq, followed by the 75-byte message
 STATE = struct.Struct(">QQQ16sI")  # last_seq, now_ns, applied, chain, len(pending)
@@ -120,7 +121,7 @@ def outbox_hash(outbox: bytes) -> str:
 
 
 class SnapshotStore:
-    def __init__(self, path: str | Path, map_size: int = 8 << 30):
+    def __init__(self, path: str | Path, map_size: int = REPLICA_MAP_BYTES):
         Path(path).mkdir(parents=True, exist_ok=True)
         try:
             self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, metasync=False)

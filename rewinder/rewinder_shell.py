@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 from tape.protocol import soupbintcp as soup
-from tape.protocol.limits import GAP_REQUEST_BUFFER, GAP_REQUEST_DRAIN
 from tape.rewinder.rewinder_node_core import DroppedRequest, ReadGap, ReplayRecords, RewinderNode, SendDatagram
 from tape.runtime.loss import LossInjector
 from tape.runtime.process import NodeProcess
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.settings import Config, NodeSettings
 from tape.runtime.storage.journal_repair import open_checked
+from tape.runtime.tuning import GAP_REQUEST_BUFFER, GAP_REQUEST_DRAIN
 from tape.runtime.udp import udp_socket
 from tape.runtime.voter_shell import VoterShell
 

@@ -51,7 +51,7 @@ MIN_PACKET = 120  # a header and one sequenced block, with room to spare
 MIN_KEY_BYTES = 16
 # Generated configs pace the leader's batches while messages come fast: their nine processes share a
 # machine's cores (or a few hosts'), where a batch's fixed cost decides what a message costs
-# (docs/performance.md, third sitting of 2026-11-29).
+# (docs/performance.md).
 GENERATED_BATCH_INTERVAL_MS = 10
 MAX_BATCH_INTERVAL_MS = 100  # a message waits at most this for its batch: more is a mistake, not a setting
 KEY_BYTES = 32  # what `tape config` generates

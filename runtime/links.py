@@ -14,7 +14,6 @@ import os
 from typing import Awaitable, Callable
 
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import BEHIND_RECV, SOCKET_RECV
 from tape.protocol.linkauth import (
     HELLO,
     MAGIC,
@@ -27,11 +26,13 @@ from tape.protocol.linkauth import (
     record_digests,
 )
 from tape.runtime.ratelimited_log import RateLimitedLog
-
-HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
-MAX_LINK_CONNECTIONS = 256  # open at once on one listener (replication, alerts, replay)
-MAX_CONNECTIONS_PER_HOST = 64  # of those, from one host
-CONNECT_TIMEOUT_S = 2.0  # a connection and its handshake, where the caller has no tighter limit
+from tape.runtime.tuning import (
+    BEHIND_RECV,
+    HANDSHAKE_TIMEOUT_S,
+    MAX_CONNECTIONS_PER_HOST,
+    MAX_LINK_CONNECTIONS,
+    SOCKET_RECV,
+)
 
 log = RateLimitedLog(logging.getLogger("tape.link"))
 

@@ -17,9 +17,9 @@ import ctypes
 import gc
 import logging
 
+from tape.runtime.tuning import GC_THRESHOLDS, HEAP_KEPT_BYTES, HEAP_MAPPED_FROM
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-HEAP_MAPPED_FROM = 16 << 20  # buffers this large or larger are still mapped (and unmapped) apart
-HEAP_KEPT_BYTES = 64 << 20  # free memory at the heap's top kept rather than given back
 
 log = logging.getLogger("tape.memory")
 
@@ -32,7 +32,7 @@ def tune_memory() -> None:
 def tune_gc() -> None:
     gc.collect()
     gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def keep_heap() -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from tape.protocol.limits import DATAGRAM_BUFFER
+from tape.runtime.tuning import DATAGRAM_BUFFER
 
 
 def recv_datagrams_pure(sock: socket.socket, limit: int) -> list[bytes]:

@@ -24,6 +24,7 @@ from tape.protocol.errors import InvariantViolation
 from tape.runtime import links
 from tape.runtime.settings import Config, NodeSettings
 from tape.runtime.storage.journal_store import JournalCorruption
+from tape.runtime.tuning import CONNECT_TIMEOUT_S
 
 T = TypeVar("T")
 EXIT_OK = 0
@@ -51,7 +52,7 @@ class NodeProcess:
         """Metric samples (tape.runtime.metrics): (name, kind, help, value[, label])."""
         return iter(())
 
-    async def open_link(self, host: str, port: int, keys, timeout: float = links.CONNECT_TIMEOUT_S):
+    async def open_link(self, host: str, port: int, keys, timeout: float = CONNECT_TIMEOUT_S):
         """A TCP connection to a peer, authenticated when `keys` (runtime/links.py)."""
         return await links.connect(host, port, keys, self.link_refused, timeout)
 

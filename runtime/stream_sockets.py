@@ -16,12 +16,12 @@ import logging
 import time
 from typing import Callable
 
-from tape.protocol.limits import DRAIN_DATAGRAMS
 from tape.runtime.latency import LatencyHistogram
 from tape.runtime.loss import LossInjector
 from tape.runtime.mmsg import recv_datagrams
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.settings import Config
+from tape.runtime.tuning import DRAIN_DATAGRAMS
 from tape.runtime.udp import multicast_receiver, udp_socket
 
 log = logging.getLogger("tape.listener")

@@ -11,13 +11,14 @@ import struct
 import tempfile
 import time
 
+from tape.runtime.tuning import RECEIVE_BUFFER
+
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
-DEFAULT_RCVBUF = 32 << 20
 PORT_CLAIMS = os.path.join(tempfile.gettempdir(), "tape-port-claims")  # ports recently given out, one file each
 PORT_CLAIM_S = 120.0  # a claim older than this is stale: its run has bound the port long since, or is gone
 
 
-def set_rcvbuf(sock: socket.socket, size: int = DEFAULT_RCVBUF) -> int:
+def set_rcvbuf(sock: socket.socket, size: int = RECEIVE_BUFFER) -> int:
     """Ask for `size` bytes of receive buffer (forced where we are root);
     return what the kernel granted (Linux reports double the request)."""
     try:
@@ -28,7 +29,7 @@ def set_rcvbuf(sock: socket.socket, size: int = DEFAULT_RCVBUF) -> int:
 
 
 def multicast_receiver(
-    group: str, port: int, interface: str = "127.0.0.1", rcvbuf: int = DEFAULT_RCVBUF
+    group: str, port: int, interface: str = "127.0.0.1", rcvbuf: int = RECEIVE_BUFFER
 ) -> tuple[socket.socket, int]:
     """A non-blocking socket joined to `group:port` on `interface`; returns
     (socket, granted receive buffer bytes)."""
@@ -51,7 +52,7 @@ def multicast_sender(interface: str = "127.0.0.1", ttl: int = 1, loop: bool = Tr
     return sock
 
 
-def udp_socket(host: str = "127.0.0.1", port: int = 0, rcvbuf: int = DEFAULT_RCVBUF) -> tuple[socket.socket, int]:
+def udp_socket(host: str = "127.0.0.1", port: int = 0, rcvbuf: int = RECEIVE_BUFFER) -> tuple[socket.socket, int]:
     """A non-blocking unicast UDP socket bound to host:port (0 = any free)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
     granted = set_rcvbuf(sock, rcvbuf)

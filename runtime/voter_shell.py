@@ -33,8 +33,8 @@ from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.runtime import links
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.settings import Config, NodeSettings
-from tape.runtime.storage.diskspace import CHECK_EVERY_S, RESUME_FREE_BYTES, DiskFull, free_bytes, no_space
-from tape.runtime.storage.journal_store import SLOW_FSYNC_S
+from tape.runtime.storage.diskspace import DiskFull, free_bytes, no_space
+from tape.runtime.tuning import DISK_CHECK_EVERY_S, RESUME_FREE_BYTES, SLOW_FSYNC_S
 
 log = logging.getLogger("tape.voter")
 
@@ -267,7 +267,7 @@ class VoterShell:
 
     def _space_back(self) -> None:
         now = time.monotonic()
-        if now - self._space_checked < CHECK_EVERY_S:
+        if now - self._space_checked < DISK_CHECK_EVERY_S:
             return
         self._space_checked = now
         free = free_bytes(self.journal.dir)

@@ -22,13 +22,13 @@ import time
 from typing import Callable
 
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
 from tape.protocol.listener import Deliver
 from tape.runtime import interfaces
 from tape.runtime.mmsg import send_datagrams
 from tape.runtime.process import within
 from tape.runtime.settings import Config
 from tape.runtime.stream_sockets import GapTimer, StreamSockets
+from tape.runtime.tuning import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
 from tape.runtime.udp import udp_socket
 from tape.sequencer.client_node_core import (
     Acked,

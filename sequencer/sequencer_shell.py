@@ -28,7 +28,7 @@ from collections import deque
 from pathlib import Path
 
 from tape.protocol.election import RequestVotes
-from tape.protocol.limits import DATAGRAM_BUFFER, DRAIN_DATAGRAMS, OVERLOAD_NS
+from tape.protocol.limits import OVERLOAD_NS
 from tape.runtime import links
 from tape.runtime.latency import LatencyHistogram, LatencySamples
 from tape.runtime.loss import LossInjector
@@ -37,13 +37,19 @@ from tape.runtime.process import NodeProcess, within
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.settings import Config, NodeSettings
 from tape.runtime.storage.journal_repair import open_checked
+from tape.runtime.tuning import (
+    DATAGRAM_BUFFER,
+    DRAIN_DATAGRAMS,
+    END_COMMIT_WAIT_S,
+    END_POLL_S,
+    FINAL_DRAIN_S,
+    SEND_BUFFER,
+)
 from tape.runtime.udp import multicast_sender, udp_socket
 from tape.runtime.voter_shell import VoterShell
 from tape.sequencer import sequencer_node_core as sn
 
 log = logging.getLogger("tape.sequencer")
-END_COMMIT_WAIT_S = 5.0  # at shutdown, how long the session's end may take to commit (a loaded host is slow)
-FINAL_DRAIN_S = 0.5  # at shutdown, how long each follower's queue may take to drain before the end is published
 
 
 class Sequencer(NodeProcess):
@@ -132,7 +138,7 @@ class Sequencer(NodeProcess):
         loop = asyncio.get_running_loop()
         self.inbound, granted = udp_socket(self.node.host, self.node.inbound_port)
         self.publisher = multicast_sender(self.cfg.interface_of(self.node))
-        self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         self.dest = (self.cfg.group, self.cfg.port)
         server = await self.serve_links(self.voter.serve, self.cfg.cluster_link, self.node.host,
                                         self.node.replication_port)
@@ -273,7 +279,7 @@ class Sequencer(NodeProcess):
         self.voter.event(None, n.on_end, time.time_ns())
         deadline = time.monotonic() + END_COMMIT_WAIT_S
         while not n.session_ended() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(END_POLL_S)
         self.voter.event(None, n.on_session_ended)
         if self._end is not None:
             await self._end

@@ -17,8 +17,8 @@ from tape.ops.verification.faults import fill, flip_record_byte
 from tape.ops.verification.local import TAPE, LocalCluster
 from tape.protocol import moldudp64
 from tape.protocol.election import VOTE_LOST
-from tape.protocol.limits import JOURNAL_RECENT_RECORDS
 from tape.runtime.config import load
+from tape.runtime.tuning import JOURNAL_RECENT_RECORDS
 
 pytestmark = pytest.mark.process
 TOTAL = 24_000

@@ -30,3 +30,34 @@ def test_the_largest_batch_encodes_within_a_replication_frame():
     frame = rep.encode_append(1, b"seq-a     ", batch.prev_seq, batch.prev_term, 0, 1, batch.messages)
     assert len(batch.messages) < limits.MAX_BATCH_MESSAGES + per_datagram
     assert len(frame) <= limits.REPLICATION_FRAME
+
+
+def test_a_broken_tuning_relation_fails_at_import(monkeypatch):
+    from tape.runtime import tuning
+
+    monkeypatch.setattr(moldudp64, "MAX_UDP_PAYLOAD", tuning.DATAGRAM_BUFFER + 1)
+    with pytest.raises(AssertionError, match="a recv\\(\\) must hold any datagram"):
+        importlib.reload(tuning)
+    monkeypatch.undo()
+    importlib.reload(tuning)
+
+
+def test_no_shell_keeps_a_tuning_constant_of_its_own():
+    """Process tuning is named once, in runtime/tuning.py: a module-level number in a shell is a
+    format constant, an exit code or a default of the config, never a buffer, read or timeout."""
+    import ast
+    from pathlib import Path
+
+    from tape.runtime import tuning
+
+    tuned = {name for name in vars(tuning) if name.isupper()}
+    root = Path(__file__).resolve().parent.parent
+    again = []
+    for path in [*root.glob("runtime/**/*.py"), *root.glob("sequencer/*.py"), *root.glob("rewinder/*.py"),
+                 *root.glob("replicas/*.py"), *root.glob("protocol/*.py")]:
+        if path.name == "tuning.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign):
+                again += [f"{path.name}: {t.id}" for t in node.targets if isinstance(t, ast.Name) and t.id in tuned]
+    assert again == []

@@ -12,7 +12,7 @@ from tape.ops.verification.local import LocalCluster
 from tape.protocol import alertlink
 from tape.protocol import soupbintcp as soup
 from tape.protocol.limits import REPLAY_IDLE_TIMEOUT_S
-from tape.runtime.links import MAX_CONNECTIONS_PER_HOST
+from tape.runtime.tuning import MAX_CONNECTIONS_PER_HOST
 
 pytestmark = pytest.mark.process
 

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from tape.protocol.limits import BEHIND_RECV, SOCKET_RECV
 from tape.protocol.linkauth import HELLO, MAGIC, MAX_RECORD, OLDER, LinkKeys
 from tape.runtime import links
+from tape.runtime.tuning import BEHIND_RECV, SOCKET_RECV
 
 KEYS = pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
 

@@ -10,11 +10,12 @@ import tomllib
 
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
-from tape.protocol.limits import DRAIN_DATAGRAMS, GAP_ASKED_OF, HINT_TRIES
+from tape.protocol.limits import GAP_ASKED_OF, HINT_TRIES
 from tape.protocol.listener import Deliver
 from tape.protocol.stamping import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
 from tape.runtime.config import default_toml, parse
+from tape.runtime.tuning import DRAIN_DATAGRAMS
 from tape.runtime.udp import udp_socket
 from tape.sequencer.client_shell import StreamListener
 

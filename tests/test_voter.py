@@ -11,9 +11,10 @@ import pytest
 
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
-from tape.protocol.limits import BEHIND_RECV, STALL_SHARE
+from tape.protocol.limits import STALL_SHARE
 from tape.runtime import links
 from tape.runtime.config import default_toml, parse
+from tape.runtime.tuning import BEHIND_RECV
 from tape.runtime.voter_shell import VoterShell, VoteStore
 
 

@@ -11,12 +11,12 @@ to run but waited for a core (/proc/PID/task/*/schedstat) is differenced the sam
 cores shared by nine processes, that queueing is what the latency's tail is made of. So is how
 often their threads were put on a core (each wake-up, each return after a preemption), given a
 1,000 messages: each time starts with cold caches, and the same code costs 2-4x in the cluster
-what it costs alone (docs/performance.md, eighth sitting of 2026-11-28). Figures, never
+what it costs alone (docs/performance.md). Figures, never
 pass/fail. The host's speed (`tape bench protocol`'s encode rate) is measured before and
 after the ladder and printed with it: figures from hosts or hours at other speeds compare only
 beside it. So is the long run's steal (the CPU a virtual machine's host took from it while the load
 sent, /proc/stat): a run with a sixth of a core stolen had four times the tail of one without
-(docs/performance.md, second sitting of 2026-11-29).
+(docs/performance.md).
 """
 
 from __future__ import annotations

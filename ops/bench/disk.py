@@ -5,7 +5,7 @@ A batch commits once the leader and two followers hold it, each after its own ap
 fdatasync: on one host the four voters' journals flush the same batch at the same moment on one
 disk, and the commit waits for the slowest of the leader's and the second follower's. So this
 flush's tail is a floor under the stream's latency tail that no CPU saved lowers
-(docs/performance.md, "Fourth sitting of 2026-11-29"). Each writer is a process with the real
+(docs/performance.md). Each writer is a process with the real
 `Journal` (fsync per append), started together and paced like a leader's batches.
 """
 

@@ -4,8 +4,8 @@ A write that fails for want of space (ENOSPC, or a quota's EDQUOT) is undone by
 the writer (the journal cuts its file back; the vote's temporary file is
 removed) and raised as DiskFull: nothing is counted as written, and no reply
 that depends on it is sent. The voter then stops taking appends and votes
-(runtime/voter_shell.py) and looks at the free space every CHECK_EVERY_S until there is
-RESUME_FREE_BYTES, so that it does not flap on the last few blocks.
+(runtime/voter_shell.py) and looks at the free space every DISK_CHECK_EVERY_S until there is
+RESUME_FREE_BYTES (runtime/tuning.py), so that it does not flap on the last few blocks.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import errno
 import os
 from pathlib import Path
 
-RESUME_FREE_BYTES = 16 << 20
-CHECK_EVERY_S = 1.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 

@@ -19,11 +19,17 @@ from pathlib import Path
 from typing import Iterator
 
 from tape.protocol import journal as fmt
-from tape.protocol.limits import JOURNAL_CACHED_BYTES, JOURNAL_RECENT_RECORDS
 from tape.protocol.messages import SEQUENCED_SIZE
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.storage import preallocate
 from tape.runtime.storage.diskspace import DiskFull, no_space
+from tape.runtime.tuning import (
+    JOURNAL_CACHED_BYTES,
+    JOURNAL_RECENT_RECORDS,
+    RESERVE_AHEAD_BYTES,
+    SLOW_FSYNC_LOG_S,
+    SLOW_FSYNC_S,
+)
 
 _SEQ_TERM_MESSAGE = itemgetter(0, 1, 2)  # a scanned record less its offset
 
@@ -33,10 +39,8 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_INDEX_EVERY = 256
 _READ_CHUNK = 1 << 18
 _MIN_READ = 4096  # bytes: the least a bounded read asks the file for
-RESERVE_AHEAD_BYTES = 1 << 20  # disk space reserved past the tail's end for its next appends
 LARGEST_FOLIO = 2 << 20  # a page cache folio's largest size (x86-64: a PMD's)
 WHOLE_FILE = 1 << 62  # (a finished segment gives all its pages back)
-SLOW_FSYNC_S = 0.1  # an fsync longer than this is counted and logged: a disk that stalls the node
 _RECORD_GUESS = fmt.RECORD_HEADER_SIZE + SEQUENCED_SIZE  # bytes of a typical record, to size a bounded read
 
 
@@ -125,7 +129,7 @@ class Journal:
         self.fsync_seconds = 0.0
         self.fsync_max_seconds = 0.0
         self.slow_fsyncs = 0
-        self._slow_log = RateLimitedLog(log, 5.0)
+        self._slow_log = RateLimitedLog(log, SLOW_FSYNC_LOG_S)
         self.bytes_written = 0
         if not readonly:
             self.dir.mkdir(parents=True, exist_ok=True)

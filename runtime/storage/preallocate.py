@@ -1,7 +1,7 @@
 """Disk space reserved past a file's end without changing its size (Linux `fallocate` with
 FALLOC_FL_KEEP_SIZE; Python has no call for it). A journal reserves the space its next appends
 will take, so that their `fdatasync` need not also write the block allocation each time
-(measured on this project's ext4: docs/performance.md, eighteenth sitting). Readers see the same
+(measured on this project's ext4: docs/performance.md). Readers see the same
 file: its size is its data, and `os.ftruncate(fd, size)` gives the reserve back."""
 
 from __future__ import annotations
