@@ -21,6 +21,8 @@ import socket
 import time
 from typing import Callable
 
+import asyncio_dgram
+
 from tape.protocol.errors import ProtocolError
 from tape.protocol.listener import Deliver
 from tape.runtime import interfaces
@@ -28,7 +30,6 @@ from tape.runtime.mmsg import send_datagrams
 from tape.runtime.process import within
 from tape.runtime.settings import Config
 from tape.runtime.stream_sockets import GapTimer, StreamSockets
-from tape.runtime.tuning import DATAGRAM_BUFFER, DRAIN_DATAGRAMS
 from tape.runtime.udp import udp_socket
 from tape.sequencer.client_node_core import (
     Acked,
@@ -187,10 +188,12 @@ class Client:
         self.sock, _ = udp_socket("127.0.0.1" if self.interface.startswith("127.") else "0.0.0.0")
         if self._own_listener:
             self.listener.start()
-        asyncio.get_running_loop().add_reader(self.sock, self._on_advice)
+        self.advice = await asyncio_dgram.from_socket(self.sock)
+        self._reading_advice = asyncio.create_task(self._read_advice())
 
     async def close(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.sock)
+        self.advice.close()
+        await self._reading_advice
         if self._own_listener:
             self.listener.stop()
         self.sock.close()
@@ -205,12 +208,19 @@ class Client:
         self.listener.event(self.listener.node.submit, self.name, msgs)
         return self.core.next_cseq - 1
 
-    def _on_advice(self) -> None:
-        for _ in range(DRAIN_DATAGRAMS):
+    async def _read_advice(self) -> None:
+        """The leader's back-offs and resend requests, a few a second at most and each under this
+        client's MAC (ClientCore judges them; anything else is counted and dropped). Each is
+        handed on before the next is awaited, and asyncio's selector loop reads one datagram a
+        readiness event, so the stream's queue holds what one turn of the loop brought: this
+        consumer bounds it, whatever a flood sends (the kernel's receive buffer drops the rest)."""
+        while True:
             try:
-                data, source = self.sock.recvfrom(DATAGRAM_BUFFER)
-            except (BlockingIOError, OSError):
+                data, source = await self.advice.recv()
+            except asyncio_dgram.TransportClosed:
                 return
+            except OSError:  # an ICMP error the socket reported: nothing to hand on
+                continue
             self.listener.event(self.listener.node.on_advice, self.name, data, source in self._leaders)
 
     def _send(self, datagrams: list[bytes], to: bytes | None = None) -> None:
