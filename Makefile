@@ -6,7 +6,7 @@ APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -y -qq
 
 .PHONY: demo test test-fast test-pure test-pure-fast test-loaded bench sysdeps clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard */_*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard */_*.c) $(wildcard */_*.h)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

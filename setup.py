@@ -4,8 +4,11 @@ skips them and the same functions run in Python (protocol/journal.py, replicas/a
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("tape.protocol._speedups", sources=["protocol/_speedups.c"], optional=True),
+    Extension("tape.protocol._speedups", sources=["protocol/_speedups.c"], depends=["protocol/_blake2b.h"],
+              optional=True),
     Extension("tape.replicas._audit", sources=["replicas/_audit.c"], optional=True),
     Extension("tape.replicas._alertlines", sources=["replicas/_alertlines.c"], optional=True),
+    Extension("tape.replicas._snapshot", sources=["replicas/_snapshot.c"], depends=["protocol/_blake2b.h"],
+              optional=True),
     Extension("tape.runtime._mmsg", sources=["runtime/_mmsg.c"], optional=True),
 ])

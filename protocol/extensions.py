@@ -1,7 +1,7 @@
 """The C extensions, hidden with TAPE_PURE=1 so that each part runs its pure-Python twin.
 
 An import of a compiled module (`tape.protocol._speedups`, `tape.replicas._audit`,
-`tape.replicas._alertlines`, `tape.runtime._mmsg`) then raises ImportError, as where Tape was
+`tape.replicas._alertlines`, `tape.replicas._snapshot`, `tape.runtime._mmsg`) then raises ImportError, as where Tape was
 built without a compiler; every importer already falls back on that (`make test-pure`). Installed
 by the packages that own an extension, before any of their modules is imported. Not a core: it
 reads the environment once, to choose which implementation loads, and decides nothing else.
@@ -14,7 +14,7 @@ import os
 import sys
 
 COMPILED = frozenset({"tape.protocol._speedups", "tape.replicas._audit", "tape.replicas._alertlines",
-                      "tape.runtime._mmsg"})
+                      "tape.replicas._snapshot", "tape.runtime._mmsg"})
 PURE = os.environ.get("TAPE_PURE", "") not in ("", "0")
 
 

@@ -1,4 +1,7 @@
-/* An alert's JSON line in C (replicas/sinks.py): `alert_lines_pure` there is the
+/* Kept in C: 0.8 us an alert against 1.8-2.5 for the Python and 5.2 for orjson of its dict
+ * (building the dict is the cost, not the JSON).
+ *
+ * An alert's JSON line in C (replicas/sinks.py): `alert_lines_pure` there is the
  * definition and the fallback; tests/test_emitter.py holds the two equal, and each
  * equal to json.dumps of the alert as a dict.
  *

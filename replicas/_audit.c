@@ -1,4 +1,8 @@
-/* A replica's books in C, and the audit's two common cases applied straight
+/* Kept in C: 5.1 M msg/s decode + apply against 0.98 M for the Python rules (`tape bench
+ * replica`), which Cython's pure-Python mode made only 1.19x faster; the rules stay defined once,
+ * in Python, and the C is held equal to them state for state (docs/decisions.md).
+ *
+ * A replica's books in C, and the audit's two common cases applied straight
  * from a delivered packet's bytes (replicas/audit_core.py holds the rules; this
  * is where most messages go in a replica process, docs/replicas.md).
  *

@@ -63,7 +63,7 @@ class SnapshotInvalid(Exception):
 def records_sum_pure(prefix: bytes, records: list[tuple[bytes, bytes]]) -> int:
     """The checksum share of records of one database, mod 2^128: `prefix` is the database's name
     and a colon, each record a (key, value) pair (keys are 8 bytes, so this is unambiguous). The
-    definition of `records_sum`, which is this in C (`_speedups.c`) where Tape was built with a
+    definition of `records_sum`, which is this in C (`replicas/_snapshot.c`) where Tape was built with a
     compiler: a save hashes the old and new value of each record it rewrites, and one hashlib call
     each was two thirds of a save's time (when a record was a book)."""
     return sum(int.from_bytes(hashlib.blake2b(prefix + k + v, digest_size=16).digest(), "big")
@@ -111,7 +111,7 @@ def merge_buckets_pure(joined: bytes, packed: bytes, old: list[tuple[bytes, byte
 
 
 try:
-    from tape.protocol._speedups import bucket_keys, merge_buckets, records_sum
+    from tape.replicas._snapshot import bucket_keys, merge_buckets, records_sum
 except ImportError:  # built without a C compiler
     bucket_keys, merge_buckets, records_sum = bucket_keys_pure, merge_buckets_pure, records_sum_pure
 

@@ -1,4 +1,6 @@
-/* Datagrams in and out a batch per system call (recvmmsg, sendmmsg): the
+/* Kept in C: Python's socket module has no recvmmsg or sendmmsg.
+ *
+ * Datagrams in and out a batch per system call (recvmmsg, sendmmsg): the
  * shells' per-packet socket calls, each the same as the Python loop beside
  * its dispatch in runtime/mmsg.py (the definition and the fallback where
  * Tape was built without a compiler); tests/test_mmsg.py holds each pair
