@@ -23,24 +23,44 @@ import threading
 import urllib.parse
 from operator import itemgetter
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+import tenacity
 
 from tape.replicas.audit_core import ALERT_RECORD, Alert
 from tape.replicas.emitter_node_core import forget_oldest
+from tape.runtime.settings import NodeSettings, default_of
+from tape.runtime.tuning import IDS_KEPT, SINK_RETRY_FIRST_S, SINK_RETRY_MAX_S, TAIL_BYTES
 
 try:
     from tape.replicas._alertlines import alert_lines as _alert_lines_c
 except ImportError:  # built without a C compiler
     _alert_lines_c = None
 
+WEBHOOK_TIMEOUT_S = default_of(NodeSettings, "webhook_timeout_ms") / 1000
+
 log = logging.getLogger("tape.emitter")
-TAIL_BYTES = 4 << 20  # how much of the JSON-lines file's tail is checked for ids on start
-IDS_KEPT = 65_536  # ids the JSON-lines sink remembers: what is in doubt, or delivered and not recorded, is far
-                  # fewer (two batches, or what came in the emitter's RECORD_AFTER_NS)
 
 
 class SinkStopped(Exception):
     """The emitter is stopping; the batch was not (known to be) delivered."""
+
+
+def until_done(attempt: Callable[[], bool], stopping: threading.Event, first_s: float, max_s: float,
+               on_retry: Callable[[float], None], what: str) -> None:
+    """Call `attempt` until it says it is done: `first_s` after a failure, twice as long after each
+    next, at most `max_s` apart. Raises SinkStopped(what) once `stopping` is set after a failure;
+    the wait is on `stopping`, so a stop ends it at once. `on_retry(delay)` before each wait."""
+    retrying = tenacity.Retrying(
+        wait=tenacity.wait_exponential(multiplier=first_s, max=max_s),
+        retry=tenacity.retry_if_result(lambda done: not done),  # an exception is raised, not retried
+        stop=lambda state: stopping.is_set(),
+        sleep=stopping.wait,
+        before_sleep=lambda state: on_retry(state.next_action.sleep))
+    try:
+        retrying(attempt)
+    except tenacity.RetryError:
+        raise SinkStopped(what) from None
 
 
 class AlertLine(NamedTuple):
@@ -111,7 +131,7 @@ class JsonLinesSink:
     name = "jsonl"
     sync_each_batch = True
 
-    def __init__(self, path: Path, backoff_s: float = 0.05, max_backoff_s: float = 5.0,
+    def __init__(self, path: Path, backoff_s: float = SINK_RETRY_FIRST_S, max_backoff_s: float = SINK_RETRY_MAX_S,
                  stopping: threading.Event | None = None):
         self.path = path
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -148,15 +168,13 @@ class JsonLinesSink:
         fresh, ids = self._fresh(records)
         if fresh:
             data = _lines(fresh)
-            delay = self.backoff_s
-            while not self._append(data):
-                if self.stopping.is_set():
-                    raise SinkStopped(fresh[0].alert_id)
-                self.retries += 1
-                self.stopping.wait(delay)
-                delay = min(delay * 2, self.max_backoff_s)
+            until_done(lambda: self._append(data), self.stopping, self.backoff_s, self.max_backoff_s,
+                       self._retrying, fresh[0].alert_id)
             self._written(ids)
         return len(fresh)
+
+    def _retrying(self, delay: float) -> None:
+        self.retries += 1
 
     def try_deliver(self, records: list[AlertLine]) -> bool:
         fresh, ids = self._fresh(records)
@@ -249,8 +267,8 @@ class WebhookSink:
     name = "webhook"
     RETRY_STATUS = {408, 425, 429}
 
-    def __init__(self, url: str, timeout_s: float = 5.0, backoff_s: float = 0.05, max_backoff_s: float = 5.0,
-                 stopping: threading.Event | None = None):
+    def __init__(self, url: str, timeout_s: float = WEBHOOK_TIMEOUT_S, backoff_s: float = SINK_RETRY_FIRST_S,
+                 max_backoff_s: float = SINK_RETRY_MAX_S, stopping: threading.Event | None = None):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"webhook_url {url!r}: expected http(s)://host[:port]/path")
@@ -294,36 +312,39 @@ class WebhookSink:
 
     def deliver(self, records: list[AlertLine]) -> int:
         for record in records:
-            delay = self.backoff_s
-            while True:
-                if self.stopping.is_set():
-                    raise SinkStopped(record.alert_id)
-                try:
-                    status = self._post(record)
-                except (OSError, http.client.HTTPException) as e:
-                    problem = f"{type(e).__name__}: {e}"
-                else:
-                    if 200 <= status < 300:
-                        break
-                    if 400 <= status < 500 and status not in self.RETRY_STATUS:
-                        self.refused += 1
-                        log.error("webhook %s refused alert %s with HTTP %d; not retrying", self.url,
-                                  record.alert_id, status)
-                        break
-                    problem = f"HTTP {status}"
-                self.retries += 1
-                log.warning("webhook %s: alert %s not delivered (%s); retrying in %.2f s", self.url,
-                            record.alert_id, problem, delay)
-                self.stopping.wait(delay)
-                delay = min(delay * 2, self.max_backoff_s)
+            if self.stopping.is_set():
+                raise SinkStopped(record.alert_id)
+            until_done(lambda: self._attempt(record), self.stopping, self.backoff_s, self.max_backoff_s,
+                       lambda delay: self._retrying(record, delay), record.alert_id)
         return len(records)
+
+    def _attempt(self, record: AlertLine) -> bool:
+        """One POST: True once the receiver took the alert or refused it for good."""
+        try:
+            status = self._post(record)
+        except (OSError, http.client.HTTPException) as e:
+            self._problem = f"{type(e).__name__}: {e}"
+            return False
+        if 200 <= status < 300:
+            return True
+        if 400 <= status < 500 and status not in self.RETRY_STATUS:
+            self.refused += 1
+            log.error("webhook %s refused alert %s with HTTP %d; not retrying", self.url, record.alert_id, status)
+            return True
+        self._problem = f"HTTP {status}"
+        return False
+
+    def _retrying(self, record: AlertLine, delay: float) -> None:
+        self.retries += 1
+        log.warning("webhook %s: alert %s not delivered (%s); retrying in %.2f s", self.url, record.alert_id,
+                    self._problem, delay)
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
 
 
-def build(kinds: list[str], data: Path, webhook_url: str = "", webhook_timeout_s: float = 5.0,
+def build(kinds: list[str], data: Path, webhook_url: str = "", webhook_timeout_s: float = WEBHOOK_TIMEOUT_S,
           stopping: threading.Event | None = None) -> list:
     sinks = []
     for kind in kinds:

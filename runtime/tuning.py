@@ -57,6 +57,14 @@ DISK_CHECK_EVERY_S = 1.0  # how often a voter whose disk was full looks at its f
 REPLICA_MAP_BYTES = 8 << 30  # a replica's LMDB map: its books and outbox fit (sparse: only what is used)
 EMITTER_MAP_BYTES = 4 << 30  # the emitter's LMDB map: its delivered ids and outbox
 
+# --- the emitter's sinks ------------------------------------------------------------------
+SINK_RETRY_FIRST_S = 0.05  # a sink that failed is tried again after this, then twice as long each time
+SINK_RETRY_MAX_S = 5.0  # ... up to this apart
+TAIL_BYTES = 4 << 20  # how much of the JSON-lines file's tail is checked for ids on start
+# Ids the JSON-lines sink remembers: what is in doubt, or delivered and not recorded, is far fewer
+# (two batches, or what came in the emitter's RECORD_AFTER_NS).
+IDS_KEPT = 65_536
+
 # --- shutdown ----------------------------------------------------------------------------
 END_COMMIT_WAIT_S = 5.0  # at shutdown, how long the session's end may take to commit (a loaded host is slow)
 END_POLL_S = 0.01  # how often the shutdown looks whether the end committed
