@@ -50,12 +50,17 @@ def until_done(attempt: Callable[[], bool], stopping: threading.Event, first_s: 
                on_retry: Callable[[float], None], what: str) -> None:
     """Call `attempt` until it says it is done: `first_s` after a failure, twice as long after each
     next, at most `max_s` apart. Raises SinkStopped(what) once `stopping` is set after a failure;
-    the wait is on `stopping`, so a stop ends it at once. `on_retry(delay)` before each wait."""
+    the wait is on `stopping`, so a stop ends it at once, with no attempt after it (a webhook's
+    would wait out its timeout). `on_retry(delay)` before each wait."""
+    def wait(seconds: float) -> None:
+        if stopping.wait(seconds):
+            raise SinkStopped(what)
+
     retrying = tenacity.Retrying(
         wait=tenacity.wait_exponential(multiplier=first_s, max=max_s),
         retry=tenacity.retry_if_result(lambda done: not done),  # an exception is raised, not retried
         stop=lambda state: stopping.is_set(),
-        sleep=stopping.wait,
+        sleep=wait,
         before_sleep=lambda state: on_retry(state.next_action.sleep))
     try:
         retrying(attempt)

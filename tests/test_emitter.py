@@ -546,3 +546,21 @@ def test_c_and_pure_alert_lines_are_the_same(session, fields):
     got = sinks.alert_lines(records, session)
     assert got == sinks.alert_lines_pure(records, session)
     assert all(type(line) is sinks.AlertLine for line in got)
+
+
+def test_a_stop_during_a_sinks_back_off_ends_it_with_no_attempt_after(tmp_path):
+    """The emitter stopping while a sink waits to try again: SinkStopped at once, and the attempt
+    that would have followed the wait (a webhook's POST, up to its timeout) is not made."""
+    import threading
+
+    stopping, attempts = threading.Event(), []
+
+    def attempt() -> bool:
+        attempts.append(1)
+        threading.Timer(0.05, stopping.set).start()  # the stop comes during the wait that follows
+        return False
+
+    t0 = time.monotonic()
+    with pytest.raises(sinks.SinkStopped, match="TAPE:1"):
+        sinks.until_done(attempt, stopping, 5.0, 5.0, lambda delay: None, "TAPE:1")
+    assert attempts == [1] and time.monotonic() - t0 < 4.0  # (the wait was 5 s: the stop ended it)
