@@ -208,7 +208,7 @@ class Replica(NodeProcess):
 
     def _on_datagrams(self, datagrams: list[bytes]) -> None:
         self.event(self.node_core.on_datagrams, datagrams)
-        self.gaps.note(self.node_core.receiver.missing() is not None)
+        self.gaps.note(self.node_core.receiver.missing() is not None, time.monotonic_ns())
 
     def _carry_out(self, a) -> None:
         kind = type(a)

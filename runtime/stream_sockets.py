@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Callable
 
 from tape.runtime.latency import LatencyHistogram
@@ -82,10 +81,10 @@ class GapTimer:
         self.histogram = LatencyHistogram()
         self._since: int | None = None
 
-    def note(self, missing: bool) -> None:
+    def note(self, missing: bool, now: int) -> None:
+        """`now`: the monotonic clock's ns at the drain."""
         if missing == (self._since is not None):
             return
-        now = time.monotonic_ns()
         if missing:
             self._since = now
         else:

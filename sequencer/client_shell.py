@@ -51,10 +51,13 @@ class StreamListener:
 
     def __init__(self, cfg: Config, interface: str, deliver: Callable[[list[Deliver]], None] | None = None,
                  drop: float = 0.0, seed: int = 0, next_seq: int = 1,
-                 on_undecodable: Callable[[int, ProtocolError], None] | None = None):
+                 on_undecodable: Callable[[int, ProtocolError], None] | None = None,
+                 clock: Callable[[], int] = time.monotonic_ns):
         """`interface`: the local address multicast arrives on (interfaces.resolve'd). `deliver`: gets
-        the runs of a drain in order, in one call (a call a packet cost its Python again for each)."""
+        the runs of a drain in order, in one call (a call a packet cost its Python again for each).
+        `clock`: monotonic ns (a test's own, to time answers and gaps exactly)."""
         self.cfg = cfg
+        self.clock = clock
         self.deliver = deliver
         # Called when a verified (sealed) packet, the committed log itself, holds a
         # message this listener cannot decode: skipping it would diverge.
@@ -106,7 +109,7 @@ class StreamListener:
 
     def event(self, handler, *args) -> None:
         """One event of the node core (its time appended), its actions carried out."""
-        self.act(handler(*args, time.monotonic_ns()))
+        self.act(handler(*args, self.clock()))
 
     def on_datagram(self, data: bytes) -> None:
         """One datagram, delivered at once (tests)."""
@@ -114,7 +117,7 @@ class StreamListener:
 
     def _drained(self, datagrams: list[bytes]) -> None:
         self.event(self.node.on_datagrams, datagrams)
-        self.gaps.note(self.node.missing)
+        self.gaps.note(self.node.missing, self.clock())
 
     def act(self, actions: list) -> None:
         for a in actions:
@@ -141,14 +144,15 @@ class StreamListener:
         """The node's one timer, at its next deadline (none while nothing waits)."""
         if self._loop is None:
             return
-        due = self.node.next_deadline(time.monotonic_ns())
+        now = self.clock()
+        due = self.node.next_deadline(now)
         if due == self._due:
             return
         if self._timer is not None:
             self._timer.cancel()
         self._due, self._timer = due, None
         if due is not None:
-            self._timer = self._loop.call_later(max(due - time.monotonic_ns(), 0) / 1e9, self._fire)
+            self._timer = self._loop.call_later(max(due - now, 0) / 1e9, self._fire)
 
     def _fire(self) -> None:
         self._due = self._timer = None

@@ -25,19 +25,44 @@ def short_lived_jvm() -> dict:
 
 
 def wait_for(condition, what: str, timeout: float = 30.0, every: float = 0.05):
-    """Poll `condition()` until it returns something true (returned), or fail saying what was awaited.
-    Tests wait for events with a deadline; they never sleep a fixed time and then assert."""
+    """Poll `condition()` until it returns something true (returned), or fail saying what was awaited
+    and the last thing it returned. Tests wait for events with a deadline; they never sleep a fixed
+    time and then assert."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             value = condition()
-        except OSError:  # a process not (yet) answering its metrics
-            value = None
-        if value:
+        except OSError as e:  # a process not (yet) answering its metrics
+            value = e
+        if value and not isinstance(value, OSError):
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
         time.sleep(every)
+
+
+async def until(condition, what: str, timeout: float = 10.0, every: float = 0.005):
+    """wait_for inside a test's event loop: it awaits between polls, so the loop's readers and timers run."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
+        await asyncio.sleep(every)
+    return value
+
+
+class Clock:
+    """A monotonic ns clock a test moves by hand (a shell's `clock=`)."""
+
+    def __init__(self, now: int = 10**12):
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, ms: float) -> None:
+        self.now += int(ms * 1_000_000)
+
 
 def connect(port: int, what: str, timeout: float = 20.0) -> socket.socket:
     """A TCP connection to 127.0.0.1:`port`, polled while refused: a node serves its metrics (what

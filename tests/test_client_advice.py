@@ -6,6 +6,8 @@ import asyncio
 import os
 import socket
 
+from conftest import until
+
 from tape.runtime.config import default_toml, load
 from tape.sequencer.client_shell import Client
 
@@ -27,10 +29,7 @@ async def test_a_flood_at_the_advice_socket_queues_nothing_and_changes_nothing(t
                 for _ in range(5):
                     await asyncio.sleep(0)
                     peak = max(peak, client.advice._recvq.qsize())  # (asyncio-dgram's queue)
-        for _ in range(200):
-            if sum(client.core.advice_drops.values()) >= FLOOD:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: sum(client.core.advice_drops.values()) >= FLOOD, "the flood to be read")
         assert sum(client.core.advice_drops.values()) == FLOOD  # each one read, judged and counted
         assert set(client.core.advice_drops) == {"not_a_sequencer"}
         assert client.backoffs == 0 and client.core.pause_left_ns(0) == 0

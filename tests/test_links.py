@@ -7,6 +7,7 @@ import contextlib
 import os
 
 import pytest
+from conftest import until
 
 from tape.protocol.linkauth import HELLO, MAGIC, MAX_RECORD, OLDER, LinkKeys
 from tape.runtime import links
@@ -65,21 +66,23 @@ async def test_a_voters_link_reads_what_is_pending_in_few_reads(keys, read):
     same, handed too."""
     payload, small = os.urandom(12 * SOCKET_RECV), b"a short frame"
     reads = []
-    ended = asyncio.get_running_loop().create_future()
+    ended, sent = asyncio.get_running_loop().create_future(), asyncio.Event()
 
     async def handler(reader, writer):
         links.large_reads(writer)
         assert writer.transport.max_size == BEHIND_RECV
-        await asyncio.sleep(0.3)  # the whole payload is pending when the reads begin
+        await sent.wait()  # the whole payload is pending when the reads begin
         await read(reader, lambda data: reads.append(len(data)))
         ended.set_result(None)
         writer.close()
 
     async with linked(handler, keys) as (reader, writer):
         writer.write(payload)
-        await asyncio.sleep(0.6)
+        await until(lambda: writer.transport.get_write_buffer_size() == 0, "the payload to leave for the socket")
+        sent.set()
+        await until(lambda: sum(reads) >= len(payload), "the payload to be read", every=0.01)
         writer.write(small)
-        await asyncio.sleep(0.1)
+        await until(lambda: sum(reads) == len(payload) + len(small), "the short frame to be read")
         writer.close()
         async with asyncio.timeout(10):
             await ended
@@ -142,9 +145,7 @@ async def test_a_handed_read_gets_a_payload_whole_and_a_forged_record_refused(ke
         writer.write(payload[:1000])
         writer.write(payload[1000:])
         if keys is not None:
-            async with asyncio.timeout(10):
-                while len(got) < len(payload):
-                    await asyncio.sleep(0.01)
+            await until(lambda: len(got) >= len(payload), "the payload to be read", every=0.01)
             writer.transport.write(b"\x00" * 64)  # not a record the key sealed
         else:
             writer.close()

@@ -3,10 +3,12 @@ undecodable message in authenticated committed data instead of waiting;
 without keys nothing it receives can stop it. Its gap-answer socket is
 drained a bounded batch per wake-up."""
 
-import asyncio
 import dataclasses
 import socket
 import tomllib
+
+import pytest
+from conftest import Clock, until
 
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
@@ -16,7 +18,6 @@ from tape.protocol.stamping import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
 from tape.runtime.config import default_toml, parse
 from tape.runtime.tuning import DRAIN_DATAGRAMS
-from tape.runtime.udp import udp_socket
 from tape.sequencer.client_shell import StreamListener
 
 SESSION = moldudp64.session_bytes("TAPE")
@@ -36,10 +37,10 @@ def sealed(seq, raw_messages):
     return StreamKeys([KEY]).seal_packet(SESSION, seq, raw_messages, 1, b"seq-a     ")[1]
 
 
-def listener(keys: bool):
+def listener(keys: bool, **kwargs):
     delivered, failures = [], []
     lst = StreamListener(config(keys), "127.0.0.1", lambda runs: delivered.extend(r.first_seq for r in runs),
-                         on_undecodable=lambda seq, e: failures.append((seq, e.reason)))
+                         on_undecodable=lambda seq, e: failures.append((seq, e.reason)), **kwargs)
     return lst, delivered, failures
 
 
@@ -97,11 +98,8 @@ async def test_answers_are_read_a_bounded_batch_a_wake_up():
         lst.sockets._drain(lst.sockets.req)
         assert lst.datagrams - before == DRAIN_DATAGRAMS  # the rest waits in the kernel, not in a queue
         rewinder.sendto(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0], reply_to)  # the answer
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if delivered == [1, 3, 5]:
-                break
-        assert delivered == [1, 3, 5] and lst.datagrams - before == DRAIN_DATAGRAMS + 11
+        await until(lambda: delivered == [1, 3, 5] and delivered, "the answer to be delivered")
+        assert lst.datagrams - before == DRAIN_DATAGRAMS + 11
         assert lst.bad == {"truncated": DRAIN_DATAGRAMS + 10}
     finally:
         rewinder.close()
@@ -111,21 +109,18 @@ async def test_answers_are_read_a_bounded_batch_a_wake_up():
 async def test_an_answer_is_timed_when_it_arrives_not_at_the_next_tick():
     """The answer timeout follows how long answers take: the drain that fills a gap times it (a
     tick would add up to half the configured timeout to every sample, here 1 s)."""
-    lst, delivered, _ = listener(keys=False)
+    clock = Clock()
+    lst, delivered, _ = listener(keys=False, clock=clock)
     lst.cfg = dataclasses.replace(lst.cfg, gap_request_ms=2000)
     rewinder = fake_rewinder(lst)
     lst.start()
     try:
-        await asyncio.sleep(0.05)  # the first tick is behind us
-        reply_to = open_gap(lst, rewinder)
+        open_gap(lst, rewinder)
         assert lst.core.asking
-        rewinder.sendto(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0], reply_to)
-        for _ in range(100):
-            await asyncio.sleep(0.005)
-            if not lst.core.asking:
-                break
-        assert delivered == [1, 3, 5] and not lst.core.asking
-        assert 0 < lst.core.answers.srtt_ns < 200_000_000
+        clock.advance(7)
+        lst._drained([PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0]])  # the drain that reads the answer
+        assert not lst.core.asking and delivered == [1, 3, 5]  # timed there, no tick between
+        assert lst.core.answers.srtt_ns == 7_000_000  # its first sample, exactly
     finally:
         rewinder.close()
         await lst.close()
@@ -134,29 +129,20 @@ async def test_an_answer_is_timed_when_it_arrives_not_at_the_next_tick():
 async def test_the_time_something_stays_missing_is_measured_gap_by_gap():
     """The replica's tape_replica_stream_gap_seconds: from the drain that sees seqs missing to the
     one that sees them filled."""
-    lst, delivered, _ = listener(keys=False)
+    clock = Clock()
+    lst, delivered, _ = listener(keys=False, clock=clock)
     rewinder = fake_rewinder(lst)
-    stream, _ = udp_socket()
-    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     lst.start()
     try:
-        for first, n in ((1, 2), (5, 2)):  # 3-4 lost
-            sender.sendto(PacketBuilder(SESSION, first).add_sequenced(good(n, first))[0], stream.getsockname())
-        await asyncio.sleep(0.05)
-        lst.sockets._drain(stream)  # sees the gap, asks for it
-        request, reply_to = rewinder.recvfrom(100)
+        lst._drained([PacketBuilder(SESSION, first).add_sequenced(good(n, first))[0] for first, n in ((1, 2), (5, 2))])
+        request, reply_to = rewinder.recvfrom(100)  # 3-4 seen missing, asked for
         assert sum(lst.gap_histogram.counts) == 0
-        await asyncio.sleep(0.05)
+        clock.advance(50)
         rewinder.sendto(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0], reply_to)
-        for _ in range(100):
-            await asyncio.sleep(0.005)
-            if delivered == [1, 3, 5]:
-                break
-        assert delivered == [1, 3, 5]
-        assert sum(lst.gap_histogram.counts) == 1 and 0.05 <= lst.gap_histogram.sum_seconds < 1
+        await until(lambda: delivered == [1, 3, 5], "the answer to be delivered")
+        assert sum(lst.gap_histogram.counts) == 1 and lst.gap_histogram.sum_seconds == pytest.approx(0.05)
     finally:
-        for s in (rewinder, stream, sender):
-            s.close()
+        rewinder.close()
         await lst.close()
 
 
@@ -166,21 +152,15 @@ async def test_a_drain_delivers_its_runs_in_one_call_and_keeps_their_order_with_
     events = []
     lst = StreamListener(config(keys=True), "127.0.0.1", lambda runs: events.append([r.first_seq for r in runs]),
                          on_undecodable=lambda seq, e: events.append(("undecodable", seq)))
-    stream, _ = udp_socket()
-    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     bad = good(3, 9)
     bad[1] = b"Z" + bad[1][1:]  # seq 10 cannot be decoded
     lst.start()
     try:
-        for first, msgs in ((1, good(3)), (5, good(3, 5)), (13, good(3, 13)), (9, bad), (17, good(3, 17))):
-            sender.sendto(sealed(first, msgs), stream.getsockname())  # 1-4, 5-8, 13-16 ahead, 9-12, 17-20
-        await asyncio.sleep(0.05)
-        lst.sockets._drain(stream)
-        assert lst.datagrams == 5
+        # one drain's datagrams: 1-4, 5-8, 13-16 ahead, 9-12, 17-20
+        lst._drained([sealed(first, msgs) for first, msgs in
+                      ((1, good(3)), (5, good(3, 5)), (13, good(3, 13)), (9, bad), (17, good(3, 17)))])
         assert events == [[1, 5], ("undecodable", 10)]  # (13-16 and 17-20 held ahead: no run)
     finally:
-        stream.close()
-        sender.close()
         await lst.close()
 
 
@@ -215,29 +195,16 @@ async def test_an_idle_listener_runs_no_timer_and_one_with_a_gap_asks_again_unti
     timers = []
     on_timer = lst.core.on_timer
     lst.core.on_timer = lambda now: timers.append(now) or on_timer(now)
-    stream, _ = udp_socket()
-    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     lst.start()
     try:
-        await asyncio.sleep(0.2)
-        assert timers == []  # nothing missing: not one tick
-        for first in (1, 5):  # 3-4 lost
-            sender.sendto(PacketBuilder(SESSION, first).add_sequenced(good(2, first))[0], stream.getsockname())
-        await asyncio.sleep(0.05)
-        lst.sockets._drain(stream)  # sees the gap, asks for it
-        rewinder.recvfrom(100)
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if len(timers) > 3:
-                break
-        assert len(timers) > 3  # ticking while 3-4 stay missing
+        assert lst._timer is None  # nothing missing: no timer armed at all
+        lst._drained([PacketBuilder(SESSION, first).add_sequenced(good(2, first))[0] for first in (1, 5)])
+        rewinder.recvfrom(100)  # 3-4 seen missing, asked for
+        await until(lambda: len(timers) > 3, "the timer to tick while 3-4 stay missing")
         lst.on_datagram(PacketBuilder(SESSION, 3).add_sequenced(good(2, 3))[0])
         assert delivered == [1, 3, 5]
-        await asyncio.sleep(0.1)
-        ticked = len(timers)
-        await asyncio.sleep(0.2)
-        assert len(timers) == ticked and not lst.core.waiting
+        await until(lambda: lst._timer is None, "the timer to stop once the answer is timed")
+        assert not lst.core.waiting
     finally:
-        for s in (rewinder, stream, sender):
-            s.close()
+        rewinder.close()
         await lst.close()

@@ -1,6 +1,5 @@
 """The live stream with real processes on loopback multicast (issue 3)."""
 
-import asyncio
 import json
 import random
 import socket
@@ -9,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import connect, wait_for
+from conftest import connect, until, wait_for
 from linkclient import LinkSocket
 
 from tape.ops.cli.journal_tool import digest as journal_digest
@@ -301,19 +300,10 @@ async def test_a_client_runs_its_resend_timer_only_while_something_waits_for_its
     client.core.on_timer = lambda now: timers.append(now) or on_timer(now)
     await client.start()
     try:
-        await asyncio.sleep(0.2)
-        assert timers == []  # nothing sent: no timer
+        assert client.listener._timer is None and timers == []  # nothing sent: no timer armed
         await client.submit([M.purchase_request(1, 10, "X", "Y")])  # no sequencer: never acknowledged
-        wait = client.cfg.client_resend_ms / 4000
-        for _ in range(100):
-            await asyncio.sleep(wait)
-            if len(timers) >= 3:
-                break
-        assert len(timers) >= 3
+        await until(lambda: len(timers) >= 3, "three resend ticks", timeout=30, every=0.01)
         client.core.unacked.clear()  # as if acknowledged
-        await asyncio.sleep(2 * wait)
-        ticked = len(timers)
-        await asyncio.sleep(0.2)
-        assert len(timers) == ticked
+        await until(lambda: client.listener._timer is None, "the timer to stop", timeout=30)
     finally:
         await client.close()
