@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -y -qq
 
-.PHONY: demo test test-fast test-pure test-pure-fast test-loaded bench sysdeps clean
+.PHONY: demo test test-fast test-pure test-pure-fast test-sanitize test-loaded bench sysdeps clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard */_*.c) $(wildcard */_*.h)
 	python3 -m venv $(VENV)
@@ -42,6 +42,7 @@ test: $(STAMP) sysdeps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q --durations=25
 	$(MAKE) --no-print-directory test-pure-fast
+	$(MAKE) --no-print-directory test-sanitize
 
 # The inner loop: unit, property and fuzz tests and 200 simulator seeds; no process, no JVM
 # (a test of this tier that starts a process fails: tests/conftest.py). Needs no system packages.
@@ -57,6 +58,20 @@ test-pure: $(STAMP) sysdeps
 test-pure-fast: $(STAMP)
 	@echo "the fast tier again with every C extension hidden (TAPE_PURE=1)"
 	TAPE_PURE=1 TAPE_TEST_TIER=fast $(VENV)/bin/pytest -q -m "not process and not spark and not slow" --durations=10
+
+# The C extensions built with AddressSanitizer and UndefinedBehaviorSanitizer (tests/build_sanitized.py,
+# into build/sanitize) and the tests that drive them, C against Python and fuzzed, with the sanitizers'
+# runtime preloaded: any report stops the run (-s: a report is written to the terminal, not captured).
+SANITIZE  := build/sanitize
+C_TESTS   := test_speedups test_audit_compiled test_audit test_mmsg test_snapshot test_clientmac test_streamauth \
+             test_linkauth test_messages test_moldudp64 test_journal test_emitter test_fuzz test_fuzz_decoders
+test-sanitize: $(STAMP)
+	$(PY) tests/build_sanitized.py $(SANITIZE)
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  PYTHONPATH=$(SANITIZE) TAPE_SANITIZED=$(SANITIZE) TAPE_TEST_TIER=fast \
+	  $(PY) -m pytest -q -s -p no:cacheprovider -m "not process and not spark and not slow" \
+	  $(addprefix tests/,$(addsuffix .py,$(C_TESTS)))
 
 # make test RUNS times in a row while two busy loops take both cores (each loop
 # bounded by timeout, killed at the end): the suite must not depend on an idle machine.

@@ -430,7 +430,7 @@ static PyObject *table_take_packed(BookTable *t, PyObject *marked) {
         PyMem_Free(ids);
         return ids == NULL ? PyErr_NoMemory() : NULL;
     }
-    memcpy(ids, t->dirty, n * sizeof(uint64_t));
+    if (n) memcpy(ids, t->dirty, n * sizeof(uint64_t));  /* (no dirty list yet: NULL, which memcpy may not take) */
     while (n < cap && (item = PyIter_Next(it)) != NULL) {
         int rc = key_of(item, &ids[n]);
         Py_DECREF(item);

@@ -128,3 +128,40 @@ def _no_process_in_the_fast_tier(monkeypatch):
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
+
+
+@pytest.fixture(autouse=True)
+def _clean_node_logs(request, monkeypatch):
+    """Every cluster a test starts (ops/verification/local.py LocalCluster) leaves logs with no
+    Traceback and no CRITICAL line but those the test planted: `cluster.planted = (pattern, ...)`."""
+    if "process" not in request.keywords:
+        yield
+        return
+    from tape.ops.verification import local
+    from tape.ops.verification.verdict import log_problems
+
+    clusters = []
+    original = local.LocalCluster.__init__
+
+    def register(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        clusters.append(self)
+
+    monkeypatch.setattr(local.LocalCluster, "__init__", register)
+    yield
+    problems = {name: lines for c in clusters for name, path in c.logs.items() if path.exists()
+                and (lines := log_problems(path.read_text(errors="replace"), c.planted))}
+    assert not problems, f"unexpected lines in the nodes' logs (plant them if the test caused them): {problems}"
+
+
+def pytest_configure(config):
+    """Under make test-sanitize, every C extension must be the sanitized build, never the usual one."""
+    sanitized = os.environ.get("TAPE_SANITIZED")
+    if sanitized:
+        import importlib
+
+        from tape.protocol.extensions import COMPILED
+
+        root = str(Path(sanitized).resolve())
+        wrong = [n for n in sorted(COMPILED) if not importlib.import_module(n).__file__.startswith(root)]
+        assert not wrong, f"not the sanitized build under {root}: {wrong}"

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from tape.ops.verification import sim
-from tape.protocol import moldudp64
+from tape.protocol import messages, moldudp64
+from tape.protocol import messages as M
 from tape.protocol.election import ElectionCore
 from tape.protocol.listener import ListenerCore
 from tape.protocol.voter import VoterCore
@@ -71,6 +72,24 @@ def test_a_seed_is_reproducible():
 def test_the_simulator_catches_a_leader_that_commits_alone(monkeypatch):
     monkeypatch.setattr(LeaderCore, "majority", lambda self: 1)
     assert len(caught(range(1, 301), 10, r"Violation: seq-[ab] published a different message at seq \d+")) == 10
+
+
+def test_the_simulator_catches_a_leader_that_alters_a_trades_shares(monkeypatch):
+    """Every other row of the verdict holds (the log agrees with itself, the replicas and the
+    alerts follow it): only the comparison with what each client submitted sees it."""
+    original = messages.stamp_blocks
+
+    def more_shares(record: bytes) -> bytes:
+        kind, order, shares, *rest = M.INBOUND.unpack(record[:M.INBOUND_SIZE])
+        return M.INBOUND.pack(kind, order, shares + 1, *rest) + record[M.INBOUND_SIZE:]
+
+    def altered(*args):
+        return [more_shares(r) if r[0] == M.PURCHASE else r for r in original(*args)]
+
+    monkeypatch.setattr(messages, "stamp_blocks", altered)
+    violation = r"Violation: the run's verdict fails: content: each trade as its client submitted it \(\d+"
+    failures = caught(range(1, 4), 3, violation)
+    assert len(failures) == 3 and "altered; seq" in failures[0], failures[0][:300]
 
 
 @pytest.mark.slow

@@ -21,6 +21,13 @@ if spec:
     if word.encode() in open("/proc/self/cmdline", "rb").read().split(b"\\0"):
         if what == "exit":
             threading.Timer(4.0, os._exit, (3,)).start()
+        elif what == "shares":  # a leader that adds a share to every purchase it stamps
+            from tape.protocol import messages as M
+            original = M.stamp_blocks
+            def more(r):
+                kind, order, shares, *rest = M.INBOUND.unpack(r[:M.INBOUND_SIZE])
+                return M.INBOUND.pack(kind, order, shares + 1, *rest) + r[M.INBOUND_SIZE:]
+            M.stamp_blocks = lambda *a: [more(r) if r[0] == M.PURCHASE else r for r in original(*a)]
         else:
             while True:
                 time.sleep(1)
@@ -55,6 +62,19 @@ def test_a_run_that_outlives_its_deadline_fails(tmp_path, plant):
     report = run_up(1000, 1.0, 0.0, str(tmp_path / "run"), 1, slack_s=2.0)
     assert report["verdict"] == "fail", report
     assert report["aborted"].startswith("still waiting for the load to finish"), report
+
+
+def test_a_sequencer_that_alters_shares_fails_the_verdict_on_content_alone(tmp_path, plant):
+    """Behind the test's plant, every sequencer adds a share to each purchase it stamps: the log
+    agrees with itself, the replicas and the alerts follow it, so only the comparison of each
+    sequenced trade with what its client submitted can see it."""
+    from tape.ops.verification.up import run_up
+
+    plant("sequencer:shares")
+    report = run_up(2000, 2.0, 0.0, str(tmp_path / "run"), 1)
+    failed = [name for name, ok in report["checks"].items() if not ok]
+    assert failed == ["content: each trade as its client submitted it"], report["checks"]
+    assert report["altered_trades"] and "purchase" in report["altered_trades"][0], report["altered_trades"][:2]
 
 
 def test_the_nodes_die_with_tape_up(tmp_path):

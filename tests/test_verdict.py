@@ -27,7 +27,10 @@ def good_run(n: int = 400) -> RunFiles:
                     journals={v: list(records) for v in ("seq-a", "seq-b", "rw-1", "rw-2")},
                     replicas={r: dict(status) for r in ("replica-A", "replica-B", "replica-C")}, alerts=rows,
                     emitter={"divergences": 0}, load={"acked": n, "submitted": n},
-                    sequencers={"seq-a": {"published_terms": {"1": [1, len(records)]}}, "seq-b": {}}, plain=True)
+                    sequencers={"seq-a": {"published_terms": {"1": [1, len(records)]}},
+                                "seq-b": {"published_terms": {}}},
+                    plain=True, submitted_trades={ORIGIN: lambda: TradeGenerator(7, 0.5)},
+                    log_problems={"seq-a": [], "replica-A": []})
 
 
 def test_a_good_run_passes_every_row():
@@ -75,7 +78,29 @@ def second_term(run):
         r.update(last_seq=len(records), digest=machine.digest())
 
 
+def altered_shares(run, seq=60):
+    """A sequencer that changed one trade's shares, and replicas that applied it as it did: every
+    other row holds (the log agrees with itself), only the comparison with what was sent fails."""
+    raw = run.journals["seq-a"][seq - 1][2]
+    inbound = bytearray(raw[:M.INBOUND_SIZE])
+    inbound[9:17] = (int.from_bytes(inbound[9:17], "big", signed=True) + 1).to_bytes(8, "big", signed=True)
+    m = M.SEQUENCED.unpack(raw)
+    for v in run.journals:
+        replace_record(run, v, seq, M.stamp(bytes(inbound), m[M.STAMP], m[M.ORIGIN], m[M.CLIENT_SEQ]))
+    records = run.journals["seq-a"]
+    alerts, _ = expected_alerts([(s, M.SEQUENCED.unpack(m)) for s, _, m in records], TTL, TTL)
+    run.alerts = [{"alert_id": f"TAPE:{a['purchase_seq']}", **a} for a in alerts]
+    machine = AuditMachine(TTL, TTL)
+    machine.apply_run(1, [M.SEQUENCED.unpack(m) for _, _, m in records])
+    for r in run.replicas.values():
+        r["digest"] = machine.digest()
+
+
 BAD = {
+    "content: each trade as its client submitted it": altered_shares,
+    "every node wrote its status file": lambda run: run.replicas.update({"replica-B": {}}),
+    "no traceback or unexpected CRITICAL in a log": lambda run: run.log_problems.update(
+        {"rw-1": ["2026-12-02 12:00:00 tape.rewinder CRITICAL rw-1: journal closed; stopping (exit 4)"]}),
     "all trades acknowledged": lambda run: run.load.update(acked=run.submitted - 1),
     # The load saw one more trade acknowledged than the log holds (a forged acknowledgement).
     "no loss: every trade sequenced": lambda run: (setattr(run, "submitted", run.submitted + 1),
@@ -107,6 +132,8 @@ def test_each_row_fails_on_its_own_bad_run(row):
                                                          "replicas' digest is the journal's"},
         "replicas applied the whole log": {"replica identity: digests equal"},
         "replica identity: digests equal": {"replicas' digest is the journal's"},
+        "every node wrote its status file": {"replicas applied the whole log", "replica identity: digests equal",
+                                             "replicas' digest is the journal's"},
     }.get(row, set())
     assert {name for name, ok in checks.items() if not ok} - also == {row}
 
@@ -123,6 +150,26 @@ def test_exactly_once_sees_every_kind_of_wrong_alert(kind):
     checks, _, report = judge(run)
     assert not checks["exactly-once alerts"]
     assert report[{"duplicate": "duplicates", "unexpected": "unexpected", "mismatched": "mismatched"}[kind]]
+
+
+def test_content_is_judged_trade_by_trade_in_each_clients_order():
+    run = good_run()
+    _, figures, _ = judge(run)
+    assert figures["content: each trade as its client submitted it"] == "400 judged, 0 altered"
+    run.submitted_trades = {ORIGIN: lambda: TradeGenerator(8, 0.5)}  # another client's trades
+    checks, _, report = judge(run)
+    assert not checks["content: each trade as its client submitted it"] and len(report["altered_trades"]) == 20
+    run.submitted_trades = {b"nobody".ljust(10): lambda: TradeGenerator(7, 0.5)}  # named, none sequenced
+    assert not judge(run)[0]["content: each trade as its client submitted it"]
+
+
+def test_a_log_line_is_a_problem_unless_the_runs_fault_planted_it():
+    from tape.ops.verification.verdict import log_problems
+    text = ("x tape.seq INFO leading term 2\n"
+            "x tape.rw CRITICAL rw-1: disk full; stopping (exit 4)\n"
+            "Traceback (most recent call last):\n")
+    assert len(log_problems(text)) == 2
+    assert log_problems(text, ("disk full",)) == ["Traceback (most recent call last):"]
 
 
 def test_the_log_is_what_a_majority_holds():

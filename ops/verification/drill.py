@@ -58,7 +58,10 @@ def _committed(cluster: LocalCluster) -> float:
 
 
 class Drill:
-    """One fault: `inject` at 30% of the run, `heal` once `healable` says so."""
+    """One fault: `inject` at 30% of the run, `heal` once `healable` says so. `planted`: patterns of
+    the log lines its fault causes (any other Traceback or CRITICAL fails the run's verdict)."""
+
+    planted: tuple[str, ...] = ()
 
     def __init__(self, name: str, duration: float, trades: int):
         self.name = name
@@ -333,6 +336,8 @@ class DiskFault(KillNode):
     def __init__(self, name: str, duration: float, trades: int, pick):
         super().__init__(name, duration, trades, pick)
         self.done = ""
+        if name == "corrupt-segment":
+            self.planted = ("CRITICAL journal damaged at ",)  # its repair says so, as an operator must hear
 
     def ready(self, cluster):
         """A snapshot to corrupt: the replica has written one."""

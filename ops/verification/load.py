@@ -46,6 +46,12 @@ class Trades:
         return out + self.gen.take(n - len(out))
 
 
+def client_trades(seed: int, overfill: float, i: int) -> TradeGenerator:
+    """The trades the load's i-th client submits, in client seq order (from 1): the verdict makes
+    them again to compare each sequenced trade with what was submitted under its client seq."""
+    return TradeGenerator(seed + i, overfill, first_id=i * ID_SPACE + 1)
+
+
 def turn_trades(per_datagram: int) -> int:
     """The trades a client submits in its turn: TURN_TRADES rounded down to whole datagrams (one
     at least)."""
@@ -62,7 +68,7 @@ def percentile(values: list, q: float) -> float:
 async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed: int, drop: float,
                    overfill: float, ack_timeout: float = 60.0, resume: bool = False) -> dict:
     listeners, clients = sharing_listeners(cfg, names, drop, seed)  # the stream read once, not once a client
-    gens = [TradeGenerator(seed + i, overfill, first_id=i * ID_SPACE + 1) for i in range(len(names))]
+    gens = [client_trades(seed, overfill, i) for i in range(len(names))]
     quotas = [total // len(names) + (i < total % len(names)) for i in range(len(names))]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -122,6 +128,7 @@ async def run_load(cfg: Config, names: list[str], rate: float, total: int, seed:
         "wait_s": round((run_delay_seconds() or 0.0) - wait_before, 3),  # ready to run, without a core
         "scheduled": (scheduled_count() or 0) - scheduled_before,  # put on a core (wake-ups, preemptions)
         "build_cpu_s": round(cpu_before, 3),  # start-up and the trades built ahead
+        "trades": {"seed": seed, "overfill": overfill, "clients": names},  # what client_trades makes again
     }
     for c in clients:
         await c.close()

@@ -49,6 +49,7 @@ class LocalCluster:
         self.logs: dict[str, Path] = {}
         self.started: dict[str, tuple] = {}  # name -> (args, wait_metrics, env): what restart() repeats
         self.let_go: set[str] = set()  # stopped or killed here: their exits are expected
+        self.planted: tuple[str, ...] = ()  # patterns of the log lines a planted fault causes (verdict.log_problems)
 
     def start(
         self, name: str, *args: str, wait_metrics: int | None = None, env: dict | None = None, wait: bool = True

@@ -575,11 +575,15 @@ class Listener:
                                max_packet=default_of(Config, "max_packet"))
         self.node.listener.reply_at(*address(self.name))
         self.client = self.node.add(self.name, None)
-        self.gen = TradeGenerator(self.gen_seed, overfill_share=0.3, first_id=1 + CLIENTS.index(self.name) * 10**9)
+        self.gen = self.trades()
         self.delivered: list[bytes] = []
         self.recovering = recover
         if recover:
             self.act(self.node.recover(self.name, self.sim.now))
+
+    def trades(self) -> TradeGenerator:
+        """What this client submits, in client seq order from 1 (the same after a restart)."""
+        return TradeGenerator(self.gen_seed, overfill_share=0.3, first_id=1 + CLIENTS.index(self.name) * 10**9)
 
     def restart_client(self) -> None:
         """Everything but the generator's seed was lost: read the stream from seq 1 again."""
@@ -1167,7 +1171,8 @@ class Sim:
             alerts=self.emitter.sink, emitter={"divergences": self.emitter.core.divergences},
             load={"acked": sum(cl.acked for cl in clients), "submitted": sum(cl.next_cseq - 1 for cl in clients)},
             sequencers={s: {"published_terms": self.published_terms.get(s, {})} for s in SEQUENCERS},
-            fold_every=SIM_FOLD_EVERY)
+            fold_every=SIM_FOLD_EVERY,
+            submitted_trades={moldudp64.session_bytes(n): self.listeners[n].trades for n in CLIENTS})
         checks, figures, _ = judge(run)
         failed = [f"{name} ({figures[name]})" for name, ok in checks.items() if not ok]
         if failed:

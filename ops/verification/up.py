@@ -82,6 +82,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
 
         cluster = LanCluster(root, net, extra, delivery=delivery, webhook=getattr(drill, "webhook", False),
                              max_packet=max_packet)
+    cluster.planted = drill.planted if drill else ()
     what = f"drill [bold]{drill.name}[/bold]" if drill else "[bold]tape up[/bold]"
     where = f"over {len(net.hosts)} hosts ({', '.join(net.addresses)})" if net else "on loopback"
     try:
@@ -284,7 +285,8 @@ def _live_table(m: dict, rate: float) -> Table:
 
 
 def _verdict(console, cluster: LocalCluster, total: int, rate: float, drill) -> dict:
-    run = read_run(cluster.cfg, VOTERS, REPLICAS, SEQUENCERS, cluster.output("load"), total, plain=drill is None)
+    run = read_run(cluster.cfg, VOTERS, REPLICAS, SEQUENCERS, cluster.output("load"), total, plain=drill is None,
+                   logs=cluster.logs, planted=cluster.planted)
     checks, figures, report = judge(run)
     lat = run.load.get("latency_ms", {})
     # Inbound (the sequencer's stamp) to applied, for the slowest of the replicas.

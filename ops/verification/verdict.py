@@ -16,12 +16,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
+from tape.ops.verification.load import client_trades
 from tape.ops.verification.reference import FOLD_EVERY, expected_alerts, expected_digest
 from tape.protocol import messages as M
+from tape.protocol import moldudp64
 from tape.runtime.storage.journal_store import Journal
 
 ALERT_FIELDS = ("emit_seq", "purchase_id", "order_id", "requested", "cumulative")
@@ -41,6 +45,10 @@ class RunFiles:
     sequencers: dict[str, dict] = field(default_factory=dict)  # sequencer -> its status.json
     plain: bool = False  # no fault was injected that should move leadership: one term expected
     fold_every: int = FOLD_EVERY  # where the replicas' digests fold (the simulator's fold more often)
+    # origin (a client's wire name) -> a new iterator of the inbound trades it submitted, in client
+    # seq order from 1: each sequenced trade is compared with its own
+    submitted_trades: dict[bytes, Callable[[], Iterator[bytes]]] = field(default_factory=dict)
+    log_problems: dict[str, list[str]] = field(default_factory=dict)  # node -> unexpected lines of its log
 
 
 class JournalRecords:
@@ -60,8 +68,10 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int, plain: bool = False) -> RunFiles:
-    """What a local run left in its nodes' data directories (`plain`: no fault injected)."""
+def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int, plain: bool = False,
+             logs: dict[str, Path] | None = None, planted: tuple[str, ...] = ()) -> RunFiles:
+    """What a local run left in its nodes' data directories (`plain`: no fault injected); `logs`:
+    each node's log, searched for lines no run should write but those matching `planted`."""
     sink = Path(cfg.node("emitter").data) / "alerts.jsonl"
     rows = [json.loads(line) for line in sink.read_text().splitlines() if line.strip()] if sink.exists() else []
     try:
@@ -74,7 +84,29 @@ def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int
         journals={n: JournalRecords(Path(cfg.node(n).data) / "journal") for n in voters},
         replicas={r: _read_json(Path(cfg.node(r).data) / "status.json") for r in replicas},
         alerts=rows, emitter=_read_json(Path(cfg.node("emitter").data) / "status.json"), load=load,
-        sequencers={s: _read_json(Path(cfg.node(s).data) / "status.json") for s in sequencers}, plain=plain)
+        sequencers={s: _read_json(Path(cfg.node(s).data) / "status.json") for s in sequencers}, plain=plain,
+        submitted_trades=load_trades(load.get("trades")),
+        log_problems={n: log_problems(p.read_text(errors="replace"), planted)
+                      for n, p in (logs or {}).items() if p.exists()})
+
+
+def load_trades(how: dict | None) -> dict[bytes, Callable[[], Iterator[bytes]]]:
+    """What `tape load` submitted, made again from its report's seed (load.client_trades)."""
+    if not how:
+        return {}
+    return {moldudp64.session_bytes(name): (lambda i=i: client_trades(how["seed"], how["overfill"], i))
+            for i, name in enumerate(how["clients"])}
+
+
+# A line no run writes unless a test planted its cause: an exception's trace, or a fail-stop.
+UNEXPECTED_LOG = re.compile(r"Traceback \(most recent call last\)| CRITICAL ")
+
+
+def log_problems(text: str, planted: tuple[str, ...] = ()) -> list[str]:
+    """The lines of a node's log that say something went wrong that no fault of the run explains
+    (`planted`: patterns of the lines the run's fault causes)."""
+    return [line for line in text.splitlines() if UNEXPECTED_LOG.search(line)
+            and not any(re.search(p, line) for p in planted)]
 
 
 def judge(run: RunFiles) -> tuple[dict, dict, dict]:
@@ -89,8 +121,8 @@ def judge(run: RunFiles) -> tuple[dict, dict, dict]:
         return ((seq, M.SEQUENCED.unpack(raw)) for seq, _, raw in itertools.islice(longest, log_length))
 
     # Every client seq sequenced: trades, and those the sequencer rejected at ingress (in their place).
-    scan = _LogScan()
-    terms = term_changes(scan.watch(committed()))
+    scan = _LogScan(run.submitted_trades)
+    terms = term_changes(scan.watch(itertools.islice(longest, log_length)))
     applied = {r: s.get("last_seq", 0) for r, s in run.replicas.items()}
     digests = {r: s.get("digest", "") for r, s in run.replicas.items()}
     alerts, rejects = _alerts(run, committed())
@@ -98,11 +130,16 @@ def judge(run: RunFiles) -> tuple[dict, dict, dict]:
     published = {s: st.get("published_terms", {}) for s, st in run.sequencers.items()}
     term_issues = term_problems(terms, published)
     acked = run.load.get("acked", 0)
+    missing_status = [n for n, st in (*run.replicas.items(), *run.sequencers.items(), ("emitter", run.emitter))
+                      if not st]
     divergences = run.emitter.get("divergences", 0)
     checks = {
         "all trades acknowledged": (run.load.get("acked") == run.submitted, f"{acked:,} / {run.submitted:,}"),
         "no loss: every trade sequenced": (scan.trades == run.submitted, f"{scan.trades:,}"),
         "no duplicates: no (client, client seq) twice": (scan.duplicates == 0, f"{scan.duplicates}"),
+        "content: each trade as its client submitted it": (scan.contents.ok, scan.contents.figure()),
+        "every node wrote its status file": (not missing_status, ", ".join(missing_status) or "all"),
+        "no traceback or unexpected CRITICAL in a log": (not any(run.log_problems.values()), _log_figure(run)),
         "agreement: every journal a prefix of the log": (agreed, " ".join(f"{n:,}" for n in lengths.values())),
         "replicas applied the whole log": (all(v == log_length for v in applied.values()),
                                            " ".join(f"{v:,}" for v in applied.values())),
@@ -121,7 +158,8 @@ def judge(run: RunFiles) -> tuple[dict, dict, dict]:
         "log_length": log_length, "applied": applied, "digests": digests,
         **{k: v for k, v in alerts.items() if k not in ("ok", "figure")},
         "divergences": divergences, "rejects": rejects, "terms": terms, "published_terms": published,
-        "term_problems": term_issues,
+        "term_problems": term_issues, "altered_trades": scan.contents.altered,
+        "log_problems": {n: lines[:5] for n, lines in run.log_problems.items() if lines},
     }
     if run.plain:
         checks["no fault, one term: no spurious election"] = (len(terms) == 1, f"{len(terms)} terms")
@@ -148,25 +186,80 @@ def _agreement(journals: dict) -> tuple[dict[str, int], bool]:
     return lengths, agreed
 
 
+def _log_figure(run: RunFiles) -> str:
+    bad = {n: lines for n, lines in run.log_problems.items() if lines}
+    if not bad:
+        return f"{len(run.log_problems)} logs clean"
+    node, lines = next(iter(bad.items()))
+    return f"{sum(map(len, bad.values()))} lines, first {node}: {lines[0][:200]}"
+
+
 class _LogScan:
     """Counts over the committed log as a pass over it goes by: trades (every client seq
-    sequenced), the (client, client seq) pairs held twice, and stamps that went backwards."""
+    sequenced), the (client, client seq) pairs held twice, stamps that went backwards, and each
+    trade's content against what its client submitted. Takes (seq, term, bytes), yields (seq,
+    decoded)."""
 
-    def __init__(self):
+    def __init__(self, submitted_trades: dict | None = None):
         self.trades = self.duplicates = self.backwards = 0
+        self.contents = _Contents(submitted_trades or {})
         self._held: dict[bytes, _SeqRuns] = {}
         self._stamp = None
 
-    def watch(self, decoded):
-        for seq, m in decoded:
+    def watch(self, records):
+        for seq, _, raw in records:
+            m = M.SEQUENCED.unpack(raw)
             if m[M.TYPE] in M.CLIENT_SEQ_TYPES:
                 self.trades += 1
                 runs = self._held.setdefault(m[M.ORIGIN], _SeqRuns())
                 self.duplicates += not runs.add(m[M.CLIENT_SEQ])
+                self.contents.check(seq, raw, m)
             if self._stamp is not None and m[M.STAMP] < self._stamp:
                 self.backwards += 1
             self._stamp = m[M.STAMP]
             yield seq, m
+
+
+class _Contents:
+    """Each sequenced trade, byte for byte in its client's fields, against the trade its client
+    submitted under its client seq (made again as the pass goes: a client's seqs come in order, so
+    its stream is read once). A rejected entry of the load's clients is wrong too: they submit
+    valid trades only. Clients the run names no trades of are not judged (`judged` says)."""
+
+    def __init__(self, submitted: dict[bytes, Callable[[], Iterator[bytes]]]):
+        self.submitted = submitted
+        self._streams: dict[bytes, tuple[Iterator[bytes], int]] = {}  # origin -> (its trades, seqs read)
+        self.judged = self.altered_count = 0
+        self.altered: list[str] = []  # the first few, described
+
+    @property
+    def ok(self) -> bool:
+        return not self.submitted or (self.judged > 0 and self.altered_count == 0)
+
+    def figure(self) -> str:
+        if not self.submitted:
+            return "not judged: the run names no submitted trades"
+        first = f"; {self.altered[0]}" if self.altered else ""
+        return f"{self.judged:,} judged, {self.altered_count:,} altered{first}"
+
+    def check(self, seq: int, raw: bytes, m: tuple) -> None:
+        make = self.submitted.get(m[M.ORIGIN])
+        if make is None:
+            return
+        self.judged += 1
+        cseq = m[M.CLIENT_SEQ]
+        trades, read = self._streams.get(m[M.ORIGIN], (None, 0))
+        if trades is None or cseq <= read:  # (out of order: from the start again)
+            trades, read = make(), 0
+        want = next(itertools.islice(trades, cseq - read - 1, None), b"")
+        self._streams[m[M.ORIGIN]] = (trades, cseq)
+        if raw[:M.INBOUND.size] == want:
+            return
+        self.altered_count += 1
+        if len(self.altered) < 20:
+            who = m[M.ORIGIN].decode(errors="replace").strip()
+            self.altered.append(f"seq {seq} ({who} #{cseq}): {M.TYPE_NAMES.get(m[M.TYPE], m[M.TYPE])} "
+                                f"{raw[:M.INBOUND.size].hex()}, submitted {want.hex()}")
 
 
 class _SeqRuns:
