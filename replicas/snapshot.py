@@ -120,6 +120,20 @@ def outbox_hash(outbox: bytes) -> str:
     return hashlib.blake2b(outbox, digest_size=16).hexdigest()
 
 
+META_KEYS = {"format": int, "records_sum": str, "book_ttl_ns": int, "orphan_ttl_ns": int, "outbox_sum": str,
+             "rejects": dict, "alerts_raised": int}  # what load() reads of a snapshot's metadata
+
+
+def _checked_meta(meta) -> dict:
+    """A snapshot's metadata with every key load() reads, of its type (SnapshotInvalid if not)."""
+    if not isinstance(meta, dict):
+        raise SnapshotInvalid(f"snapshot metadata is a {type(meta).__name__}, not an object")
+    wrong = [k for k, kind in META_KEYS.items() if not isinstance(meta.get(k), kind) or isinstance(meta.get(k), bool)]
+    if wrong:
+        raise SnapshotInvalid(f"snapshot metadata lacks or mistypes {', '.join(wrong)}")
+    return meta
+
+
 class SnapshotStore:
     def __init__(self, path: str | Path, map_size: int = REPLICA_MAP_BYTES):
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -262,7 +276,7 @@ class SnapshotStore:
                     return None
                 last_seq, now_ns, applied, chain, npend = STATE.unpack_from(raw)
                 pending = bytes(raw[STATE.size:STATE.size + npend])
-                meta = json.loads(bytes(raw[STATE.size + npend:]))
+                meta = _checked_meta(json.loads(bytes(raw[STATE.size + npend:])))
                 if meta.get("format") not in (2, FORMAT):
                     raise SnapshotInvalid(f"snapshot format {meta.get('format')} is neither 2 nor {FORMAT}")
                 one_a_record = meta["format"] == 2

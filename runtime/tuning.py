@@ -53,6 +53,7 @@ RESERVE_AHEAD_BYTES = 1 << 20  # disk space reserved past the tail's end for its
 SLOW_FSYNC_S = 0.1  # an fsync longer than this is counted and logged: a disk that stalls the node
 SLOW_FSYNC_LOG_S = 5.0  # at most one log line of slow fsyncs this often
 RESUME_FREE_BYTES = 16 << 20  # a full disk is written to again once this much is free
+STOP_FREE_BYTES = 4 << 20  # under this much free a voter takes no part, before a write is refused
 DISK_CHECK_EVERY_S = 1.0  # how often a voter whose disk was full looks at its free space
 REPLICA_MAP_BYTES = 8 << 30  # a replica's LMDB map: its books and outbox fit (sparse: only what is used)
 EMITTER_MAP_BYTES = 4 << 30  # the emitter's LMDB map: its delivered ids and outbox
@@ -77,6 +78,7 @@ def _check() -> None:
     assert MAX_CONNECTIONS_PER_HOST <= MAX_LINK_CONNECTIONS
     assert SOCKET_RECV <= BEHIND_RECV and CONTROL_READ <= BEHIND_RECV
     assert HEAP_MAPPED_FROM <= HEAP_KEPT_BYTES
+    assert STOP_FREE_BYTES < RESUME_FREE_BYTES, "a voter stopped for space must not resume at once (flapping)"
 
 
 _check()

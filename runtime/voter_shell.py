@@ -34,7 +34,7 @@ from tape.runtime import links
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.settings import Config, NodeSettings
 from tape.runtime.storage.diskspace import DiskFull, free_bytes, no_space
-from tape.runtime.tuning import DISK_CHECK_EVERY_S, RESUME_FREE_BYTES, SLOW_FSYNC_S
+from tape.runtime.tuning import DISK_CHECK_EVERY_S, RESUME_FREE_BYTES, SLOW_FSYNC_S, STOP_FREE_BYTES
 
 log = logging.getLogger("tape.voter")
 
@@ -265,6 +265,22 @@ class VoterShell:
             self.journal.slow_fsyncs
         yield "journal_fsync_max_seconds", "gauge", "the longest journal fsync", self.journal.fsync_max_seconds
 
+    def _space_low(self) -> None:
+        """Under STOP_FREE_BYTES free, stop taking part before a write is refused: the journal's
+        appends may still fit the space it reserved ahead, and a vote's file, or the next
+        segment, would not (a disk that fills slowly would otherwise be found full mid-term)."""
+        now = time.monotonic()
+        if now - self._space_checked < DISK_CHECK_EVERY_S:
+            return
+        self._space_checked = now
+        free = free_bytes(self.journal.dir)
+        if free < STOP_FREE_BYTES:
+            self.disk_full_events += 1
+            log.error("disk nearly full: %d KiB free on %s, under %d MiB; taking no part (no appends, votes or "
+                      "leading) until %d MiB are free", free >> 10, self.journal.dir, STOP_FREE_BYTES >> 20,
+                      RESUME_FREE_BYTES >> 20)
+            self.event(None, self.node_core.on_disk_full, None)
+
     def _space_back(self) -> None:
         now = time.monotonic()
         if now - self._space_checked < DISK_CHECK_EVERY_S:
@@ -307,6 +323,8 @@ class VoterShell:
         self.journal.maybe_sync()  # the "every N ms" policy while no append comes
         if self.core.election.disk_full:
             self._space_back()
+        else:
+            self._space_low()
         now = time.monotonic_ns()
         if now - self._flag_checked >= self.tick_ns:  # (a leader's timer fires for every commit beat)
             self._flag_checked = now

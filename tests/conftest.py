@@ -92,12 +92,11 @@ def spark():
 @contextlib.contextmanager
 def small_disk(path: Path, size: str):
     """A tmpfs of `size` mounted at `path` for the test (root only); yields the filler's path."""
-    from tape.ops.verification.faults import FaultUnavailable, mount_tmpfs
+    from tape.ops.verification.faults import mount_tmpfs
 
-    try:
-        mount_tmpfs(path, size)
-    except FaultUnavailable as e:
-        pytest.skip(str(e))
+    if not AS_ROOT:
+        pytest.skip("needs root: a small file system is a tmpfs mounted for the test")
+    mount_tmpfs(path, size)  # (as root a mount that fails is a failure, not a skip)
     try:
         yield path / "filler"
     finally:
@@ -115,6 +114,10 @@ def run_dir(tmp_path_factory):
 
 
 FAST_TIER = os.environ.get("TAPE_TEST_TIER") == "fast"  # set by `make test-fast`
+AS_ROOT = os.geteuid() == 0
+# What a test needs root for (namespaces, mounts): without it the test skips, saying so; as root
+# nothing may skip (pytest_sessionfinish below), so that CI, which runs as root, runs every test.
+needs_root = pytest.mark.skipif(not AS_ROOT, reason="needs root (network namespaces, a tmpfs mount)")
 
 
 @pytest.fixture(autouse=True)
@@ -165,3 +168,20 @@ def pytest_configure(config):
         root = str(Path(sanitized).resolve())
         wrong = [n for n in sorted(COMPILED) if not importlib.import_module(n).__file__.startswith(root)]
         assert not wrong, f"not the sanitized build under {root}: {wrong}"
+
+
+_skipped: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        _skipped.append(f"{report.nodeid}: {report.longrepr[2] if isinstance(report.longrepr, tuple) else ''}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """As root, with the C extensions in place, a skipped test fails the run: every test can run there."""
+    from tape.protocol.extensions import PURE
+
+    if AS_ROOT and not PURE and _skipped and exitstatus == 0:
+        print(f"\nas root nothing may skip, and {len(_skipped)} tests did:\n  " + "\n  ".join(_skipped[:20]))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

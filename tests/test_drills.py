@@ -6,7 +6,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import TAPE
+from conftest import TAPE, needs_root
 from rich.console import Console
 
 from tape.ops.verification.drill import DRILLS, Drill
@@ -19,7 +19,10 @@ pytestmark = pytest.mark.process
 LEADER_DRILLS = ("kill-leader", "pause-leader", "partition-leader", "failover-under-loss")
 
 
-@pytest.mark.parametrize("drill", DRILLS)
+ROOT_DRILLS = ("disk-full",)  # fills a tmpfs mounted under the node's data
+
+
+@pytest.mark.parametrize("drill", [pytest.param(d, marks=needs_root) if d in ROOT_DRILLS else d for d in DRILLS])
 def test_every_drill_passes_its_verdict(tmp_path, drill):
     out = subprocess.run(TAPE + ["drill", drill, "--rate", "4000", "--duration", "5", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)

@@ -48,6 +48,7 @@ def test_an_impossible_state_stops_the_process_with_exit_4(tmp_path, node, where
     plant.mkdir()
     (plant / "sitecustomize.py").write_text(PLANT)
     cluster = LocalCluster(tmp_path, replicas=1, sequencers=1, rewinders=1)
+    cluster.planted = ("planted by the test", r"Traceback \(most recent call last\)")  # (its trace, as it must)
     env = {"PYTHONPATH": str(plant), "TAPE_TEST_IMPOSSIBLE": where}
     try:
         for n in ("rw-1", "seq-a", "emitter", "replica-A"):
@@ -73,6 +74,7 @@ def test_an_unreadable_election_state_stops_the_voter_at_start_with_exit_4(tmp_p
     """Loaded before the process runs, still the one fail-stop path: one CRITICAL line, exit 4
     (systemd does not restart it), no traceback; the other voters go on."""
     cluster = LocalCluster(tmp_path, replicas=1, sequencers=1, rewinders=1)
+    cluster.planted = ("unreadable election state",)
     try:
         cluster.start_node("rw-1")
         election = Path(cluster.cfg.node("seq-a").data) / "election.json"

@@ -264,3 +264,28 @@ def test_the_fuzzed_inputs_start_from_valid_encodings():
     assert len(rep.FrameReader().feed(rep.encode_fetch(5, 1))) == 1
     assert Alert.decode(ALERT_RECORD).purchase_seq == 4
     assert len(parse_line('{"id": 1, "# shares": 100, "client": "Acme", "stock": "ACME"}')) == M.INBOUND_SIZE
+
+
+def test_a_snapshot_whose_metadata_lacks_a_key_is_invalid(tmp_path):
+    """What the fuzzing found: metadata that parses as JSON but lacks a key (a space in its name)
+    raised KeyError past the decoder's checks."""
+    import json
+
+    from tape.replicas.snapshot import META_KEYS, STATE
+
+    store = saved_snapshot(tmp_path)
+    with store.env.begin(write=True) as txn:
+        raw = bytes(txn.get(b"state", db=store.meta))
+    head_size = STATE.size + STATE.unpack_from(raw)[4]
+    meta = json.loads(raw[head_size:])
+    for key in META_KEYS:
+        with store.env.begin(write=True) as txn:
+            txn.put(b"state", raw[:head_size] + json.dumps({k: v for k, v in meta.items() if k != key}).encode(),
+                    db=store.meta)
+        try:
+            store.load(AuditMachine(10**12, 10**12))
+        except SnapshotInvalid as e:
+            assert key in str(e)
+        else:
+            raise AssertionError(f"a snapshot without {key!r} loaded")
+    store.close()

@@ -3,7 +3,10 @@ import errno
 import json
 import mmap
 import os
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import TAPE, small_disk
@@ -305,14 +308,33 @@ def cached_pages(path) -> list[bool]:
     return [bool(v & 1) for v in vec]
 
 
+def file_system(path) -> str:
+    return subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def on_disk(tmp_path):
+    """A directory on a file system with a page cache to give back to: tmp_path, or where /tmp is a
+    tmpfs (which keeps every page), one under /var/tmp."""
+    if file_system(tmp_path) != "tmpfs":
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="tape-test-"))
+    try:
+        if file_system(path) == "tmpfs":
+            pytest.skip("no file system but tmpfs here: the advice has nothing to give back")
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.process
-def test_synced_pages_behind_the_tail_are_given_back_to_the_page_cache(tmp_path):
+def test_synced_pages_behind_the_tail_are_given_back_to_the_page_cache(on_disk):
     """After each fsync the tail's pages more than JOURNAL_CACHED_BYTES behind its end leave the
     page cache (the next appends' pages come warm), give or take a large folio at the edge; a
     finished segment leaves it whole; reads go to the file as before. Unsynced pages (fsync never)
     stay, dirty."""
-    if subprocess.run(["stat", "-f", "-c", "%T", tmp_path], capture_output=True, text=True).stdout.strip() == "tmpfs":
-        pytest.skip("tmpfs keeps every page: the advice has nothing to give back")
+    tmp_path = on_disk
     page, per_batch = mmap.PAGESIZE, 2_000
     batches = (JOURNAL_CACHED_BYTES + (6 << 20)) // (per_batch * 99) + 1
     j = Journal(tmp_path / "synced", S, segment_bytes=1 << 30)

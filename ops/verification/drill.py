@@ -24,9 +24,10 @@ from rich.console import Console
 from rich.table import Table
 
 from tape.ops.verification.faults import alter_books, fill, flip_record_byte, mount_tmpfs, unmount_keeping
-from tape.ops.verification.local import LocalCluster
+from tape.ops.verification.local import ClusterError, LocalCluster
 from tape.protocol import journal as fmt
 from tape.runtime.storage.quarantine import aside_path
+from tape.runtime.tuning import DISK_CHECK_EVERY_S
 
 DRILLS = ("kill-leader", "pause-leader", "partition-leader", "kill-standby", "kill-rewinder", "kill-replica",
           "kill-emitter", "both-rewinders-down", "loss", "failover-under-loss", "client-restart", "hostile",
@@ -38,6 +39,7 @@ REJOIN_S = 15.0  # cut-leader-link: the old leader, its cable back, follows the 
 LINK_LOSS_PERCENT = 5  # lossy-links: of every packet in and out of the replicas' and rw-1's hosts
 # slow-links: each frame 0.5-3.5 ms late (so reordered), 1% of them twice
 SLOW_LINK = {"delay_ms": 2.0, "jitter_ms": 1.5, "dup": 0.01}
+BITE_WITHIN_S = 10 * DISK_CHECK_EVERY_S  # disk-full: the voter looks at its free space this often, or fails
 DISK_FULL_SIZE = "256m"  # the disk-full drill's tmpfs under rw-1: room for the default run's journal
 LOSSY = ("loss", "failover-under-loss")  # the drills run with --loss at every receiver
 STALL_S = 1.0  # nothing committed for this long: the cluster has stopped (no majority)
@@ -386,7 +388,9 @@ class DiskFault(KillNode):
 class DiskFull(Drill):
     """disk-full: rw-1's data on a tmpfs of its own, filled at 30% of the run; it must stop taking
     part without exiting (the others go on), then take part again and catch up once the filler
-    is removed (after the cluster committed a quarter of the trades without it)."""
+    is removed (after the cluster committed a quarter of the trades without it). The fault bites
+    whatever the journal reserved ahead: with nothing free the voter stops at its next look at
+    the free space (STOP_FREE_BYTES), within DISK_CHECK_EVERY_S, not only at a refused write."""
 
     def prepare(self, cluster):
         self.target = "rw-1"
@@ -397,10 +401,15 @@ class DiskFull(Drill):
 
     def inject(self, cluster):
         fill(self.data / "filler")
+        self.filled_at = time.monotonic()
         return f"filled {self.target}'s file system"
 
     def healable(self, cluster):
-        return super().healable(cluster) and _metric(cluster, self.target, "tape_rewinder_disk_full") == 1
+        full = _metric(cluster, self.target, "tape_rewinder_disk_full") == 1
+        if not full and time.monotonic() - self.filled_at > BITE_WITHIN_S:
+            raise ClusterError(f"the fault did not take effect: {self.target} still takes part "
+                               f"{BITE_WITHIN_S:.0f} s after its file system was filled")
+        return full and super().healable(cluster)
 
     def heal(self, cluster):
         (self.data / "filler").unlink()
