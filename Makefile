@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -y -qq
 
-.PHONY: demo test test-fast test-pure test-pure-fast test-sanitize test-loaded bench sysdeps clean
+.PHONY: demo test test-fast test-pure test-pure-fast test-sanitize test-loaded soak bench sysdeps clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard */_*.c) $(wildcard */_*.h)
 	python3 -m venv $(VENV)
@@ -82,6 +82,13 @@ test-loaded: $(STAMP) sysdeps
 	  echo "loaded run $$i of $(RUNS)"; $(MAKE) --no-print-directory test; rc=$$?; kill $$b1 $$b2 2>/dev/null; \
 	  [ $$rc -eq 0 ] || { echo "loaded run $$i failed"; exit 1; }; \
 	done; echo "$(RUNS) loaded runs passed"
+
+# A long run in bounded memory (not in CI): every process's resident memory sampled every 10 s
+# into runs/soak/report.json and plotted to runs/soak/memory.png (ops/verification/memory_watch.py).
+SOAK_RATE ?= 100000
+SOAK_S    ?= 3600
+soak: $(STAMP) sysdeps
+	$(VENV)/bin/tape up --rate $(SOAK_RATE) --duration $(SOAK_S) --out runs/soak
 
 bench: $(STAMP)
 	$(VENV)/bin/tape bench protocol

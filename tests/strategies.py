@@ -27,3 +27,19 @@ sequenced = st.one_of(
 def packet_of(first_seq: int, msgs: list, session: bytes = b"TEST      ") -> bytes:
     """A downstream packet holding these decoded sequenced messages (as a listener delivers it)."""
     return moldudp64.encode_packet(session, first_seq, [messages.SEQUENCED.pack(*m) for m in msgs])
+
+
+@st.composite
+def mutated(draw, valid):
+    """A valid encoding with a few bytes flipped, cut or inserted."""
+    data = bytearray(draw(valid))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert"]))
+        if op == "flip" and data:
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del data[draw(st.integers(0, len(data))):]
+        else:
+            i = draw(st.integers(0, len(data)))
+            data[i:i] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)

@@ -5,7 +5,7 @@ import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import inbound, sequenced
+from strategies import inbound, mutated, sequenced
 
 from tape.protocol import backoff
 from tape.protocol import messages as msg
@@ -25,22 +25,6 @@ VALID = st.one_of(
     st.just(backoff.encode(b"client1   ", 2, 1, 50, None)),
     st.just(backoff.encode(b"client1   ", 2, 1, 50, KEY)),
 )
-
-
-@st.composite
-def mutated(draw):
-    data = bytearray(draw(VALID))
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "cut", "insert"]))
-        if op == "flip" and data:
-            i = draw(st.integers(0, len(data) - 1))
-            data[i] = draw(st.integers(0, 255))
-        elif op == "cut":
-            del data[draw(st.integers(0, len(data))):]
-        else:
-            i = draw(st.integers(0, len(data)))
-            data[i:i] = draw(st.binary(min_size=1, max_size=8))
-    return bytes(data)
 
 
 def every_decoder(data: bytes) -> None:
@@ -71,7 +55,7 @@ def test_random_bytes(data):
 
 
 @settings(max_examples=1000, suppress_health_check=[HealthCheck.too_slow])
-@given(mutated())
+@given(mutated(VALID))
 def test_mutated_valid_packets(data):
     every_decoder(data)
 

@@ -8,6 +8,7 @@ import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import mutated
 
 from tape.ops.cli.onramp import parse_line
 from tape.protocol import alertlink, linkauth, moldudp64, soupbintcp
@@ -27,22 +28,6 @@ SESSION = moldudp64.session_bytes("TAPE")
 KEY = b"k" * 32
 A = b"replica-A "
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@st.composite
-def mutated(draw, valid):
-    """A valid encoding with a few bytes flipped, cut or inserted."""
-    data = bytearray(draw(valid))
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "cut", "insert"]))
-        if op == "flip" and data:
-            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
-        elif op == "cut":
-            del data[draw(st.integers(0, len(data))):]
-        else:
-            i = draw(st.integers(0, len(data)))
-            data[i:i] = draw(st.binary(min_size=1, max_size=8))
-    return bytes(data)
 
 
 def chunks(data: bytes, cuts: list[int]) -> list[bytes]:

@@ -63,6 +63,14 @@ def test_a_run_settles_only_once_every_client_saw_its_trades_acknowledged():
         assert sim.run_seed(seed)[1] is None, seed
 
 
+def test_a_refused_connect_is_told_to_the_process_that_dialled_it_not_to_its_restart():
+    """Seed 1,244,100,228 (a fresh window of make test-pure-fast): seq-a dialled a partitioned seq-b,
+    crashed, restarted and dialled it again under the same name (a process numbers its connections
+    from 1); the old connect's timeout then closed the new one, whose opening the node took for a
+    voter connecting to it, and it greeted on its own dial."""
+    assert sim.run_seed(1_244_100_228)[1] is None
+
+
 def test_a_seed_is_reproducible():
     assert sim.run_seed(4711) == sim.run_seed(4711)
     assert sim.run_seed(4711)[2]["terms"] >= 1

@@ -726,6 +726,7 @@ class Sim:
         self.published: dict[int, bytes] = {}  # seq -> the message first published there
         self.cut: dict[tuple[str, str], int] = {}  # (from, to) -> until when nothing goes that way
         self.conns: dict[tuple, dict[str, object]] = {}  # replication connections: (dialer, its name, n) -> ends
+        self.lives: Counter = Counter()  # node -> processes of it that died
         self.handles: dict[tuple, tuple] = {}  # (node, its name for a connection) -> the connection
         self.links: dict[tuple, LinkEnd] = {}  # (connection, node) -> that end's link records
         self.ports: dict[tuple, str] = {}  # connection -> the port it was dialled to
@@ -794,13 +795,19 @@ class Sim:
         cut = (src, dst) in self.cut or (dst, src) in self.cut  # (a SYN or its answer lost)
         if cut or not self.nodes[dst].up:
             wait = ELECTION_NS if cut else self.rng.randint(100_000, 3 * MS)
-            self.at(self.now + wait, self.deliver, dst, src, ("shut", conn))
+            self.at(self.now + wait, self.refused, src, conn, dst, self.lives[src])
             return
         self.conns[key] = {src: conn, dst: key}  # each end's name for it, while that end is open
         self.handles[(src, conn)] = self.handles[(dst, key)] = key
         self.ports[key] = port
         self.links[(key, src)] = LinkEnd(LINK_KEYS[port], self.rng.randbytes(NONCE_SIZE), True)
         self.at(self.now + self.rng.randint(100_000, 3 * MS), self.accept, key, src, dst, port)
+
+    def refused(self, src: str, conn, dst: str, life: int) -> None:
+        """A connect refused or timed out: told to the process that dialled, not to one started
+        since (a restarted node names its connections from 1 again: this one may have its name)."""
+        if self.lives[src] == life:
+            self.deliver(dst, src, ("shut", conn))
 
     def accept(self, key, src: str, dst: str, port: str) -> None:
         """The connection reaches `dst`: the dialler's hello follows it."""
@@ -894,7 +901,9 @@ class Sim:
             self.stream_to(key, src, dst, ("shut", self.conns[key][dst]))
 
     def drop_connections(self, node: str) -> None:
-        """`node`'s process died: its kernel closes every connection it had."""
+        """`node`'s process died: its kernel closes every connection it had (and what it dialled
+        that never connected is nobody's now)."""
+        self.lives[node] += 1
         for key in [k for k, ends in self.conns.items() if node in ends]:
             self.hang_up(node, self.conns[key][node])
 

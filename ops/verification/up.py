@@ -26,6 +26,7 @@ from rich.table import Table
 from tape.ops.verification.faults import FaultUnavailable
 from tape.ops.verification.load import SENDING
 from tape.ops.verification.local import ClusterError, LocalCluster, host_steal_seconds
+from tape.ops.verification.memory_watch import MemorySamples
 from tape.ops.verification.tradegen import orders_in
 from tape.ops.verification.verdict import judge, read_run
 
@@ -96,7 +97,8 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             cluster.wait_leader()  # (trades sent before an election are resent: not what a run measures)
             cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
                           "--seed", str(seed))
-            opened = _watch(console, cluster, duration, drill, slack_s)
+            memory = MemorySamples()
+            opened = _watch(console, cluster, duration, drill, slack_s, memory)
             if drill:
                 drill.finish(cluster)
             timing = _voter_timing(cluster)
@@ -110,6 +112,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
         else:
             report = _verdict(console, cluster, total, rate, drill)
             report["voters"] = timing
+            report["memory"] = memory.report(root / "memory.png", f"resident memory: {total:,} trades at {rate:,.0f}/s")
             if cpu:
                 load = json.loads(cluster.output("load") or "{}")
                 report["cpu_s"] = {**cpu, "load": load.get("cpu_s", 0.0)}
@@ -212,7 +215,8 @@ def _load_sending(cluster: LocalCluster) -> bool:
         return False
 
 
-def _watch(console, cluster: LocalCluster, duration: float, drill, slack_s: float) -> tuple | None:
+def _watch(console, cluster: LocalCluster, duration: float, drill, slack_s: float,
+           memory: MemorySamples) -> tuple | None:
     """Show the cluster live until the load is done (and the drill healed); raise ClusterError
     if a node exits unbidden or the run outlives `duration` + `slack_s`. The run's clock (the
     progress bar, the drill's moment to inject, that deadline) starts when the load begins to
@@ -239,6 +243,8 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, slack_s: floa
                           (host_steal_seconds(), now))
                 t0, deadline = now, now + duration + slack_s
                 progress.update(task, description="load")
+            if opened:
+                memory.maybe_sample(cluster.procs, now - t0)
             if drill and opened:
                 note = drill.step(cluster, now - t0)
                 if note:
