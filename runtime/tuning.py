@@ -54,7 +54,7 @@ SLOW_FSYNC_S = 0.1  # an fsync longer than this is counted and logged: a disk th
 SLOW_FSYNC_LOG_S = 5.0  # at most one log line of slow fsyncs this often
 RESUME_FREE_BYTES = 16 << 20  # a full disk is written to again once this much is free
 STOP_FREE_BYTES = 4 << 20  # under this much free a voter takes no part, before a write is refused
-DISK_CHECK_EVERY_S = 1.0  # how often a voter whose disk was full looks at its free space
+DISK_CHECK_EVERY_S = 1.0  # how often a voter looks at its free space (under STOP it stops, once full over RESUME)
 REPLICA_MAP_BYTES = 8 << 30  # a replica's LMDB map: its books and outbox fit (sparse: only what is used)
 EMITTER_MAP_BYTES = 4 << 30  # the emitter's LMDB map: its delivered ids and outbox
 
