@@ -921,7 +921,10 @@ PyMODINIT_FUNC PyInit__audit(void) {
     if (mod == NULL) return NULL;
     if (PyModule_AddObjectRef(mod, "BookTable", (PyObject *)&BookTableType) < 0 ||
         PyModule_AddObjectRef(mod, "ExpiryQueue", (PyObject *)&ExpiryQueueType) < 0 ||
-        PyModule_AddIntConstant(mod, "MAX_EXPECTED", MAX_EXPECTED) < 0) {
+        PyModule_AddIntConstant(mod, "MAX_EXPECTED", MAX_EXPECTED) < 0 ||
+        PyModule_AddIntConstant(mod, "MIN_CAPACITY", MIN_CAPACITY) < 0 ||
+        PyModule_AddIntConstant(mod, "SLOT_BYTES", sizeof(Book)) < 0 ||
+        PyModule_AddIntConstant(mod, "DUE_BYTES", sizeof(Due)) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

@@ -40,9 +40,10 @@ from tape.protocol.errors import InvariantViolation
 from tape.protocol.moldudp64 import HEADER_SIZE
 
 try:
+    from tape.replicas import _audit
     from tape.replicas._audit import BookTable, ExpiryQueue, apply_fast
 except ImportError:  # built without a C compiler: the pure books and rules do it all
-    BookTable = ExpiryQueue = apply_fast = None
+    _audit = BookTable = ExpiryQueue = apply_fast = None
 
 DEFAULT_BOOK_TTL_NS = 3600 * 10**9
 DEFAULT_ORPHAN_TTL_NS = 10 * 10**9
@@ -139,6 +140,18 @@ class Books(dict):
         end, and `packed` of them: a snapshot's part on the thread that applies."""
         ids = sorted(marked)
         return b"".join(order_id.to_bytes(8, "big") for order_id in ids), self.packed(ids)
+
+
+def compiled_books_bytes(books: int) -> int | None:
+    """The memory a compiled replica's audit holds for `books` open books (None without the C):
+    the table sized for them below half full, as `books_expected` sizes it, and an expiry entry
+    each. Books open for book_ttl_s, so this is the bound of a replica's books after that."""
+    if _audit is None:
+        return None
+    slots = _audit.MIN_CAPACITY
+    while slots < 2 * books:
+        slots *= 2
+    return slots * _audit.SLOT_BYTES + books * _audit.DUE_BYTES
 
 
 class AuditMachine:

@@ -221,7 +221,7 @@ def _up(args) -> int:
     from tape.ops.verification.up import main
 
     return main(args.rate, args.duration, args.drop, args.out, args.seed, args.delivery, args.lan, args.runs,
-                args.max_packet)
+                args.max_packet, args.book_ttl)
 
 
 def _sim(args) -> int:
@@ -426,6 +426,9 @@ def _add_up(sub) -> None:
     p.add_argument("--runs", type=int, choices=range(1, 1001), metavar="N", default=1,
                    help="run it this many times (seeds SEED, SEED+1, ...; --out DIR/run-N) and print one row per "
                         "run: verdict, terms, the voters' stalls, slow fsyncs and step-downs")
+    p.add_argument("--book-ttl", type=float, default=None, metavar="SECONDS",
+                   help="how long a book stays open, [audit] book_ttl_s (default: the config's, an hour): a run "
+                        "longer than it shows the replicas' memory level off once books close as fast as they open")
     _add_max_packet(p)
     p.set_defaults(func=_up)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 MEMORY_EVERY_S = 10.0  # a read of /proc/<pid>/status per process: cheap at this period
-WARM_UP_SHARE = 0.2  # the first fifth of a run is warm-up (books filling, caches, the heap's arenas)
+WARM_UP_SHARE = 0.2  # without a warm-up named, the first fifth of a run (caches, the heap's arenas)
 
 
 def resident_mb(pid: int) -> tuple[float, float] | None:
@@ -23,8 +23,13 @@ def resident_mb(pid: int) -> tuple[float, float] | None:
 
 
 class MemorySamples:
-    def __init__(self, every_s: float = MEMORY_EVERY_S):
+    def __init__(self, every_s: float = MEMORY_EVERY_S, warm_up_s: float | None = None,
+                 bounds_mb: dict[str, float] | None = None):
+        """`warm_up_s`: when the run's memory should stop growing (a replica's books grow until
+        the first close, book_ttl_s in); `bounds_mb`: the named limits it is held to, for the report."""
         self.every_s = every_s
+        self.warm_up_s = warm_up_s
+        self.bounds_mb = bounds_mb or {}
         self.series: dict[str, list[tuple[float, float, float]]] = {}  # process -> [(s into the run, MiB, anon MiB)]
         self._last = None
 
@@ -44,7 +49,8 @@ class MemorySamples:
         out = {}
         for name, points in sorted(self.series.items()):
             end = points[-1][0]
-            warm = next((anon for t, _, anon in points if t >= WARM_UP_SHARE * end), points[-1][2])
+            warm_up = self.warm_up_s if self.warm_up_s is not None else WARM_UP_SHARE * end
+            warm = next((anon for t, _, anon in points if t >= warm_up), points[-1][2])
             out[name] = {"anon_after_warm_up_mb": warm, "anon_last_mb": points[-1][2],
                          "anon_growth_mb": round(points[-1][2] - warm, 1), "max_rss_mb": max(p[1] for p in points)}
         return out
@@ -53,7 +59,22 @@ class MemorySamples:
         """For report.json: the period, each process's summary and its series; plotted to `plot`."""
         if self.series:
             self.plot(plot, title)
-        return {"every_s": self.every_s, "summary": self.summary(), "series": self.series}
+        return {"every_s": self.every_s, "warm_up_s": self.warm_up_s, "bounds_mb": self.bounds_mb,
+                "summary": self.summary(), "series": self.series}
+
+    def table(self):
+        """The summary as a table for the terminal: a run's memory at a glance."""
+        from rich.table import Table
+
+        warm = f"{self.warm_up_s:.0f} s" if self.warm_up_s is not None else f"{WARM_UP_SHARE:.0%} of the run"
+        table = Table(title=f"anonymous memory, MiB (warm-up: {warm}; "
+                            + "; ".join(f"{k}: {v:,.0f} MiB" for k, v in self.bounds_mb.items()) + ")")
+        for col in ("process", "after warm-up", "last", "growth", "most resident"):
+            table.add_column(col, justify="left" if col == "process" else "right")
+        for name, s in self.summary().items():
+            table.add_row(name, f"{s['anon_after_warm_up_mb']:,.1f}", f"{s['anon_last_mb']:,.1f}",
+                          f"{s['anon_growth_mb']:+,.1f}", f"{s['max_rss_mb']:,.1f}")
+        return table
 
     def plot(self, path: Path, title: str) -> None:
         import matplotlib

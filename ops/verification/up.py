@@ -29,10 +29,16 @@ from tape.ops.verification.local import ClusterError, LocalCluster, host_steal_s
 from tape.ops.verification.memory_watch import MemorySamples
 from tape.ops.verification.tradegen import orders_in
 from tape.ops.verification.verdict import judge, read_run
+from tape.protocol.journal import RECORD_HEADER_SIZE
+from tape.protocol.messages import SEQUENCED_SIZE
+from tape.replicas.audit_core import compiled_books_bytes
+from tape.runtime.settings import Config
 
 SEQUENCERS = ("seq-a", "seq-b")
 VOTERS = (*SEQUENCERS, "rw-1", "rw-2")
 REPLICAS = ("replica-A", "replica-B", "replica-C")
+JOURNAL_BYTES_A_TRADE = len(VOTERS) * (RECORD_HEADER_SIZE + SEQUENCED_SIZE)  # a record in each voter's journal
+PROCESSES_BYTES = 1 << 30  # every process's memory but the replicas' books (measured: ~1 GiB all told)
 SLACK_S = 90.0  # a run that has not finished its load this long after its duration is stuck: fail it
 LAN_HOSTS = 5  # --lan: seq-a, seq-b, rw-1, rw-2 a host each; the replicas, emitter and load on the fifth
 REPLICAS_FINISH_S = 60.0  # after the end of session, for the replicas to apply everything
@@ -50,25 +56,59 @@ def _m(metrics: dict, name: str, node: str) -> float:
 
 def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int, drill=None,
            console: Console | None = None, slack_s: float = SLACK_S, delivery: str = "first",
-           lan: bool = False, max_packet: int | None = None) -> dict:
+           lan: bool = False, max_packet: int | None = None, book_ttl_s: float = Config.book_ttl_s) -> dict:
     """Run the cluster under load (with `drill`'s fault, if any); returns the report. A node that
     exits unbidden, or a load still running `slack_s` after `duration`, aborts the run (verdict fail).
     `lan`: over five hosts (network namespaces, ops/verification/lan.py) instead of one host's loopback.
     `max_packet`: the stream's packet size (`[stream] max_packet`; default: config.default_toml's).
-    The replicas' books are sized for the orders the run's trades open (`[audit] books_expected`)."""
-    extra = f"[audit]\nbooks_expected = {orders_in(int(rate * duration))}"
+    `book_ttl_s`: how long a book stays open (`[audit] book_ttl_s`); the replicas' books are sized
+    for the orders open at once (`[audit] books_expected`), those of the whole run if it is shorter.
+    A run this host has not the disk or memory for is refused before it starts."""
+    open_books = orders_in(int(rate * min(duration, book_ttl_s)))
+    short = short_of_room(Path(out or tempfile.gettempdir()), int(rate * duration), open_books)
+    if short:
+        return _aborted(console or Console(), "tape up", short, drill)
+    extra = f"[audit]\nbooks_expected = {open_books}\nbook_ttl_s = {book_ttl_s}"
+    books_mb = round((compiled_books_bytes(open_books) or 0) / 2**20, 1)
+    memory = MemorySamples(warm_up_s=book_ttl_s if book_ttl_s < duration else None,
+                           bounds_mb={f"each replica's {open_books:,} books (book_ttl_s x orders a second)": books_mb})
+    run = (rate, duration, drop, out, seed, drill, console, slack_s, delivery)
     if not lan:
-        return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, None, extra, max_packet)
+        return _run(*run, None, extra, max_packet, memory)
     from tape.ops.verification.lan import Lan, LanUnavailable
 
     try:
         with Lan(LAN_HOSTS + (1 if getattr(drill, "webhook", False) else 0)) as net:
-            return _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra, max_packet)
+            return _run(*run, net, extra, max_packet, memory)
     except LanUnavailable as e:
         return _aborted(console or Console(), "the LAN", f"cannot build it here: {e}", drill)
 
 
-def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra, max_packet) -> dict:
+def short_of_room(where: Path, trades: int, open_books: int) -> str | None:
+    """Why this host cannot hold a run of `trades` with `open_books` books open at once, or None:
+    the voters' journals on the disk of `where`, and three replicas' books in memory."""
+    where = next(p for p in (where, *where.parents) if p.exists())
+    disk, free = trades * JOURNAL_BYTES_A_TRADE, shutil.disk_usage(where).free
+    if disk > free:
+        return (f"its journals need {disk / 2**30:,.1f} GiB ({len(VOTERS)} voters, "
+                f"{JOURNAL_BYTES_A_TRADE // len(VOTERS)} bytes a trade each), {where} has {free / 2**30:,.1f} GiB free")
+    books = compiled_books_bytes(open_books)
+    memory, available = len(REPLICAS) * (books or 0) + PROCESSES_BYTES, _memory_available()
+    if books is not None and available is not None and memory > available:
+        return (f"it needs {memory / 2**30:,.1f} GiB of memory ({len(REPLICAS)} replicas' {open_books:,} open books "
+                f"and the rest), {available / 2**30:,.1f} GiB is available: a shorter book_ttl_s or run")
+    return None
+
+
+def _memory_available() -> int | None:
+    try:
+        line = next(li for li in Path("/proc/meminfo").read_text().splitlines() if li.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
+def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra, max_packet, memory) -> dict:
     console = console or Console()
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="tape-up-"))
     if out and root.exists():
@@ -97,7 +137,6 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             cluster.wait_leader()  # (trades sent before an election are resent: not what a run measures)
             cluster.start("load", "load", "--rate", str(rate), "--messages", str(total), "--drop", str(drop),
                           "--seed", str(seed))
-            memory = MemorySamples()
             opened = _watch(console, cluster, duration, drill, slack_s, memory)
             if drill:
                 drill.finish(cluster)
@@ -113,6 +152,8 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             report = _verdict(console, cluster, total, rate, drill)
             report["voters"] = timing
             report["memory"] = memory.report(root / "memory.png", f"resident memory: {total:,} trades at {rate:,.0f}/s")
+            if memory.series:
+                console.print(memory.table())
             if cpu:
                 load = json.loads(cluster.output("load") or "{}")
                 report["cpu_s"] = {**cpu, "load": load.get("cpu_s", 0.0)}
@@ -366,8 +407,9 @@ def _arrange(cluster: LocalCluster, root: Path) -> None:
 
 
 def main(rate: float, duration: float, drop: float, out: str | None, seed: int, delivery: str = "first",
-         lan: bool = False, runs: int = 1, max_packet: int | None = None) -> int:
-    how = {"delivery": delivery, "lan": lan, "max_packet": max_packet}
+         lan: bool = False, runs: int = 1, max_packet: int | None = None,
+         book_ttl_s: float | None = None) -> int:
+    how = {"delivery": delivery, "lan": lan, "max_packet": max_packet, "book_ttl_s": book_ttl_s or Config.book_ttl_s}
     if runs == 1:
         return 0 if run_up(rate, duration, drop, out, seed, **how)["verdict"] == "pass" else 1
     reports = []
