@@ -16,7 +16,8 @@ own events:
     on_log(reload, records, now)   the whole journal, after a Reload
     on_disk_full(conn, now)        a write was refused for want of space: the shell
                                    drops the rest of the list (conn: the event's, or None)
-    on_disk_ok(now)                there is space again
+    on_free_space(free, now)       the journal's file system has `free` bytes (looked at
+                                   once a period): too few stops the node, enough again resumes
 
 Its own actions, in the order the shell carries them out:
 
@@ -28,8 +29,8 @@ Its own actions, in the order the shell carries them out:
     ReadJournal(conn, first, count), Reload(why)      read the journal, then on_read / on_log
     Lead, StepDown, RequestVotes   the election's, for a sequencer's shell
     Refused                        a peer contradicted this node's state: count, log
-    Committed(seq), Voted, LeaderGone, Fetched, Stalled, Recovered   for the shell's
-                                   waiters, logs and metrics
+    Committed(seq), Voted, LeaderGone, Fetched, Stalled, Recovered, SpaceLow, SpaceBack
+                                   for the shell's waiters, logs and metrics
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from tape.protocol.limits import FETCH_MAX, FETCH_READ_TIMEOUT_NS, STALL_SHARE
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 
 __all__ = ["AppendRecords", "Cause", "Close", "Committed", "Dial", "Fetched", "Lead", "LeaderGone", "Persist",
-           "ReadJournal", "Recovered", "Refused", "Reject", "Reload", "RequestVotes", "Resume", "Send", "Stalled",
-           "StepDown", "SyncJournal", "Truncate", "Voted", "VoterNode"]
+           "ReadJournal", "Recovered", "Refused", "Reject", "Reload", "RequestVotes", "Resume", "Send", "SpaceBack",
+           "SpaceLow", "Stalled", "StepDown", "SyncJournal", "Truncate", "Voted", "VoterNode"]
 # The longest wait between election ticks, a share of the stall threshold (election_ms x
 # STALL_SHARE: 50 ms by default, so 20 ms): only a process that did not run for the rest counts a stall.
 TICK_SHARE_OF_STALL = 0.4
@@ -134,6 +135,27 @@ class Recovered:
     log_floor: tuple[int, int]
 
 
+@dataclass(frozen=True)
+class SpaceLow:  # under the stop threshold: this node takes no part from now (log it, count it)
+    free: int
+    resume_at: int
+
+
+@dataclass(frozen=True)
+class SpaceBack:  # enough space again: it takes part again
+    free: int
+
+
+@dataclass(frozen=True)
+class FreeSpace:
+    """When a voter stops for want of space and when it goes on (runtime/tuning.py's)."""
+    stop: int  # under this many bytes free it takes no part, before a write is refused
+    resume: int  # once stopped, it takes part again from this many: apart, so that it does not flap
+
+    def __post_init__(self):
+        assert 0 < self.stop < self.resume, self
+
+
 SYNC = SyncJournal()
 
 
@@ -162,10 +184,12 @@ class Dialed:
 
 class VoterNode:
     def __init__(self, name: bytes, voters: list[bytes], can_lead: bool, rng: Rng, election_ns: int,
-                 term: int, voted_for: bytes | None, log_floor: tuple[int, int], found: bool, records, now: int):
+                 term: int, voted_for: bytes | None, log_floor: tuple[int, int], found: bool, records, now: int,
+                 *, free_space: FreeSpace):
         """`election_ns`: the shortest election timeout (the longest is twice it); `found`: the
         election state was on disk (else it is recovered from the other voters first)."""
         self.name = name
+        self.free_space = free_space
         self.others = [v for v in voters if v != name]
         self.election_ns = election_ns
         self.core = VoterCore(name, voters, can_lead, rng, (election_ns, 2 * election_ns), term, voted_for, now,
@@ -299,12 +323,21 @@ class VoterNode:
 
     def on_disk_full(self, conn: Hashable, now: int) -> list:
         """Stop leading first (the sequencer's shell hands its client seqs to the log), then, the
-        log reloaded, take no part until on_disk_ok."""
+        log reloaded, take no part until on_free_space finds enough free."""
         self.disk_full_conn = conn
         return [StepDown("disk full", Cause.DISK_FULL), Reload(Why.DISK_FULL)]
 
-    def on_disk_ok(self, now: int) -> list:
-        self.core.on_disk_ok(now)
+    def on_free_space(self, free: int, now: int) -> list:
+        """Under `free_space.stop` it stops as for a refused write, before one is refused: the
+        journal's appends may still fit the space it reserved ahead, a vote's file or the next
+        segment would not (a disk that fills slowly would otherwise be found full mid-term).
+        Stopped either way, it takes part again from `free_space.resume`."""
+        limits = self.free_space
+        if not self.election.disk_full and free < limits.stop:
+            return [SpaceLow(free, limits.resume), *self.on_disk_full(None, now)]
+        if self.election.disk_full and free >= limits.resume:
+            self.core.on_disk_ok(now)
+            return [SpaceBack(free)]
         return []
 
     def fetch_from(self, peer: bytes) -> list:
@@ -426,4 +459,4 @@ class VoterNode:
 
 
 checked_after(VoterNode, ("on_connected", "on_data", "on_closed", "on_timer", "on_read", "on_log", "on_disk_full",
-                          "on_disk_ok", "fetch_from"))
+                          "on_free_space", "fetch_from"))

@@ -157,8 +157,8 @@ class RewinderNode:
     def on_disk_full(self, conn: Hashable, now: int) -> list:
         return self.voter.on_disk_full(conn, now)
 
-    def on_disk_ok(self, now: int) -> list:
-        return self.voter.on_disk_ok(now)
+    def on_free_space(self, free: int, now: int) -> list:
+        return self.voter.on_free_space(free, now)
 
     def _after(self, actions: list, now: int) -> list:
         """The voter's actions; once the commit point moved (after the ack that moved it), what

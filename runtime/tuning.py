@@ -8,6 +8,7 @@ Relations between them are asserted at import."""
 from __future__ import annotations
 
 from tape.protocol import moldudp64
+from tape.protocol.voter_node import FreeSpace
 
 # --- datagrams ---------------------------------------------------------------------------
 DATAGRAM_BUFFER = 65536  # bytes read per recv(): any UDP payload fits
@@ -49,12 +50,16 @@ JOURNAL_RECENT_RECORDS = 16_384
 # A journal's synced bytes kept in the page cache behind its end (~260 ms at 250,000 msg/s);
 # older pages are given back after each fsync (docs/decisions.md).
 JOURNAL_CACHED_BYTES = 4 << 20
+# Finished segments whose sparse index a journal holds in memory (read from its .idx when a read
+# needs it; ~40 KiB each): the rest are on disk only, so a journal's memory does not grow with it.
+SEALED_INDEXES_KEPT = 16
 RESERVE_AHEAD_BYTES = 1 << 20  # disk space reserved past the tail's end for its next appends
 SLOW_FSYNC_S = 0.1  # an fsync longer than this is counted and logged: a disk that stalls the node
 SLOW_FSYNC_LOG_S = 5.0  # at most one log line of slow fsyncs this often
-RESUME_FREE_BYTES = 16 << 20  # a full disk is written to again once this much is free
-STOP_FREE_BYTES = 4 << 20  # under this much free a voter takes no part, before a write is refused
-DISK_CHECK_EVERY_S = 1.0  # how often a voter looks at its free space (under STOP it stops, once full over RESUME)
+# Under 4 MiB free a voter takes no part, before a write is refused; stopped (or refused), it takes
+# part again from 16 MiB. It looks at its free space this often.
+FREE_SPACE = FreeSpace(stop=4 << 20, resume=16 << 20)
+DISK_CHECK_EVERY_S = 1.0
 REPLICA_MAP_BYTES = 8 << 30  # a replica's LMDB map: its books and outbox fit (sparse: only what is used)
 EMITTER_MAP_BYTES = 4 << 30  # the emitter's LMDB map: its delivered ids and outbox
 
@@ -78,7 +83,6 @@ def _check() -> None:
     assert MAX_CONNECTIONS_PER_HOST <= MAX_LINK_CONNECTIONS
     assert SOCKET_RECV <= BEHIND_RECV and CONTROL_READ <= BEHIND_RECV
     assert HEAP_MAPPED_FROM <= HEAP_KEPT_BYTES
-    assert STOP_FREE_BYTES < RESUME_FREE_BYTES, "a voter stopped for space must not resume at once (flapping)"
 
 
 _check()

@@ -34,7 +34,7 @@ from tape.runtime import links
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.settings import Config, NodeSettings
 from tape.runtime.storage.diskspace import DiskFull, free_bytes, no_space
-from tape.runtime.tuning import DISK_CHECK_EVERY_S, RESUME_FREE_BYTES, SLOW_FSYNC_S, STOP_FREE_BYTES
+from tape.runtime.tuning import DISK_CHECK_EVERY_S, FREE_SPACE, SLOW_FSYNC_S
 
 log = logging.getLogger("tape.voter")
 
@@ -126,7 +126,7 @@ class VoterShell:
         rng = random.Random(zlib.crc32(node.name.encode()))
         self.endpoint = vn.VoterNode(node.wire_name, [v.wire_name for v in cfg.voters], can_lead, rng,
                                      cfg.election_ms * 1_000_000, state.term, state.voted_for, state.log_floor,
-                                     state.found, journal.read(), time.monotonic_ns())
+                                     state.found, journal.read(), time.monotonic_ns(), free_space=FREE_SPACE)
         self.node_core = wrap(self.endpoint) if wrap else self.endpoint
         self.on_other = on_other or (lambda action: [])
         self.core = self.endpoint.core
@@ -182,7 +182,7 @@ class VoterShell:
             except DiskFull as e:
                 self.disk_full_events += 1
                 log.error("%s; taking no part (no appends, votes or leading) until %d MiB are free on %s",
-                          e, RESUME_FREE_BYTES >> 20, self.journal.dir)
+                          e, FREE_SPACE.resume >> 20, self.journal.dir)
                 self._space_checked = time.monotonic()
                 queue = deque(self.node_core.on_disk_full(conn, time.monotonic_ns()))
 
@@ -218,6 +218,9 @@ class VoterShell:
             vn.Fetched: lambda a: log.warning("took %d entries from %s to catch up (log now ends at seq %d, term "
                                               "%d)", a.taken, a.peer.decode(errors="replace").strip(), a.last_seq,
                                               a.last_term),
+            vn.SpaceLow: self._space_low,
+            vn.SpaceBack: lambda a: log.warning("disk space back (%d MiB free on %s): taking part again",
+                                                a.free >> 20, self.journal.dir),
             vn.Stalled: lambda a: self.refusal_log.warn(
                 "stall", "this process was not running for %.0f ms (CPU starvation, a blocking disk write or a "
                 "pause): the election's timers were held for %.0f ms", a.gap_ns / 1e6, a.held_ns / 1e6),
@@ -257,7 +260,8 @@ class VoterShell:
             1 if self.core.recovering else 0
         yield "disk_full", "gauge", "1 while a write refused for want of space keeps this node from taking part", \
             1 if self.election.disk_full else 0
-        yield "disk_full_events", "counter", "writes refused for want of space", self.disk_full_events
+        yield "disk_full_events", "counter", "stops for want of space (a write refused, or too little free)", \
+            self.disk_full_events
         yield "stalls", "counter", "gaps between election ticks long enough to hold the timers", self.election.stalls
         yield "stalled_seconds", "counter", "time the election's timers were held over stalls", \
             self.election.held_ns / 1e9
@@ -265,31 +269,18 @@ class VoterShell:
             self.journal.slow_fsyncs
         yield "journal_fsync_max_seconds", "gauge", "the longest journal fsync", self.journal.fsync_max_seconds
 
-    def _space_low(self) -> None:
-        """Under STOP_FREE_BYTES free, stop taking part before a write is refused: the journal's
-        appends may still fit the space it reserved ahead, and a vote's file, or the next
-        segment, would not (a disk that fills slowly would otherwise be found full mid-term)."""
-        now = time.monotonic()
-        if now - self._space_checked < DISK_CHECK_EVERY_S:
-            return
-        self._space_checked = now
-        free = free_bytes(self.journal.dir)
-        if free < STOP_FREE_BYTES:
-            self.disk_full_events += 1
-            log.error("disk nearly full: %d KiB free on %s, under %d MiB; taking no part (no appends, votes or "
-                      "leading) until %d MiB are free", free >> 10, self.journal.dir, STOP_FREE_BYTES >> 20,
-                      RESUME_FREE_BYTES >> 20)
-            self.event(None, self.node_core.on_disk_full, None)
+    def _space_low(self, a: vn.SpaceLow) -> None:
+        self.disk_full_events += 1
+        log.error("disk nearly full: %d KiB free on %s; taking no part (no appends, votes or leading) until "
+                  "%d MiB are free", a.free >> 10, self.journal.dir, a.resume_at >> 20)
 
-    def _space_back(self) -> None:
+    def _free_space(self) -> None:
+        """The journal's free space to the node core, once a DISK_CHECK_EVERY_S: it decides."""
         now = time.monotonic()
         if now - self._space_checked < DISK_CHECK_EVERY_S:
             return
         self._space_checked = now
-        free = free_bytes(self.journal.dir)
-        if free >= RESUME_FREE_BYTES:
-            log.warning("disk space back (%d MiB free on %s): taking part again", free >> 20, self.journal.dir)
-            self.event(None, self.node_core.on_disk_ok)
+        self.event(None, self.node_core.on_free_space, free_bytes(self.journal.dir))
 
     async def ticks(self) -> None:
         """The node's timer (its next deadline, at least every `tick_ns`: a steady 10 ms tick was a
@@ -321,10 +312,7 @@ class VoterShell:
 
     def tick(self) -> None:
         self.journal.maybe_sync()  # the "every N ms" policy while no append comes
-        if self.core.election.disk_full:
-            self._space_back()
-        else:
-            self._space_low()
+        self._free_space()
         now = time.monotonic_ns()
         if now - self._flag_checked >= self.tick_ns:  # (a leader's timer fires for every commit beat)
             self._flag_checked = now

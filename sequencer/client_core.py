@@ -121,7 +121,7 @@ class ClientCore:
         self.acked = 0  # highest client seq seen sequenced
         self.unacked: deque[Unacked] = deque()
         self.resends = 0
-        self.latencies_ns: list[int] = []  # submit -> seen sequenced, one sample per batch
+        self.latencies_ns: list[int] = []  # submit -> seen sequenced, a sample a batch (the shell takes them)
         self.rejected: list[tuple[int, str]] = []  # (client seq, reason): sequenced as ingress rejects
         self.paused_until_ns = 0  # told to back off until then
         self.backed_off_seq = 0  # the newest batch (first client seq) a back-off named

@@ -26,6 +26,7 @@ import asyncio_dgram
 from tape.protocol.errors import ProtocolError
 from tape.protocol.listener import Deliver
 from tape.runtime import interfaces
+from tape.runtime.latency import LatencySamples
 from tape.runtime.mmsg import send_datagrams
 from tape.runtime.process import within
 from tape.runtime.settings import Config
@@ -176,7 +177,18 @@ class Client:
         self._progress = asyncio.Event()
         self.core = self.listener.node.add(name, cfg.client(name).key)
         self.listener.senders[name] = self._send
-        self.listener.on_acked[name] = self._progress.set
+        self.listener.on_acked[name] = self._acked
+        self.latency = LatencySamples()  # submit -> seen sequenced, a sample a batch, taken from the core
+
+    def _acked(self) -> None:
+        self.take_latencies()
+        self._progress.set()
+
+    def take_latencies(self) -> LatencySamples:
+        """The core's samples moved here (the core would hold one a batch for the whole run)."""
+        self.latency.extend(self.core.latencies_ns)
+        self.core.latencies_ns.clear()
+        return self.latency
 
     # What the tools read.
     next_cseq = property(lambda self: self.core.next_cseq)
@@ -185,7 +197,6 @@ class Client:
     per_batch = property(lambda self: self.core.per_batch)  # messages one datagram holds
     resends = property(lambda self: self.core.resends)
     rejected = property(lambda self: self.core.rejected)  # [(client seq, reason)] sequenced as rejects
-    latencies_ns = property(lambda self: self.core.latencies_ns)
     backoffs = property(lambda self: self.core.backoffs)  # back-offs honoured
 
     async def start(self) -> None:

@@ -303,8 +303,8 @@ class SequencerNode:
     def on_disk_full(self, conn: Hashable, now: int) -> list:
         return self._after(self.voter.on_disk_full(conn, now))
 
-    def on_disk_ok(self, now: int) -> list:
-        return self._after(self.voter.on_disk_ok(now))
+    def on_free_space(self, free: int, now: int) -> list:
+        return self._after(self.voter.on_free_space(free, now))
 
     # --- its own events ------------------------------------------------------------------
 
@@ -572,5 +572,5 @@ def _is_follower_link(conn: Hashable) -> bool:
 
 
 checked_after(SequencerNode, ("on_connected", "on_data", "on_closed", "on_timer", "on_read", "on_log", "on_disk_full",
-                              "on_disk_ok", "on_inbound", "on_stamp", "on_replicated", "on_journaled", "on_drained",
+                              "on_free_space", "on_inbound", "on_stamp", "on_replicated", "on_journaled", "on_drained",
                               "on_end", "on_session_ended"))

@@ -102,13 +102,18 @@ def streams(draw):
     return out
 
 
+# The reference sweeps what expired untouched every `sweep` messages (at least): 1 and 3 sweep
+# all the time, 10**9 never; none may change an outcome.
+SWEEPS = st.sampled_from([1, 3, 10**9])
+
+
 @settings(max_examples=200, deadline=None)
-@given(streams(), st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]))
+@given(streams(), st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]), SWEEPS)
 @pytest.mark.slow
-def test_alerts_and_rejects_equal_the_reference(stream, book_ttl, orphan_ttl):
+def test_alerts_and_rejects_equal_the_reference(stream, book_ttl, orphan_ttl, sweep):
     m = AuditMachine(book_ttl_ns=book_ttl, orphan_ttl_ns=orphan_ttl)
     alerts = run(m, stream)
-    ref_alerts, ref_rejects = expected_alerts(enumerate(stream, 1), book_ttl, orphan_ttl)
+    ref_alerts, ref_rejects = expected_alerts(enumerate(stream, 1), book_ttl, orphan_ttl, sweep_from=sweep)
     got = [{"emit_seq": a.emit_seq, "purchase_seq": a.purchase_seq, "purchase_id": a.purchase_id,
             "order_id": a.order_id, "requested": a.requested, "cumulative": a.cumulative} for a in alerts]
     assert got == ref_alerts
@@ -117,19 +122,20 @@ def test_alerts_and_rejects_equal_the_reference(stream, book_ttl, orphan_ttl):
     last = max([x[M.STAMP] for x in stream] + [0])
     m.apply_run(len(stream) + 1, [M.decode(M.time_tick(last + 10**9 + 1, ORIGIN))])
     tick = M.decode(M.time_tick(last + 10**9 + 1, ORIGIN))
-    _, ref_end = expected_alerts(list(enumerate(stream, 1)) + [(len(stream) + 1, tick)], book_ttl, orphan_ttl)
+    _, ref_end = expected_alerts(list(enumerate(stream, 1)) + [(len(stream) + 1, tick)], book_ttl, orphan_ttl,
+                                 sweep_from=sweep)
     assert m.rejects == ref_end
     assert [a.emit_seq for a in alerts] == sorted({a.emit_seq for a in alerts})  # emit seqs strictly increase
 
 
 @settings(max_examples=300, deadline=None)
-@given(streams(), st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]))
+@given(streams(), st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]), SWEEPS)
 @pytest.mark.slow
-def test_the_digest_equals_the_one_recomputed_from_its_definition(stream, book_ttl, orphan_ttl):
+def test_the_digest_equals_the_one_recomputed_from_its_definition(stream, book_ttl, orphan_ttl, sweep):
     m = AuditMachine(book_ttl_ns=book_ttl, orphan_ttl_ns=orphan_ttl)
     for end in sorted({len(stream) // 3, len(stream)}):  # mid-stream too: what has expired by then, no more
         m.apply_run(m.last_seq + 1, stream[m.last_seq:end])
-        assert m.digest() == expected_digest(enumerate(stream[:end], 1), book_ttl, orphan_ttl)
+        assert m.digest() == expected_digest(enumerate(stream[:end], 1), book_ttl, orphan_ttl, sweep_from=sweep)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -146,6 +152,7 @@ def test_the_digest_equals_the_recomputed_one_across_folds(seed):
     m.apply_run(1, stream)
     assert m.alerts_raised > 0 and m.rejects["orphan_expired"] > 0  # the records that are more than a byte
     assert m.digest() == expected_digest(enumerate(stream, 1), 2000, 300)
+    assert m.digest() == expected_digest(enumerate(stream, 1), 2000, 300, sweep_from=50)  # folds settled early
     assert m.digest() != expected_digest(enumerate(stream[:-1], 1), 2000, 300)
 
 
@@ -200,7 +207,9 @@ def test_the_digest_folds_at_each_session_end_as_its_definition_says(seed):
     whole.apply_run(1, stream)
     for end in range(1, len(stream) + 1):
         cut.apply_run(end, stream[end - 1:end])
-        assert cut.digest() == expected_digest(enumerate(stream[:end], 1), 2000, 300, fold_every=7), end
+        for sweep in (1, 5, 10**9):  # session ends settled by sweeps too
+            assert cut.digest() == expected_digest(enumerate(stream[:end], 1), 2000, 300, fold_every=7,
+                                                   sweep_from=sweep), (end, sweep)
     assert whole.digest() == cut.digest() and whole.chain == cut.chain
     assert expected_digest(enumerate(stream, 1), 2000, 300, fold_every=7) != \
         expected_digest(enumerate(stream, 1), 2000, 300, fold_every=8)

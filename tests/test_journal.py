@@ -1,5 +1,6 @@
 import ctypes
 import errno
+import itertools
 import json
 import mmap
 import os
@@ -18,7 +19,7 @@ from tape.protocol import journal as fmt
 from tape.protocol import messages as msg
 from tape.runtime.storage.diskspace import DiskFull
 from tape.runtime.storage.journal_store import LARGEST_FOLIO, Journal, JournalCorruption
-from tape.runtime.tuning import JOURNAL_CACHED_BYTES, RESERVE_AHEAD_BYTES
+from tape.runtime.tuning import JOURNAL_CACHED_BYTES, RESERVE_AHEAD_BYTES, SEALED_INDEXES_KEPT
 
 S = b"TAPE      "
 
@@ -146,6 +147,25 @@ def test_empty_segment_left_by_a_crash_during_a_roll_is_removed(tmp_path):
     assert j.last_seq == 20 and not (tmp_path / fmt.segment_name(21)).exists()
     j.append([(21, 1, message(21))])
     assert seqs(j, 20) == [20, 21]
+
+
+def test_a_journal_holds_the_index_of_its_tail_and_of_a_few_finished_segments_only(tmp_path):
+    j = fill(tmp_path, 3000, segment_bytes=2000, index_every=4, fsync="never", recent_records=1)  # ~150 segments
+    assert len(j.segments) > 4 * SEALED_INDEXES_KEPT
+    assert sum(seg.indexed for seg in j.segments[:-1]) == 0  # each dropped once written to its .idx
+    for lo in range(1, 3000, 97):  # reads load them back, a bounded few at a time
+        assert [r[0] for r in itertools.islice(j.read(lo), 5)] == list(range(lo, lo + 5))
+        assert sum(seg.indexed for seg in j.segments[:-1]) <= SEALED_INDEXES_KEPT
+    j.truncate_after(1234)  # into a finished segment whose index is on disk only: it is the tail again
+    for lo in range(1, 1200, 37):  # as many finished segments' indexes loaded as may be: the tail's stays
+        next(iter(j.read(lo)))
+    assert j.segments[-1].indexed
+    for first in range(1235, 1300, 5):
+        j.append([(s, 2, message(s)) for s in range(first, first + 5)])
+    assert [r[0] for r in j.read(1200)] == list(range(1200, 1300))
+    assert [m for _, _, m in j.read(1260, 1262)] == [message(s) for s in range(1260, 1263)]
+    j.close()
+    assert [r[0] for r in Journal(tmp_path, index_every=4).read(1230, 1240)] == list(range(1230, 1241))
 
 
 def test_truncate_after_drops_a_suffix_across_segments(tmp_path):

@@ -20,6 +20,7 @@ from tape.rewinder.rewinder_node_core import (
     RewinderNode,
     SendDatagram,
 )
+from tape.runtime.tuning import FREE_SPACE
 
 S = moldudp64.session_bytes("TEST")
 A, B, R1, R2 = (n.ljust(10).encode() for n in ("seq-a", "seq-b", "rw-1", "rw-2"))
@@ -33,7 +34,8 @@ def trades(n: int, first: int = 1) -> list[bytes]:
 
 def rewinder(log: list[bytes], keys: StreamKeys | None = None, park_ns: int = 0) -> RewinderNode:
     records = [(s, 1, m) for s, m in enumerate(log, 1)]
-    voter = VoterNode(R1, [A, B, R1, R2], False, random.Random(1), 300_000_000, 1, None, (0, 0), True, records, 0)
+    voter = VoterNode(R1, [A, B, R1, R2], False, random.Random(1), 300_000_000, 1, None, (0, 0), True, records, 0,
+                      free_space=FREE_SPACE)
     return RewinderNode(voter, S, 1400, keys, park_ns)
 
 

@@ -15,6 +15,7 @@ from tape.protocol.actions import Close, Send
 from tape.protocol.election import Cause
 from tape.protocol.errors import InvariantViolation
 from tape.protocol.voter_node import AppendRecords, Dial, Persist, ReadJournal, VoterNode
+from tape.runtime.tuning import FREE_SPACE
 from tape.sequencer import sequencer_node_core as sn
 from tape.sequencer.client_core import ClientCore
 
@@ -33,7 +34,7 @@ class Shell:
 
     def __init__(self, records=(), settings=SETTINGS, term: int = 0, drain_at_once: bool = True):
         voter = VoterNode(A, [A, B, R1, R2], True, random.Random(1), ELECTION_NS, term, None, (0, 0), True,
-                          list(records), 0)
+                          list(records), 0, free_space=FREE_SPACE)
         self.node = sn.SequencerNode(voter, settings, [B, R1, R2])
         self.journal = list(records)
         self.sent: dict = defaultdict(list)

@@ -24,9 +24,12 @@ def records(first: int, last: int, term: int = 1) -> list:
     return [(s, term, msg(s)) for s in range(first, last + 1)]
 
 
+SPACE = vn.FreeSpace(stop=4 << 20, resume=16 << 20)
+
+
 def node(name=R1, can_lead=False, log=(), found=True, term=1, now=0) -> vn.VoterNode:
     return vn.VoterNode(name, [A, B, R1, R2], can_lead, random.Random(7), ELECTION, term, None, (0, 0), found,
-                        list(log), now)
+                        list(log), now, free_space=SPACE)
 
 
 def frames(actions, conn=None) -> list:
@@ -112,7 +115,8 @@ def test_greetings_not_answered_are_asked_again_each_half_timeout():
 
 def test_the_first_election_comes_within_a_quarter_to_a_half_of_the_timeout():
     for seed in range(20):
-        v = vn.VoterNode(A, [A, B, R1, R2], True, random.Random(seed), ELECTION, 1, None, (0, 0), True, [], 0)
+        v = vn.VoterNode(A, [A, B, R1, R2], True, random.Random(seed), ELECTION, 1, None, (0, 0), True, [], 0,
+                         free_space=SPACE)
         assert ELECTION // 4 <= v.election.deadline <= ELECTION // 2
 
 
@@ -187,8 +191,21 @@ def test_a_refused_write_steps_down_reloads_the_log_and_hangs_up():
     out = v.on_log(out[1], records(1, 5), 3)  # the refused append undone
     assert out[-1] == vn.Close("c") and v.core.position() == (5, 1) and v.core.absent
     assert kinds(v.on_connected("d", 4)) == ["Send", "Close"]
-    v.on_disk_ok(5)
+    assert v.on_free_space(SPACE.resume - 1, 5) == []  # not yet: it would flap on the last few blocks
+    assert v.on_free_space(SPACE.resume, 5) == [vn.SpaceBack(SPACE.resume)]
     assert kinds(v.on_connected("e", 6)) == ["Send"]
+
+
+def test_too_little_free_space_stops_it_before_a_write_is_refused():
+    v = node(log=records(1, 5))
+    assert v.on_free_space(SPACE.stop, 1) == []
+    out = v.on_free_space(SPACE.stop - 1, 2)
+    assert out == [vn.SpaceLow(SPACE.stop - 1, SPACE.resume), vn.StepDown("disk full", vn.Cause.DISK_FULL),
+                   vn.Reload(vn.Why.DISK_FULL)]
+    v.on_log(out[-1], records(1, 5), 3)
+    assert v.election.disk_full and kinds(v.on_connected("d", 4)) == ["Send", "Close"]
+    assert v.on_free_space(0, 5) == []  # stopped: told again, nothing more to do
+    assert v.on_free_space(SPACE.resume, 6) == [vn.SpaceBack(SPACE.resume)] and not v.election.disk_full
 
 
 def test_the_leaders_connection_closed_by_its_peer_means_it_is_gone():

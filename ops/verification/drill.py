@@ -390,7 +390,7 @@ class DiskFull(Drill):
     part without exiting (the others go on), then take part again and catch up once the filler
     is removed (after the cluster committed a quarter of the trades without it). The fault bites
     whatever the journal reserved ahead: with nothing free the voter stops at its next look at
-    the free space (STOP_FREE_BYTES), within DISK_CHECK_EVERY_S, not only at a refused write."""
+    the free space (FREE_SPACE.stop), within DISK_CHECK_EVERY_S, not only at a refused write."""
 
     def prepare(self, cluster):
         self.target = "rw-1"

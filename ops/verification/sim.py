@@ -50,7 +50,17 @@ from tape.protocol.linkauth import NONCE_SIZE, LinkEnd, LinkKeys
 from tape.protocol.listener import Deliver, Undecodable
 from tape.protocol.stamping import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
-from tape.protocol.voter_node import AppendRecords, Dial, ReadJournal, Reload, Resume, Truncate, VoterNode
+from tape.protocol.voter_node import (
+    AppendRecords,
+    Dial,
+    ReadJournal,
+    Reload,
+    Resume,
+    SpaceBack,
+    SpaceLow,
+    Truncate,
+    VoterNode,
+)
 from tape.replicas.audit_core import ALERT_SIZE, Alert, AuditMachine
 from tape.replicas.emitter_core import CRASH_POINTS, emit_seq_of
 from tape.replicas.emitter_node_core import (
@@ -70,6 +80,7 @@ from tape.rewinder.rewinder_node_core import ReadGap, ReplayRecords, RewinderNod
 from tape.runtime.settings import Config, default_of
 from tape.runtime.storage import journal_store
 from tape.runtime.storage.journal_repair import open_checked
+from tape.runtime.tuning import DISK_CHECK_EVERY_S, FREE_SPACE
 from tape.runtime.voter_shell import VoteStore
 from tape.sequencer.client_node_core import ClientNode, Delivered, Recovered, SendInbound
 from tape.sequencer.sequencer_node_core import (
@@ -115,6 +126,8 @@ FAULT_KINDS = ("crash", "pause", "partition", "isolate", "garbage", "crash-emitt
 # A connection's bytes as TCP hands them to the reader: a write joins the one before it if that
 # one is not read yet, or comes in two pieces.
 COALESCE, SPLIT = 0.5, 0.2
+DISK_CHECK_NS = int(DISK_CHECK_EVERY_S * 1e9)
+FREE_DISK = 1 << 30  # a voter's disk has this much free but while a disk-full fault lasts (none)
 SLOW_NS = (10 * MS, 150 * MS)  # what a slow host (starved, its disk or link congested) adds to a connection's bytes
 GIVE_UP = 60_000 * MS
 TWO_DISKS_LOST = 0.5  # the chance that a disk loss takes two voters' disks at once
@@ -187,7 +200,8 @@ class SimVoter:
         self.votes = VoteStore(self.dir / "election.json")  # the processes' own file (none on a new or wiped disk)
         self.checked = 0  # seqs of the committed log already checked against what was published
         self.up = True
-        self.full_until = 0  # a fault: the disk refuses writes until then
+        self.full_until = 0  # a fault: the disk refuses writes and has no space free until then
+        self.space_checked = -DISK_CHECK_NS  # when the shell last told the node its free space
         self.clock_skew = sim.rng.randrange(-200, 201) * MS  # hosts' clocks differ: stamps must not go backwards
         self.restart()
 
@@ -248,7 +262,8 @@ class SimVoter:
         state = self.votes.load()
         rng = random.Random(self.sim.rng.random())
         endpoint = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, state.term,
-                             state.voted_for, state.log_floor, state.found, self.records(), self.sim.now)
+                             state.voted_for, state.log_floor, state.found, self.records(), self.sim.now,
+                             free_space=FREE_SPACE)
         if self.can_lead:
             settings = LeaderSettings(SESSION, {wire(c): None for c in CLIENTS}, default_of(Config, "max_packet"),
                                       self.sim.tick_ns, HEARTBEAT_NS, self.sim.batch_interval_ns, LEADER_BEAT_NS,
@@ -286,6 +301,7 @@ class SimVoter:
             try:
                 queue.extendleft(reversed(self.carry_out(queue.popleft())))
             except DiskIsFull:
+                self.space_checked = self.sim.now
                 queue = deque(self.node.on_disk_full(conn, self.sim.now))
 
     def carry_out(self, a) -> list:
@@ -314,6 +330,8 @@ class SimVoter:
             self.sim.dial(self.name, a.conn, name_of(a.peer))
         elif isinstance(a, Refused):  # the simulated peers are honest: this is a broken rule
             raise Violation(f"{self.name} refused: {a.detail}")
+        elif isinstance(a, (SpaceLow, SpaceBack)):
+            self.sim.trace.append(f"  {self.name} {'stops, disk full' if isinstance(a, SpaceLow) else 'resumes'}")
         elif self.can_lead:
             return self.carry_out_leading(a)
         else:
@@ -395,8 +413,9 @@ class SimVoter:
         """The shell's timer: the node's next deadline as it stood at the last one (a leader's,
         every tick: the shell wakes early when an event brings its deadline nearer)."""
         now = self.sim.now
-        if self.election.disk_full and now >= self.full_until:
-            self.act(self.node.on_disk_ok(now))  # the shell saw space again
+        if now - self.space_checked >= DISK_CHECK_NS:  # the shell's look at its free space
+            self.space_checked = now
+            self.act(self.node.on_free_space(0 if now < self.full_until else FREE_DISK, now))
         if now >= self.wake_at or self.leader is not None:
             self.act(self.node.on_timer(now))
             self.wake_at = self.node.next_deadline(now)

@@ -17,13 +17,12 @@ import bisect
 import itertools
 import json
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from tape.ops.verification.load import client_trades
-from tape.ops.verification.reference import FOLD_EVERY, expected_alerts, expected_digest
+from tape.ops.verification.reference import FOLD_EVERY, REJECT_REASONS, alerts_in, expected_digest
 from tape.protocol import messages as M
 from tape.protocol import moldudp64
 from tape.runtime.storage.journal_store import Journal
@@ -39,7 +38,7 @@ class RunFiles:
     submitted: int  # trades the load was to submit
     journals: dict[str, JournalRecords | list]  # voter -> its (seq, term, message bytes) from seq 1
     replicas: dict[str, dict]  # replica -> its status.json
-    alerts: list[dict]  # the JSON-lines sink, in order
+    alerts: Iterable[dict]  # the JSON-lines sink's rows, in order (read once: JsonLines, or a list)
     emitter: dict = field(default_factory=dict)  # its status.json
     load: dict = field(default_factory=dict)  # tape load's JSON report
     sequencers: dict[str, dict] = field(default_factory=dict)  # sequencer -> its status.json
@@ -61,6 +60,22 @@ class JournalRecords:
         return Journal(self.path, readonly=True).read()
 
 
+class JsonLines:
+    """A JSON-lines file's rows, read as they are iterated (a long run's alerts do not fit in memory
+    as dicts); none if the file is missing."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __iter__(self):
+        if not self.path.exists():
+            return
+        with self.path.open() as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -72,8 +87,6 @@ def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int
              logs: dict[str, Path] | None = None, planted: tuple[str, ...] = ()) -> RunFiles:
     """What a local run left in its nodes' data directories (`plain`: no fault injected); `logs`:
     each node's log, searched for lines no run should write but those matching `planted`."""
-    sink = Path(cfg.node("emitter").data) / "alerts.jsonl"
-    rows = [json.loads(line) for line in sink.read_text().splitlines() if line.strip()] if sink.exists() else []
     try:
         load = json.loads(load_output)
     except ValueError:
@@ -83,7 +96,8 @@ def read_run(cfg, voters, replicas, sequencers, load_output: str, submitted: int
         submitted=submitted,
         journals={n: JournalRecords(Path(cfg.node(n).data) / "journal") for n in voters},
         replicas={r: _read_json(Path(cfg.node(r).data) / "status.json") for r in replicas},
-        alerts=rows, emitter=_read_json(Path(cfg.node("emitter").data) / "status.json"), load=load,
+        alerts=JsonLines(Path(cfg.node("emitter").data) / "alerts.jsonl"),
+        emitter=_read_json(Path(cfg.node("emitter").data) / "status.json"), load=load,
         sequencers={s: _read_json(Path(cfg.node(s).data) / "status.json") for s in sequencers}, plain=plain,
         submitted_trades=load_trades(load.get("trades")),
         log_problems={n: log_problems(p.read_text(errors="replace"), planted)
@@ -125,7 +139,7 @@ def judge(run: RunFiles) -> tuple[dict, dict, dict]:
     terms = term_changes(scan.watch(itertools.islice(longest, log_length)))
     applied = {r: s.get("last_seq", 0) for r, s in run.replicas.items()}
     digests = {r: s.get("digest", "") for r, s in run.replicas.items()}
-    alerts, rejects = _alerts(run, committed())
+    alerts, rejects = _alerts(run, committed(), log_length)
     journal_digest = expected_digest(committed(), run.book_ttl_ns, run.orphan_ttl_ns, run.fold_every)
     published = {s: st.get("published_terms", {}) for s, st in run.sequencers.items()}
     term_issues = term_problems(terms, published)
@@ -290,21 +304,100 @@ class _SeqRuns:
         return True
 
 
-def _alerts(run: RunFiles, decoded) -> tuple[dict, dict]:
-    """Delivered alerts against those recomputed from the journal: missing, unexpected, mismatched, twice."""
-    expected, rejects = expected_alerts(decoded, run.book_ttl_ns, run.orphan_ttl_ns)
-    by_id = {f"{run.session}:{a['purchase_seq']}": a for a in expected}
-    ids = Counter(r["alert_id"] for r in run.alerts)
-    duplicates = sum(c - 1 for c in ids.values() if c > 1)
-    missing = sorted(set(by_id) - set(ids))
-    unexpected = sorted(set(ids) - set(by_id))
-    mismatched = sorted(r["alert_id"] for r in run.alerts if r["alert_id"] in by_id
-                        and any(r[f] != by_id[r["alert_id"]][f] for f in ALERT_FIELDS))
-    figure = (f"{len(run.alerts):,} delivered, {len(expected):,} expected, {len(missing)} missing, "
-              f"{len(unexpected)} unexpected, {len(mismatched)} mismatched, {duplicates} dup.")
-    return {"ok": not missing and not unexpected and not mismatched and duplicates == 0, "figure": figure,
-            "alerts_delivered": len(run.alerts), "alerts_expected": len(expected), "duplicates": duplicates,
-            "missing": missing[:20], "unexpected": unexpected[:20], "mismatched": mismatched[:20]}, rejects
+def _alerts(run: RunFiles, decoded, log_length: int) -> tuple[dict, dict]:
+    """Delivered alerts against those recomputed from the journal: missing, unexpected, mismatched,
+    twice. Both come in emit order (the emitter delivers so), and are matched as they go by: what
+    waits for its match is only what came out of order, so a long run's alerts are never all held."""
+    rejects = dict.fromkeys(REJECT_REASONS, 0)
+    match = _AlertMatch(run.session, log_length)
+    expected = alerts_in(decoded, run.book_ttl_ns, run.orphan_ttl_ns, rejects)
+    delivered = iter(run.alerts)
+    e, d = next(expected, None), next(delivered, None)
+    while e is not None or d is not None:
+        if d is None or (e is not None and e["emit_seq"] <= _int(d.get("emit_seq"))):
+            match.expected(e)
+            e = next(expected, None)
+        else:
+            match.delivered(d)
+            d = next(delivered, None)
+    return match.result(), rejects
+
+
+def _int(value) -> int:
+    return value if isinstance(value, int) else -1
+
+
+SHOWN = 20  # ids of each kind of problem the report lists
+
+
+class _AlertMatch:
+    """Expected and delivered alerts met by alert id (`SESSION:purchase seq`), in any order; a
+    delivered id is marked in a bitmap of the log's seqs, so a second delivery is found whenever
+    it comes."""
+
+    def __init__(self, session: str, log_length: int):
+        self.prefix = f"{session}:"
+        self.seen = bytearray(log_length // 8 + 1)
+        self.waiting_expected: dict[str, dict] = {}
+        self.waiting_delivered: dict[str, dict] = {}
+        self.delivered_count = self.expected_count = self.duplicates = 0
+        self.unexpected: list[str] = []  # ids of no alert of this log (the first SHOWN), and how many
+        self.unexpected_count = 0
+        self.mismatched: list[str] = []
+        self.mismatched_count = 0
+
+    def expected(self, alert: dict) -> None:
+        self.expected_count += 1
+        key = f"{self.prefix}{alert['purchase_seq']}"
+        row = self.waiting_delivered.pop(key, None)
+        if row is None:
+            self.waiting_expected[key] = alert
+        else:
+            self._compare(key, row, alert)
+
+    def delivered(self, row: dict) -> None:
+        self.delivered_count += 1
+        key = row.get("alert_id")
+        seq = self._seq_of(key)
+        if seq is None:
+            self._note(self.unexpected, str(key), "unexpected_count")
+            return
+        if self.seen[seq >> 3] & (1 << (seq & 7)):
+            self.duplicates += 1
+            return
+        self.seen[seq >> 3] |= 1 << (seq & 7)
+        alert = self.waiting_expected.pop(key, None)
+        if alert is None:
+            self.waiting_delivered[key] = row
+        else:
+            self._compare(key, row, alert)
+
+    def _seq_of(self, key) -> int | None:
+        """The purchase seq an alert id of this session and log names, else None."""
+        if not isinstance(key, str) or not key.startswith(self.prefix) or not key[len(self.prefix):].isdigit():
+            return None
+        seq = int(key[len(self.prefix):])
+        return seq if 0 < seq < len(self.seen) * 8 else None
+
+    def _compare(self, key: str, row: dict, alert: dict) -> None:
+        if any(row.get(f) != alert[f] for f in ALERT_FIELDS):
+            self._note(self.mismatched, key, "mismatched_count")
+
+    def _note(self, shown: list, key: str, counter: str) -> None:
+        setattr(self, counter, getattr(self, counter) + 1)
+        if len(shown) < SHOWN:
+            shown.append(key)
+
+    def result(self) -> dict:
+        missing = sorted(self.waiting_expected, key=self._seq_of)
+        unexpected_count = self.unexpected_count + len(self.waiting_delivered)
+        unexpected = sorted([*self.unexpected, *self.waiting_delivered])[:SHOWN]
+        ok = not missing and not unexpected_count and not self.mismatched_count and not self.duplicates
+        figure = (f"{self.delivered_count:,} delivered, {self.expected_count:,} expected, {len(missing)} missing, "
+                  f"{unexpected_count} unexpected, {self.mismatched_count} mismatched, {self.duplicates} dup.")
+        return {"ok": ok, "figure": figure, "alerts_delivered": self.delivered_count,
+                "alerts_expected": self.expected_count, "duplicates": self.duplicates, "missing": missing[:SHOWN],
+                "unexpected": unexpected, "mismatched": sorted(self.mismatched)}
 
 
 def term_changes(decoded: list) -> list[dict]:

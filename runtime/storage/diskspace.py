@@ -3,9 +3,10 @@
 A write that fails for want of space (ENOSPC, or a quota's EDQUOT) is undone by
 the writer (the journal cuts its file back; the vote's temporary file is
 removed) and raised as DiskFull: nothing is counted as written, and no reply
-that depends on it is sent. The voter then stops taking appends and votes
-(runtime/voter_shell.py) and looks at the free space every DISK_CHECK_EVERY_S until there is
-RESUME_FREE_BYTES (runtime/tuning.py), so that it does not flap on the last few blocks.
+that depends on it is sent. The voter then stops taking appends and votes and its
+shell tells its node core the free space every DISK_CHECK_EVERY_S, until there is
+FREE_SPACE.resume (runtime/tuning.py; protocol/voter_node.py on_free_space decides), so
+that it does not flap on the last few blocks.
 """
 
 from __future__ import annotations

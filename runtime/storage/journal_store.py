@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -27,6 +28,7 @@ from tape.runtime.tuning import (
     JOURNAL_CACHED_BYTES,
     JOURNAL_RECENT_RECORDS,
     RESERVE_AHEAD_BYTES,
+    SEALED_INDEXES_KEPT,
     SLOW_FSYNC_LOG_S,
     SLOW_FSYNC_S,
 )
@@ -72,9 +74,12 @@ class Segment:
     path: Path
     last_seq: int  # first_seq - 1 while empty
     size: int = fmt.SEGMENT_HEADER_SIZE
-    idx_seqs: list = field(default_factory=list)  # sparse index, loaded lazily for sealed segments
-    idx_offsets: list = field(default_factory=list)
+    idx_seqs: list | array = field(default_factory=list)  # sparse index, loaded lazily for sealed segments
+    idx_offsets: list | array = field(default_factory=list)
     indexed: bool = False
+
+    def forget_index(self) -> None:
+        self.idx_seqs, self.idx_offsets, self.indexed = [], [], False
 
 
 def parse_fsync(policy: str | int | float) -> float | None:
@@ -123,6 +128,7 @@ class Journal:
         # (gap fills, catch-ups): ~130 µs to find a packet's worth in the file, ~12 from here.
         self._recent: deque = deque()
         self._recent_count = 0
+        self._indexes_held: deque[Segment] = deque()  # finished segments whose index is loaded, oldest first
         self.recent_records = recent_records
         # Metrics (plain numbers: the shell exposes them).
         self.fsyncs = 0
@@ -344,6 +350,7 @@ class Journal:
         tmp = seg.path.with_suffix(".idx.tmp")
         tmp.write_bytes(idx)
         os.replace(tmp, seg.path.with_suffix(fmt.INDEX_SUFFIX))
+        seg.forget_index()  # (on disk now: read back if a read needs it)
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY)
@@ -440,6 +447,8 @@ class Journal:
             os.fsync(f.fileno())
         seg.path.with_suffix(fmt.INDEX_SUFFIX).unlink(missing_ok=True)
         seg.size, seg.last_seq, self.last_term = keep_offset, seq, keep_term
+        if seg in self._indexes_held:  # a finished segment is the tail again: its index (read to find
+            self._indexes_held.remove(seg)  # the cut) is the tail's, which appends extend
         cut = bisect.bisect_right(seg.idx_seqs, seq)
         del seg.idx_seqs[cut:], seg.idx_offsets[cut:]
         self._open_tail(seg.path)
@@ -498,8 +507,10 @@ class Journal:
         return out
 
     def _load_index(self, seg: Segment) -> None:
+        """A finished segment's index from its .idx (empty if missing or damaged: reads then scan
+        from the segment's start), held while it is among the SEALED_INDEXES_KEPT last loaded."""
         idx = seg.path.with_suffix(fmt.INDEX_SUFFIX)
-        seqs, offs = [], []
+        seqs, offs = array("Q"), array("Q")
         try:
             raw = idx.read_bytes()
             if len(raw) % fmt.INDEX_ENTRY.size == 0:
@@ -509,6 +520,9 @@ class Journal:
         except FileNotFoundError:
             pass
         seg.idx_seqs, seg.idx_offsets, seg.indexed = seqs, offs, True
+        self._indexes_held.append(seg)
+        while len(self._indexes_held) > SEALED_INDEXES_KEPT:
+            self._indexes_held.popleft().forget_index()
 
     def _chunks(self, seg: Segment, from_seq: int, upto_seq: int | None = None):
         """segment_chunks of `seg` from the indexed record at or before `from_seq`."""
