@@ -4,16 +4,23 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -y -qq
 
-.PHONY: demo test test-fast test-pure test-pure-fast test-sanitize test-loaded soak bench sysdeps clean
+.PHONY: constraints demo test test-fast test-pure test-pure-fast test-sanitize test-loaded soak bench sysdeps clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard */_*.c) $(wildcard */_*.h)
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard */_*.c) $(wildcard */_*.h)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# The versions the tests run with, for every host's install (docs/runbook.md): after changing a dependency.
+constraints:
+	python3 -m venv /tmp/tape-constraints && /tmp/tape-constraints/bin/pip install -q --upgrade pip
+	/tmp/tape-constraints/bin/pip install -q -e '.[test]'
+	{ sed -n '1,2p' constraints.txt; /tmp/tape-constraints/bin/pip freeze --exclude-editable; } > constraints.new
+	mv constraints.new constraints.txt; rm -rf /tmp/tape-constraints
+
 # Java (for PySpark), tshark (the independent MoldUDP64 decoder the tests use), nftables and
-# ethtool (loss and a forwarder on the LAN tests' links).
+# ethtool (loss and a forwarder on the LAN tests' links), Prometheus and promtool (the alert rules).
 sysdeps:
 	@command -v java >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -34,6 +41,11 @@ sysdeps:
 	    echo "installing ethtool (the LAN tests' forwarder needs checksums computed in software)"; \
 	    $(APT_GET) update >/dev/null && $(APT_GET) install ethtool >/dev/null || echo "ethtool unavailable: the LAN slow-links drill will be skipped"; \
 	  else echo "ethtool not found: the LAN slow-links drill will be skipped (apt-get install ethtool)"; fi; }
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing prometheus (the tests check the alert rules with promtool and scrape a cluster)"; \
+	    $(APT_GET) update >/dev/null && $(APT_GET) install --no-install-recommends prometheus >/dev/null || echo "prometheus unavailable: its tests will be skipped"; \
+	  else echo "promtool not found: the Prometheus tests will be skipped (apt-get install prometheus)"; fi; }
 
 demo: $(STAMP) sysdeps
 	$(VENV)/bin/tape up --rate 10000 --duration 10 --drop 0.02 --out runs/demo

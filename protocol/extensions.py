@@ -31,3 +31,16 @@ def install() -> None:
 
 
 install()
+
+
+def missing() -> list[str]:
+    """The compiled modules that do not load here (none built: no C compiler at install; or hidden)."""
+    import importlib
+
+    out = []
+    for name in sorted(COMPILED):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            out.append(name)
+    return out

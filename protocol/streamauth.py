@@ -100,6 +100,8 @@ if set_blake3_tagger is not None:
     set_blake3_tagger(blake3_tag)  # the C checks call it for BLAKE3 seals: it is the only BLAKE3 we have
 
 
+SEAL_FAILURES = ("unsealed", "unknown_seal", "unknown_key", "bad_tag")  # what verify() returns of a bad packet
+
 class StreamKeys:
     """The stream keys of a node: `keys[0]` signs, its seals made by `seal` (SEALS); any key
     verifies, and seals of either algorithm."""

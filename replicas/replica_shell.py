@@ -30,6 +30,7 @@ import lmdb
 from tape.protocol import messages
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.moldudp64 import HEADER_SIZE
+from tape.protocol.streamauth import SEAL_FAILURES
 from tape.replicas.audit_core import ALERT_SIZE, AuditMachine
 from tape.replicas.replica_node_core import (
     Applied,
@@ -127,7 +128,7 @@ class Replica(NodeProcess):
             "asked again (follows measured answers, never under gap_request_ms)", \
             n.listener.answers.timeout_ns / 1e9
         yield "bad_datagrams", "counter", "stream datagrams dropped, by reason (unsealed, bad_tag, ...)", \
-            dict(n.listener.bad)
+            dict.fromkeys(SEAL_FAILURES, 0) | n.listener.bad  # at 0 from the start: Prometheus sees the first
         yield "replayed_messages", "counter", "messages caught up over TCP replay", n.replayed
         yield "snapshots", "counter", "LMDB snapshots written", self.store.saves
         yield "snapshot_seconds", "histogram", "time to write a snapshot (its disk work, off the thread that " \

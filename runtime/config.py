@@ -37,6 +37,7 @@ import os
 import random
 import secrets
 import tomllib
+import urllib.parse
 from pathlib import Path
 
 from tape.protocol import moldudp64
@@ -201,7 +202,7 @@ def _key_list(value, where: str) -> list[bytes]:
     try:
         keys = [bytes.fromhex(v) for v in values]
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {value!r}: a hex key or a list of one or two") from None
+        raise ConfigError(f"{where}: not a hex key or a list of one or two (not shown: it may be a key)") from None
     if not 1 <= len(keys) <= 2 or any(len(k) < MIN_KEY_BYTES for k in keys):
         raise ConfigError(f"{where}: one or two keys of at least {MIN_KEY_BYTES} bytes ({2 * MIN_KEY_BYTES} hex)")
     return keys
@@ -237,11 +238,19 @@ def _parse_emitter(node: NodeSettings, n: dict, where: str) -> None:
         raise ConfigError(f"{where}sinks: {node.sinks!r}: a list of distinct sinks from {', '.join(SINKS)}")
     node.webhook_url = _get(n, "webhook_url", str, where, default_of(NodeSettings, "webhook_url"))
     node.webhook_timeout_ms = _get(n, "webhook_timeout_ms", int, where, default_of(NodeSettings, "webhook_timeout_ms"))
-    if "webhook" in node.sinks and not node.webhook_url.startswith(("http://", "https://")):
-        raise ConfigError(f"{where}webhook_url: the webhook sink needs an http:// or https:// URL")
+    if "webhook" in node.sinks and not _is_http_url(node.webhook_url):  # not echoed: a URL may hold a secret
+        raise ConfigError(f"{where}webhook_url: the webhook sink needs an http(s)://host[:port]/path URL")
     node.delivery = _get(n, "delivery", str, where, default_of(NodeSettings, "delivery"))
     if node.delivery not in DELIVERY:
         raise ConfigError(f"{where}delivery: {node.delivery!r} is not one of {', '.join(DELIVERY)}")
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # a port out of range or not a number
+        return False
 
 
 def _parse_client(c: dict, where: str) -> ClientSettings:
@@ -254,7 +263,10 @@ def _parse_client(c: dict, where: str) -> ClientSettings:
         raise ConfigError(f"{where}: client name {name!r} (1-10 ASCII) or key (hex) is malformed") from None
 
 
-def load(path: str | Path | None, data_dir: str | Path = ".") -> Config:
+EMBEDDED_DATA_DIR = "data"  # the embedded default's nodes' data and keys, under the working directory
+
+
+def load(path: str | Path | None, data_dir: str | Path = EMBEDDED_DATA_DIR) -> Config:
     """The config at `path`, or the embedded loopback default."""
     if path is None:
         return default(data_dir)
@@ -263,6 +275,8 @@ def load(path: str | Path | None, data_dir: str | Path = ".") -> Config:
         doc = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
+    except (OSError, UnicodeDecodeError) as e:  # unreadable by this user, a directory, not text
+        raise ConfigError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     return parse(doc, path.parent)
@@ -279,23 +293,46 @@ def new_keys(clients: int) -> dict:
 
 
 def place(hosts: list[str], names: list[str]) -> dict[str, str]:
-    """Which host each node lives on: the voters one a host (a host's failure costs one vote), the
-    replicas, the emitter and the clients on the hosts after them (or on the voters' hosts, round
-    robin, if there are no more)."""
+    """Which host each node lives on: the voters one a host (a host's failure costs one vote), then
+    the replicas, the emitter and the clients round robin over every host from the one after the
+    last voter's: on the hosts after the voters first, each replica on a host of its own while
+    there are hosts for it (a host's failure costs one replica, never the alert quorum)."""
     voters = [n for n in names if n.startswith(("seq-", "rw-"))]
-    rest_hosts = hosts[len(voters):] or hosts
     where = {n: hosts[i % len(hosts)] for i, n in enumerate(voters)}
-    where.update({n: rest_hosts[i % len(rest_hosts)] for i, n in enumerate(n for n in names if n not in where)})
+    rest = [n for n in names if n not in where]
+    where.update({n: hosts[(len(voters) + i) % len(hosts)] for i, n in enumerate(rest)})
     return where
+
+
+def node_names(sequencers: int, rewinders: int, replicas: int, clients: int) -> list[str]:
+    """The default topology's node and client names, in the order place() spreads them."""
+    return [*("seq-a", "seq-b", "seq-c")[:sequencers], *(f"rw-{i}" for i in range(1, rewinders + 1)),
+            *(f"replica-{r}" for r in "ABCDEFGH"[:replicas]), *(["emitter"] if replicas else []),
+            *(f"load{i}" for i in range(clients))]
+
+
+def keys_of_host(keys: dict, names_here: set[str]) -> dict:
+    """What of `keys` (new_keys) the nodes and clients in `names_here` need, None for the rest: the
+    stream key where anything reads or serves the stream (not the emitter alone); the cluster key
+    where a cluster node lives (never a client's host alone); every client's key where a sequencer
+    checks them, else only the clients' own."""
+    roles = {n.split("-")[0] if not n.startswith("load") else "client" for n in names_here}
+    cluster_node = bool(roles & {"seq", "rw", "replica", "emitter"})
+    return {"stream": keys["stream"] if roles & {"seq", "rw", "replica", "client"} else None,
+            "cluster": keys["cluster"] if cluster_node else None,
+            "clients": [k if "seq" in roles or f"load{i}" in names_here else None
+                        for i, k in enumerate(keys["clients"])]}
 
 
 def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 2, free: bool = False,
                  seed: int | None = None, replicas: int = 0, sequencers: int = 1, keys: dict | None = None,
-                 delivery: str = "first", hosts: list[str] | None = None, max_packet: int | None = None) -> str:
+                 delivery: str | None = None, hosts: list[str] | None = None, max_packet: int | None = None) -> str:
     """The embedded default: `sequencers` sequencers (seq-a, and seq-b as the
     standby) and `rewinders` rewinders on loopback. Fixed ports and group, so that separate processes agree; with
     `free`, free ports and a random group (tests, parallel runs). `keys` (from new_keys): every link authenticated.
     `hosts`: a LAN, each node on one of these addresses (place), which is also its multicast interface.
+    `delivery`: the emitter's (default "quorum" on a LAN, where replicas live on hosts of their own;
+    "first" on one host, where they share its fate). A key of `keys` that is None is left out.
     `max_packet`: the stream's packet size (default: a jumbo frame's on loopback, where no frame limits a
     datagram and each packet's costs are cut 6x; on a LAN the 1,400 bytes an Ethernet frame holds). Packets
     of BLAKE3_SEALS_FROM bytes or more are sealed with BLAKE3, smaller ones with BLAKE2b (the faster at each)."""
@@ -324,15 +361,13 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         f'batch_interval_ms = {GENERATED_BATCH_INTERVAL_MS}',
         '[journal]\nfsync = "batch"',
     ]
-    names = [*("seq-a", "seq-b", "seq-c")[:sequencers], *(f"rw-{i}" for i in range(1, rewinders + 1)),
-             *(f"replica-{r}" for r in "ABCDEFGH"[:replicas]), *(["emitter"] if replicas else []),
-             *(f"load{i}" for i in range(clients))]
-    where = place(hosts, names) if hosts else {}
+    delivery = delivery or ("quorum" if hosts else "first")
+    where = place(hosts, node_names(sequencers, rewinders, replicas, clients)) if hosts else {}
 
     def at(name: str) -> str:  # a node's (or client's) host and interface lines, on a LAN
         return f'\nhost = "{where[name]}"\ninterface = "{where[name]}"' if name in where else ""
-    if keys:
-        lines.append(f'[keys]\nstream = "{keys["stream"]}"\ncluster = "{keys["cluster"]}"')
+    if keys and (held := [k for k in ("stream", "cluster") if keys[k]]):
+        lines.append("[keys]" + "".join(f'\n{k} = "{keys[k]}"' for k in held))
     for name in ("seq-a", "seq-b", "seq-c")[:sequencers]:
         lines.append(f'[[node]]\nname = "{name}"\nrole = "sequencer"{at(name)}\ndata = "{data / name}"\n'
                      f'inbound_port = {port()}\nreplication_port = {port()}\nmetrics_port = {port()}')
@@ -348,13 +383,13 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         lines.append(f'[[node]]\nname = "emitter"\nrole = "emitter"{at("emitter")}\ndata = "{data / "emitter"}"\n'
                      f'alert_port = {port()}\nmetrics_port = {port()}\ndelivery = "{delivery}"')
     for i in range(clients):
-        key = f'\nkey = "{keys["clients"][i]}"' if keys else ""
+        key = f'\nkey = "{keys["clients"][i]}"' if keys and keys["clients"][i] else ""
         iface = f'\ninterface = "{where[f"load{i}"]}"' if where else ""
         lines.append(f'[[client]]\nname = "load{i}"{key}{iface}')
     return "\n\n".join(lines) + "\n"
 
 
-def default(data_dir: str | Path = ".") -> Config:
+def default(data_dir: str | Path = EMBEDDED_DATA_DIR) -> Config:
     """The embedded loopback cluster, with the keys every process using `data_dir` shares."""
     return parse(tomllib.loads(default_toml(data_dir, sequencers=2, keys=shared_keys(Path(data_dir)))))
 
@@ -365,8 +400,8 @@ def shared_keys(data_dir: Path, clients: int = 2) -> dict:
     if not path.exists():
         data_dir.mkdir(parents=True, exist_ok=True)
         tmp = data_dir / f".keys.{os.getpid()}.json"
-        tmp.write_text(json.dumps(new_keys(clients)))
-        os.chmod(tmp, 0o600)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:  # 0600 from the start
+            f.write(json.dumps(new_keys(clients)))
         try:
             os.link(tmp, path)  # atomic: the first one made stays
         except FileExistsError:

@@ -22,15 +22,12 @@ from typing import Awaitable, Coroutine, TypeVar
 
 from tape.protocol.errors import InvariantViolation
 from tape.runtime import links
+from tape.runtime.exits import EXIT_INTERNAL_ERROR, EXIT_INVARIANT, EXIT_JOURNAL_DAMAGED, EXIT_OK  # noqa: F401
 from tape.runtime.settings import Config, NodeSettings
 from tape.runtime.storage.journal_store import JournalCorruption
 from tape.runtime.tuning import CONNECT_TIMEOUT_S
 
 T = TypeVar("T")
-EXIT_OK = 0
-EXIT_INTERNAL_ERROR = 1
-EXIT_INVARIANT = 4
-EXIT_JOURNAL_DAMAGED = 5  # systemd restarts it; the restart cuts the journal there (runtime/storage/journal_repair.py)
 
 
 class NodeProcess:

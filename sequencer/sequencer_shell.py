@@ -27,7 +27,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from tape.protocol.election import RequestVotes
+from tape.protocol.election import Cause, RequestVotes
 from tape.protocol.limits import OVERLOAD_NS
 from tape.runtime import links
 from tape.runtime.latency import LatencyHistogram, LatencySamples
@@ -50,6 +50,9 @@ from tape.runtime.voter_shell import VoterShell
 from tape.sequencer import sequencer_node_core as sn
 
 log = logging.getLogger("tape.sequencer")
+# Reported at 0 from the start: a counter that first appears at 1 shows Prometheus no increase,
+# so the first unauthenticated sender would not count towards TapeBadInput.
+DROP_REASONS_FROM_START = ("unauthenticated", "unknown_client", "bad_batch", "duplicate")
 
 
 class Sequencer(NodeProcess):
@@ -78,7 +81,7 @@ class Sequencer(NodeProcess):
         self.inbound_datagrams = 0
         self.inbound_bytes = 0
         self.send_errors = 0
-        self.step_downs: dict[str, int] = {}
+        self.step_downs = {c.value: 0 for c in Cause}  # at 0 from the start: Prometheus sees the first
         self._stamped: deque[tuple[int, int, int]] = deque()  # (last seq, stamped ns, messages) of unpublished batches
         self.commit_latency = LatencySamples()  # stamped to published, one weighted sample a batch
         self.commit_histogram = LatencyHistogram()
@@ -93,7 +96,7 @@ class Sequencer(NodeProcess):
         yield "inbound_bytes", "counter", "inbound bytes received", self.inbound_bytes
         yield "messages_accepted", "counter", "client messages accepted for sequencing", \
             t.accepted + (c.accepted if c else 0)
-        dropped = dict(t.dropped)
+        dropped = dict.fromkeys(DROP_REASONS_FROM_START, 0) | t.dropped
         for k, v in (c.dropped.items() if c else ()):
             dropped[k] = dropped.get(k, 0) + v
         yield "dropped_datagrams", "counter", "inbound datagrams dropped, by reason", \

@@ -1,3 +1,5 @@
+import os
+import re
 import subprocess
 
 import pytest
@@ -5,6 +7,7 @@ from conftest import TAPE
 
 from tape.ops.cli.main import build_parser
 from tape.ops.verification.load import TURN_TRADES, turn_trades
+from tape.protocol.extensions import PURE
 
 
 def subcommand_paths(parser, prefix=()):
@@ -44,9 +47,10 @@ def test_bad_arguments_give_one_clear_error():
 
 
 @pytest.mark.process
-def test_a_node_started_on_the_wrong_host_says_so_and_exits_2(tmp_path):
-    """A LAN config's node started where its address does not exist: one CRITICAL line naming
-    the node and this host's addresses, exit 2 (systemd does not restart it), no traceback."""
+def test_a_node_started_where_its_address_is_not_says_so_and_exits_3(tmp_path):
+    """A LAN config's node started where its address does not exist (yet: an interface not up at
+    boot, or the wrong host): one line naming the node and this host's addresses, exit 3 (systemd
+    tries again; a restart loop alerts), no traceback. A node the config lacks is exit 2."""
     cfg = tmp_path / "lan.toml"
     made = subprocess.run(TAPE + ["config", "--hosts", "203.0.113.1,203.0.113.2", "--data", str(tmp_path)],
                           capture_output=True, text=True, check=True)
@@ -56,8 +60,10 @@ def test_a_node_started_on_the_wrong_host_says_so_and_exits_2(tmp_path):
     for role, node in (("sequencer", "seq-a"), ("rewinder", "rw-1"), ("replica", "replica-A")):
         out = subprocess.run(TAPE + [role, "--config", str(cfg), "--node", node], capture_output=True, text=True,
                              timeout=30)
-        assert out.returncode == 2, out.stderr
+        assert out.returncode == 3, out.stderr
         assert f"node {node}: host 203.0.113." in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run(TAPE + ["rewinder", "--config", str(cfg), "--node", "rw-9"], capture_output=True, text=True)
+    assert out.returncode == 2 and "rw-9" in out.stderr and "Traceback" not in out.stderr
     checked = subprocess.run(TAPE + ["config", "check", str(cfg), "--node", "seq-a"], capture_output=True,
                              text=True)
     assert checked.returncode == 2 and "seq-a: host 203.0.113.1 is not an address of this host" in checked.stdout
@@ -68,3 +74,27 @@ def test_the_load_submits_whole_datagrams_a_turn():
     26 (1,400-byte), one larger than a turn whole; never a full datagram and a stub."""
     assert [turn_trades(n) for n in (174, 26, 300, 1)] == [174, 182, 300, TURN_TRADES]
     assert all(turn_trades(n) % n == 0 for n in range(1, 400))
+
+
+@pytest.mark.process
+def test_version_says_whether_the_c_speedups_are_on():
+    on = subprocess.run(TAPE + ["--version"], capture_output=True, text=True, check=True).stdout
+    off = subprocess.run(TAPE + ["--version"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "TAPE_PURE": "1"}).stdout
+    assert on.startswith("tape 0.") and "C speed-ups off for 5 of 5 (tape.protocol._speedups" in off
+    assert ("C speed-ups on" in on) != PURE  # make test-pure hides them in every process
+
+
+@pytest.mark.process
+def test_config_out_writes_a_private_file_a_host_and_a_sequencer_refuses_another_hosts(tmp_path):
+    hosts = "203.0.113.1,203.0.113.2,203.0.113.3,203.0.113.4,203.0.113.5"
+    made = subprocess.run(TAPE + ["config", "--hosts", hosts, "--data", str(tmp_path), "--out", str(tmp_path / "c")],
+                          capture_output=True, text=True, check=True)
+    files = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert files == [f"{h}.toml" for h in hosts.split(",")] + ["prometheus.yml"]
+    assert all((tmp_path / "c" / f).stat().st_mode & 0o777 == 0o600 for f in files[:-1])
+    assert "203.0.113.5.toml: replica-A, load1; keys stream[0] " in made.stdout
+    assert not re.search(r"[0-9a-f]{64}", made.stdout)  # fingerprints only
+    out = subprocess.run(TAPE + ["sequencer", "--config", str(tmp_path / "c" / "203.0.113.5.toml"), "--node", "seq-a"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "client load0 has no key in this file" in out.stderr, out.stderr

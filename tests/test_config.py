@@ -5,11 +5,11 @@ import pytest
 from tape.runtime.config import ConfigError, default, default_toml, load, parse
 
 
-def test_default_config_is_a_loopback_cluster():
-    cfg = default("/tmp/x")
+def test_default_config_is_a_loopback_cluster(tmp_path):
+    cfg = default(tmp_path)
     assert [n.role for n in cfg.nodes] == ["sequencer", "sequencer", "rewinder", "rewinder"]  # leader + standby
     assert cfg.interface == "127.0.0.1" and cfg.group == "239.77.0.1"
-    assert default("/tmp/x").port == cfg.port  # fixed: separate processes agree
+    assert default(tmp_path).port == cfg.port  # fixed: separate processes agree
     assert cfg.max_packet == 8972  # no frame limits a datagram on loopback: a jumbo frame's packets
     assert cfg.seal == "blake3" and cfg.stream_auth.algorithm == 1  # which BLAKE3 hashes faster than BLAKE2b
     assert parse(tomllib.loads(default_toml("/tmp/x", max_packet=2000))).max_packet == 2000
@@ -71,11 +71,12 @@ def test_a_lan_config_puts_each_voter_on_its_own_host_and_each_node_on_its_hosts
     cfg = lan()
     where = {n.name: n.host for n in cfg.nodes}
     assert [where[v] for v in ("seq-a", "seq-b", "rw-1", "rw-2")] == HOSTS[:4]
-    assert {where[r] for r in ("replica-A", "replica-B", "replica-C", "emitter")} == {HOSTS[4]}
+    assert [where[r] for r in ("replica-A", "replica-B", "replica-C", "emitter")] == [HOSTS[4], *HOSTS[:3]]
+    assert cfg.node("emitter").delivery == "quorum"  # replicas on hosts of their own: a quorum survives one
     assert all(cfg.interface_of(n) == n.host for n in cfg.nodes) and cfg.interface == ""
     assert cfg.max_packet == 1400  # an Ethernet frame's, unless the LAN is known to carry jumbo frames
     assert cfg.seal == "blake2b"  # at that size the faster
-    assert cfg.interface_of(cfg.clients[0]) == HOSTS[4]
+    assert cfg.interface_of(cfg.clients[0]) == HOSTS[3]
     three = {n.name: n.host for n in lan(HOSTS[:3]).nodes}  # fewer hosts than voters: round robin
     assert three["rw-2"] == HOSTS[0] and three["emitter"] in HOSTS[:3]
 
@@ -97,9 +98,9 @@ def test_config_check_finds_what_cannot_work_on_any_host(tmp_path):
     assert problems_anywhere(lan()) == []
     doc = tomllib.loads(default_toml("/x", replicas=3, sequencers=2, hosts=HOSTS))
     doc["stream"]["interface"] = HOSTS[0]  # the runbook's old advice: every other host fails
-    doc["node"][5]["metrics_port"] = doc["node"][4]["metrics_port"]  # two replicas of one host, one port
+    doc["node"][5]["metrics_port"] = doc["node"][0]["metrics_port"]  # replica-B on seq-a's host, one port
     found = problems_anywhere(parse(doc))
-    assert len(found) == 2 and "is one host's address" in found[1] and "is also replica-A" in found[0]
+    assert len(found) == 2 and "is one host's address" in found[1] and "is also seq-a" in found[0]
     doc["stream"]["interface"] = "eth0"  # a name every host may have
     del doc["node"][5]["metrics_port"]
     assert problems_anywhere(parse(doc)) == []
@@ -114,3 +115,96 @@ def test_netif_resolves_this_hosts_addresses_and_interface_names_and_names_what_
     with pytest.raises(interfaces.InterfaceError, match="no network interface of that name"):
         interfaces.resolve("nosuch0")
     assert interfaces.is_local("0.0.0.0") and not interfaces.is_local("203.0.113.77")
+
+
+def test_the_embedded_default_keeps_its_keys_under_its_data_directory_owner_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load(None)
+    keys = tmp_path / "data" / "keys.json"
+    assert keys.stat().st_mode & 0o777 == 0o600 and not (tmp_path / "keys.json").exists()
+    assert [c.key for c in load(None).clients] == [c.key for c in cfg.clients]  # made once, then read
+    assert sorted(p.name for p in keys.parent.iterdir()) == ["keys.json"]  # no temporary file left
+
+
+def test_a_config_that_cannot_be_read_is_a_config_error_in_one_line(tmp_path):
+    (tmp_path / "cluster.toml").mkdir()
+    with pytest.raises(ConfigError, match=r"cannot read config file .*cluster.toml: Is a directory"):
+        load(tmp_path / "cluster.toml")
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load(tmp_path / "binary.toml")
+
+
+@pytest.mark.parametrize("url", ["http://", "ftp://h/x", "http://h:99999/x", "http://h:port/x", "hooks.example/x"])
+def test_a_webhook_url_the_sink_cannot_post_to_is_a_config_error_that_does_not_echo_it(url):
+    doc = tomllib.loads(default_toml("/tmp/x", replicas=3))
+    emitter = next(n for n in doc["node"] if n["role"] == "emitter")
+    emitter.update(sinks=["jsonl", "webhook"], webhook_url=url)
+    with pytest.raises(ConfigError, match="webhook_url: the webhook sink needs") as e:
+        parse(doc)
+    assert url not in str(e.value)
+    emitter.update(webhook_url="https://hooks.example:8443/tape")
+    assert parse(doc).node("emitter").webhook_url == "https://hooks.example:8443/tape"
+
+
+def test_config_check_warns_of_weak_repeated_missing_and_exposed_keys_and_prints_only_fingerprints(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from tape.ops.cli.config_check import check, fingerprint
+    from tape.runtime.config import new_keys
+
+    keys = new_keys(2)
+    path = tmp_path / "cluster.toml"
+    path.write_text(default_toml(tmp_path, keys=keys))
+    path.chmod(0o600)
+
+    def checked() -> str:
+        out = io.StringIO()
+        assert check(str(path), None, Console(file=out, width=200)) == 0  # warnings do not fail the check
+        return out.getvalue()
+
+    clean = checked()
+    assert "warning" not in clean and fingerprint(bytes.fromhex(keys["cluster"])) in clean
+    assert not any(k in clean for k in (keys["stream"], keys["cluster"], *keys["clients"]))
+    path.chmod(0o644)
+    assert "holds keys and is readable by others (mode 0644): chmod 600" in checked()
+    path.chmod(0o600)
+    weak = dict(keys, cluster="ab" * 32, clients=[keys["clients"][0], keys["stream"]])
+    path.write_text(default_toml(tmp_path, keys=weak))
+    warned = checked()
+    assert "cluster[0] (" in warned and "has 1 distinct bytes" in warned
+    assert "client load1 is the same key as stream[0]" in warned
+    doc = tomllib.loads(default_toml(tmp_path, keys=keys))
+    del doc["keys"]["cluster"], doc["client"][1]["key"]
+    cfg = parse(doc)
+    from tape.ops.cli.config_check import key_warnings
+    assert key_warnings(cfg) == ["no [keys] cluster: those links are unauthenticated (docs/security.md)",
+                                 "client load1 has no key: the sequencers take its batches unauthenticated"]
+
+
+def test_a_malformed_key_is_refused_without_being_echoed():
+    doc = tomllib.loads(default_toml("/x", clients=1, keys={"stream": "zz" + "ab" * 31, "cluster": "cd" * 32,
+                                                           "clients": ["ef" * 32]}))
+    with pytest.raises(ConfigError, match="keys.stream: not a hex key") as e:
+        parse(doc)
+    assert "zz" not in str(e.value) and "abab" not in str(e.value)
+
+
+def test_each_hosts_file_holds_only_the_keys_its_nodes_need():
+    from tape.ops.cli.config_out import host_texts
+    from tape.runtime.config import new_keys
+
+    hosts = [f"10.9.0.{i}" for i in range(1, 10)]  # voters, three replicas, the emitter, then the clients
+    keys = new_keys(2)
+    files = {h: parse(tomllib.loads(t)) for h, t in host_texts(hosts, keys, "/var/lib/tape", 2, 2, 3, 2).items()}
+    assert len({tuple((n.name, n.host, n.metrics_port) for n in c.nodes) for c in files.values()}) == 1  # one cluster
+    held = {h: (bool(c.stream_keys), bool(c.cluster_keys), [cl.name for cl in c.clients if cl.key])
+            for h, c in files.items()}
+    assert held["10.9.0.1"] == (True, True, ["load0", "load1"])  # seq-a checks every client's batches
+    assert held["10.9.0.3"] == (True, True, [])  # rw-1
+    assert held["10.9.0.5"] == (True, True, [])  # replica-A
+    assert held["10.9.0.8"] == (False, True, [])  # the emitter alone: only the alert links' key
+    assert held["10.9.0.9"] == (True, False, ["load0"])  # a trading client: its own key and the stream's
+    assert files["10.9.0.9"].stream_keys == [bytes.fromhex(keys["stream"])]

@@ -100,7 +100,7 @@ def test_audit_analytics_and_export_on_a_standalone_cluster_whose_workers_lack_t
     from tape.ops.spark.source import reconcile
     from tape.runtime.config import load
 
-    cfg = load(None)
+    cfg = load(None, tmp_path / "embedded")
     ttls = int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9)
     journal, alerts = str(run_dir / "journal" / "seq-a"), str(run_dir / "alerts.jsonl")
     first, *rest = Path(alerts).read_text().splitlines()

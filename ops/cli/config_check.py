@@ -7,6 +7,7 @@ each node that lives here (its host is one of this host's addresses, or it is na
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from pathlib import Path
 
@@ -18,6 +19,44 @@ from tape.runtime import interfaces
 from tape.runtime.config import ConfigError, load
 
 PORTS = ("inbound_port", "replication_port", "gapfill_port", "replay_port", "alert_port", "metrics_port")
+FEW_DISTINCT_BYTES = 16  # a random 32-byte key has ~28 distinct bytes; fewer than this looks typed by hand
+
+
+def fingerprint(key: bytes) -> str:
+    """What the tools print of a key: enough to tell two apart, nothing to use."""
+    return hashlib.blake2b(key, digest_size=4, person=b"tape-key-fpr").hexdigest()
+
+
+def named_keys(cfg) -> list[tuple[str, bytes]]:
+    keys = [(f"stream[{i}]", k) for i, k in enumerate(cfg.stream_keys)]
+    keys += [(f"cluster[{i}]", k) for i, k in enumerate(cfg.cluster_keys)]
+    return keys + [(f"client {c.name}", c.key) for c in cfg.clients if c.key]
+
+
+def key_warnings(cfg) -> list[str]:
+    """What is weak about the config's keys: links left open, keys typed by hand, one key in two roles."""
+    out = []
+    if not cfg.stream_keys or not cfg.cluster_keys:
+        out.append("no [keys] " + " and ".join(k for k in ("stream", "cluster") if not getattr(cfg, f"{k}_keys"))
+                   + ": those links are unauthenticated (docs/security.md)")
+    out += [f"client {c.name} has no key: the sequencers take its batches unauthenticated"
+            for c in cfg.clients if not c.key]
+    seen: dict[bytes, str] = {}
+    for name, key in named_keys(cfg):
+        if len(set(key)) < FEW_DISTINCT_BYTES:
+            out.append(f"{name} ({fingerprint(key)}) has {len(set(key))} distinct bytes: not random (tape config "
+                       f"makes keys)")
+        if (other := seen.setdefault(key, name)) != name:
+            out.append(f"{name} is the same key as {other} ({fingerprint(key)}): one key, one role")
+    return out
+
+
+def file_warnings(path: Path, cfg) -> list[str]:
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077 and named_keys(cfg):
+        return [f"{path} holds keys and is readable by {'others' if mode & 0o007 else 'its group'} "
+                f"(mode {mode:04o}): chmod 600 {path}"]
+    return []
 
 
 def problems_anywhere(cfg) -> list[str]:
@@ -70,6 +109,12 @@ def check(path: str, node: str | None, console: Console) -> int:
     console.print(table)
     if node and node not in {n.name for n in cfg.nodes}:
         problems.append(f"no node named {node!r}")
+    warnings = file_warnings(Path(path), cfg) + key_warnings(cfg)
+    if not node and not any(interfaces.is_local(n.host) for n in cfg.nodes if n.host not in ("", "0.0.0.0")):
+        warnings.append("no node of this config lives on this host (is it this host's file?)")
+    console.print("keys: " + (", ".join(f"{name} {fingerprint(k)}" for name, k in named_keys(cfg)) or "none"))
+    for w in warnings:
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}")
     for p in problems:
         console.print(f"[red]problem:[/red] {escape(p)}")
     if not problems:

@@ -8,6 +8,10 @@ import logging
 import os
 import sys
 
+from tape.runtime.exits import EXIT_CONFIG, EXIT_NOT_HERE
+
+EXTRA_OF = {"pyspark": "spark", "pyarrow": "spark", "matplotlib": "plots"}  # pyproject.toml's extras
+
 
 def _journal_dump(args) -> int:
     from tape.ops.cli.journal_tool import dump
@@ -117,14 +121,11 @@ def _demo(args) -> int:
     return run_demo(args.messages, args.rate, args.out, args.drop, args.seed)
 
 
-EXIT_CONFIG = 2  # the config does not fit this host: systemd does not restart it (RestartPreventExitStatus)
-
-
 def _config(args):
     from tape.runtime.config import ConfigError, load
 
     try:
-        return load(args.config, getattr(args, "data", "."))
+        return load(args.config)
     except ConfigError as e:
         print(f"tape: config error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
@@ -143,6 +144,11 @@ def _node(cfg, name: str, role: str):
     if node.role != role:
         print(f"tape: node {name} is a {node.role}, not a {role}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
+    keyless = [c.name for c in cfg.clients if not c.key]
+    if role == "sequencer" and cfg.cluster_keys and keyless:  # a file written for a host without a sequencer
+        print(f"tape: node {name}: client {keyless[0]} has no key in this file, and a sequencer checks every "
+              f"client's batches (is this the sequencer's host's file? tape config --out)", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
     if not interfaces.is_local(node.host):
         raise interfaces.InterfaceError(f"node {name}: host {node.host} is not an address of this host (have: "
                                    f"{', '.join(a for addrs in interfaces.local_ipv4().values() for a in addrs)}): "
@@ -160,6 +166,7 @@ def _run_node(make) -> int:
     Fail-stop, from the start: an impossible state found while loading it (an unreadable election
     state, say) is one CRITICAL line and exit 4, as it is while it runs."""
     from tape.protocol.errors import InvariantViolation
+    from tape.protocol.extensions import missing
     from tape.runtime import metrics
     from tape.runtime.memory import tune_memory
     from tape.runtime.process import EXIT_INVARIANT
@@ -169,6 +176,9 @@ def _run_node(make) -> int:
     except InvariantViolation as e:
         logging.getLogger("tape").critical("impossible state at start: %s; stopping (exit %d)", e, EXIT_INVARIANT)
         return EXIT_INVARIANT
+    if gone := missing():
+        logging.getLogger("tape").warning("C speed-ups off (%s): built without a C compiler, or TAPE_PURE set; "
+                                          "the same functions run in Python, slower", ", ".join(gone))
     node = runtime.node
     metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.metrics, node.host)
     tune_memory()
@@ -297,16 +307,31 @@ def _onramp(args) -> int:
 def _config_default(args) -> int:
     from tape.runtime.config import default_toml, new_keys
 
+    if args.action and not args.file:
+        raise SystemExit(f"tape config {args.action}: which file? (tape config {args.action} FILE)")
     if args.action == "check":
         from rich.console import Console
 
         from tape.ops.cli.config_check import check
 
-        if not args.file:
-            raise SystemExit("tape config check: which file? (tape config check FILE)")
         return check(args.file, args.node, Console())
+    if args.action == "prometheus":
+        from tape.ops.cli.scrape_config import scrape_config
+
+        args.config = args.file
+        sys.stdout.write(scrape_config(_config(args)))
+        return 0
     keys = None if args.no_keys else new_keys(args.clients)
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else None
+    if args.out:
+        from pathlib import Path
+
+        from tape.ops.cli.config_out import host_texts, write_host_configs
+
+        if not hosts or args.free_ports:
+            raise SystemExit("tape config --out: one file a host of --hosts, with fixed ports (not --free-ports)")
+        return write_host_configs(Path(args.out), host_texts(hosts, keys, args.data, args.sequencers, args.rewinders,
+                                                             args.replicas, args.clients))
     sys.stdout.write(default_toml(args.data, args.rewinders, args.clients, free=args.free_ports, keys=keys,
                                   replicas=args.replicas, sequencers=args.sequencers, hosts=hosts))
     return 0
@@ -590,14 +615,19 @@ def _add_config(sub) -> None:
                        description="Print a cluster config as TOML, to copy and edit: the default topology on "
                        "loopback, or with --hosts spread over a LAN (one file for every host). `tape config check "
                        "FILE` validates a config and, for the nodes that live on this host, that their addresses "
-                       "and multicast interfaces exist here (exit 2 if not).")
-    p.add_argument("action", nargs="?", choices=["check"], help="check FILE instead of printing a config")
-    p.add_argument("file", nargs="?", help="the config to check")
+                       "and multicast interfaces exist here (exit 2 if not). `tape config prometheus FILE` prints the "
+                       "Prometheus scrape config for that cluster (every node's metrics port, labelled with its "
+                       "node and role, as ops/prometheus/tape-alerts.yml expects).")
+    p.add_argument("action", nargs="?", choices=["check", "prometheus"],
+                   help="check FILE, or print its Prometheus scrape config, instead of printing a config")
+    p.add_argument("file", nargs="?", help="the config to check or to scrape")
     p.add_argument("--node", default=None, help="check: the node to check here (default: every node whose host is "
                    "one of this host's addresses)")
     p.add_argument("--hosts", default=None, help="a LAN: comma-separated host addresses, one a voter, then the "
                    "replicas, emitter and clients on the rest (each address is also that node's multicast "
                    "interface; edit interface to a name like eth0 if you prefer)")
+    p.add_argument("--out", default=None, help="with --hosts: write one file a host into this directory, each "
+                   "with only the keys its nodes need (0600), and prometheus.yml; print what went where")
     p.add_argument("--data", default="data", help="directory for the nodes' data (default data)")
     p.add_argument("--sequencers", type=int, default=2, help="number of sequencers (default 2)")
     p.add_argument("--replicas", type=int, default=3, help="number of replicas, with an emitter (default 3)")
@@ -718,12 +748,28 @@ def _add_bench(sub) -> None:
     bk.set_defaults(func=_bench_spark)
 
 
+class _Version(argparse.Action):
+    """`tape --version`: the version, and whether the C speed-ups were built (an install without a
+    C compiler runs the same functions in Python, slower)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import version
+
+        from tape.protocol.extensions import COMPILED, missing
+
+        gone = missing()
+        speedups = "on" if not gone else f"off for {len(gone)} of {len(COMPILED)} ({', '.join(gone)})"
+        print(f"tape {version('tape')} (Python {sys.version.split()[0]}; C speed-ups {speedups})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tape",
         description="Tape: a sequenced, total-order trade log with replicated state machines.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+    parser.add_argument("--version", action=_Version, nargs=0, help="the version, and whether the C speed-ups are on")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(sub)
     _add_journal(sub)
@@ -758,8 +804,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args) or 0
-    except InterfaceError as e:  # a config written for another host: say so, and do not be restarted
-        logging.getLogger("tape").critical("%s", e)
+    except InterfaceError as e:  # an interface not up yet at boot, or a config for another host: retried
+        logging.getLogger("tape").error("%s (exit %d: tried again)", e, EXIT_NOT_HERE)
+        return EXIT_NOT_HERE
+    except ModuleNotFoundError as e:
+        if e.name not in EXTRA_OF:
+            raise
+        print(f"tape {args.command}: needs {e.name}, of the {EXTRA_OF[e.name]} extra: "
+              f"pip install 'tape[{EXTRA_OF[e.name]}]' (with -c constraints.txt)", file=sys.stderr)
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130

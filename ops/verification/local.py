@@ -25,7 +25,7 @@ class ClusterError(RuntimeError):
     """A node exited that no one stopped, or did not come up: the run cannot go on."""
 
 
-def _dies_with(parent: int):
+def dies_with(parent: int):
     """A preexec function: the child is killed when `parent` dies, however it dies (a drill killed by a
     test's timeout must not leave its nodes running)."""
     def preexec() -> None:
@@ -60,7 +60,7 @@ class LocalCluster:
         self.let_go.discard(name)
         proc = subprocess.Popen(self.command(name, list(args)),
                                 stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "a"),
-                                env={**os.environ, **(env or {})}, preexec_fn=_dies_with(os.getpid()))
+                                env={**os.environ, **(env or {})}, preexec_fn=dies_with(os.getpid()))
         self.procs[name] = proc
         if wait_metrics and wait:
             self.wait_http(wait_metrics, proc, name)
