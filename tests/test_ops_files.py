@@ -77,3 +77,11 @@ def test_every_grafana_query_names_a_metric_the_processes_export(tmp_path):
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     provisioning = (ROOT / "ops" / "grafana" / "provisioning" / "dashboards" / "tape.yml").read_text()
     assert "/var/lib/grafana/dashboards/tape" in provisioning
+
+
+def test_the_runbook_says_who_must_reach_every_port_a_node_listens_on():
+    from tape.ops.cli.config_check import PORTS
+
+    runbook = (ROOT / "docs" / "runbook.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)`[^|]* \| ([^|]+) \|", runbook, re.M))
+    assert set(PORTS) <= set(rows), sorted(set(PORTS) - set(rows))

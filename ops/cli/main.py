@@ -624,8 +624,9 @@ def _add_config(sub) -> None:
     p.add_argument("--node", default=None, help="check: the node to check here (default: every node whose host is "
                    "one of this host's addresses)")
     p.add_argument("--hosts", default=None, help="a LAN: comma-separated host addresses, one a voter, then the "
-                   "replicas, emitter and clients on the rest (each address is also that node's multicast "
-                   "interface; edit interface to a name like eth0 if you prefer)")
+                   "replicas (each on a host of its own while there are hosts), emitter and clients round robin "
+                   "from the host after the voters' (each address is also that node's multicast interface; edit "
+                   "interface to a name like eth0 if you prefer)")
     p.add_argument("--out", default=None, help="with --hosts: write one file a host into this directory, each "
                    "with only the keys its nodes need (0600), and prometheus.yml; print what went where")
     p.add_argument("--data", default="data", help="directory for the nodes' data (default data)")
