@@ -45,7 +45,7 @@ from tape.protocol.alertlink import DELIVERY
 from tape.protocol.limits import MAX_BOOKS_EXPECTED
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
 from tape.protocol.streamauth import BLAKE3_SEALS_FROM, SEALS
-from tape.runtime.settings import ROLES, SINKS, VOTER_ROLES, ClientSettings, Config, NodeSettings, default_of
+from tape.runtime.settings import KEYS, ROLES, SINKS, VOTER_ROLES, ClientSettings, Config, NodeSettings, default_of
 from tape.runtime.udp import free_port
 
 MIN_PACKET = 120  # a header and one sequenced block, with room to spare
@@ -96,11 +96,16 @@ def _port(table, key, where, required=False) -> int:
     return value
 
 
-def parse(doc: dict, base: Path | None = None) -> Config:
-    known = {"session", "stream", "journal", "timeouts", "audit", "keys", "node", "client"}
-    for key in doc:
+def _only_known(table: dict, section: str, where: str, tables: tuple[str, ...] = ()) -> None:
+    """A key the schema does not name is refused with its name: a typo is never silently ignored."""
+    known = {*KEYS[section], *tables}
+    for key in table:
         if key not in known:
-            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(known))})")
+            raise ConfigError(f"{where}{key}: unknown key (known: {', '.join(sorted(known))})")
+
+
+def parse(doc: dict, base: Path | None = None) -> Config:
+    _only_known(doc, "", "", tuple(s for s in KEYS if s))
     session = _get(doc, "session", str, "", default_of(Config, "session"))
     try:
         moldudp64.session_bytes(session)
@@ -130,6 +135,7 @@ def parse(doc: dict, base: Path | None = None) -> Config:
 
 
 def _parse_stream(stream: dict, session: str) -> Config:
+    _only_known(stream, "stream", "stream.")
     group = _get(stream, "group", str, "stream.", required=True)
     try:
         if not ipaddress.IPv4Address(group).is_multicast:
@@ -158,6 +164,7 @@ def _parse_stream(stream: dict, session: str) -> Config:
 
 
 def _parse_journal(cfg: Config, journal: dict) -> None:
+    _only_known(journal, "journal", "journal.")
     cfg.fsync = journal.get("fsync", default_of(Config, "fsync"))
     if cfg.fsync not in ("batch", "never") and not (isinstance(cfg.fsync, (int, float)) and cfg.fsync >= 0):
         raise ConfigError(f"journal.fsync: {cfg.fsync!r}: use \"batch\", \"never\" or milliseconds")
@@ -165,6 +172,7 @@ def _parse_journal(cfg: Config, journal: dict) -> None:
 
 
 def _parse_timeouts(cfg: Config, timeouts: dict) -> None:
+    _only_known(timeouts, "timeouts", "timeouts.")
     cfg.client_resend_ms = _opt(timeouts, "client_resend_ms", int, "timeouts.")
     cfg.gap_request_ms = _opt(timeouts, "gap_request_ms", int, "timeouts.")
     cfg.election_ms = _opt(timeouts, "election_ms", int, "timeouts.")
@@ -175,6 +183,7 @@ def _parse_timeouts(cfg: Config, timeouts: dict) -> None:
 
 
 def _parse_audit(cfg: Config, audit: dict) -> None:
+    _only_known(audit, "audit", "audit.")
     cfg.book_ttl_s = _opt(audit, "book_ttl_s", float, "audit.")
     cfg.orphan_ttl_s = _opt(audit, "orphan_ttl_s", float, "audit.")
     cfg.snapshot_every = _opt(audit, "snapshot_every", int, "audit.")
@@ -187,9 +196,7 @@ def _parse_audit(cfg: Config, audit: dict) -> None:
 
 
 def _parse_keys(cfg: Config, keys: dict) -> None:
-    for name in keys:
-        if name not in ("stream", "cluster"):
-            raise ConfigError(f"keys.{name}: unknown key (known: cluster, stream)")
+    _only_known(keys, "keys", "keys.")
     cfg.stream_keys = _key_list(keys.get("stream"), "keys.stream")
     cfg.cluster_keys = _key_list(keys.get("cluster"), "keys.cluster")
 
@@ -209,6 +216,7 @@ def _key_list(value, where: str) -> list[bytes]:
 
 
 def _parse_node(n: dict, where: str, base: Path | None) -> NodeSettings:
+    _only_known(n, "node", where)
     name = _get(n, "name", str, where, required=True)
     role = _get(n, "role", str, where, required=True)
     if role not in ROLES:
@@ -254,6 +262,7 @@ def _is_http_url(url: str) -> bool:
 
 
 def _parse_client(c: dict, where: str) -> ClientSettings:
+    _only_known(c, "client", where)
     name = _get(c, "name", str, where, required=True)
     key = _get(c, "key", str, where)
     try:

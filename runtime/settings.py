@@ -143,3 +143,68 @@ def default_of(cls, name: str):
         if f.name == name:
             return f.default_factory() if callable(f.default_factory) else f.default
     raise KeyError(name)
+
+
+# Every key a cluster config may hold, by section ("" the top level, "node" each [[node]], "client"
+# each [[client]]), with what it means. The parser refuses any other key (runtime/config.py), and
+# `tape config keys` prints this table with each default, as docs/runbook.md shows it.
+KEYS: dict[str, dict[str, str]] = {
+    "": {
+        "session": "the MoldUDP64 session name, 1-10 ASCII characters; a new one starts a new log",
+    },
+    "stream": {
+        "group": "the multicast group of the stream (required)",
+        "port": "the stream's UDP port (required)",
+        "interface": "one multicast interface for every node: only where each host has it (a name, or loopback)",
+        "max_packet": "the largest packet the leader cuts, bytes: 1400 on an Ethernet LAN, up to a jumbo frame's",
+        "seal": "the hash of the leader's seals: \"blake2b\" or \"blake3\"",
+        "heartbeat_ms": "a heartbeat packet this often while no message flows",
+        "tick_ms": "the leader's clock message this often (replicas see time only through it)",
+        "batch_interval_ms": "pace batches while messages come fast, at most one this often (0: never)",
+    },
+    "journal": {
+        "fsync": "when a voter flushes its journal: \"batch\" (each batch, before it acknowledges), \"never\", "
+                 "or every that many milliseconds",
+        "segment_mb": "a journal segment's size before the next one starts, MiB",
+    },
+    "timeouts": {
+        "client_resend_ms": "a client resends what it has not seen sequenced after this",
+        "gap_request_ms": "a listener asks a rewinder for a gap after this (it adapts upward to answers)",
+        "election_ms": "the least election timeout; each wait is drawn from [election_ms, 2 x election_ms]",
+        "leader_heartbeat_ms": "the leader heartbeats its followers this often (at most a third of election_ms)",
+    },
+    "audit": {
+        "book_ttl_s": "an order's book stays open this long after its last event (the stamps' time)",
+        "orphan_ttl_s": "an event for an unknown order is held this long for its order",
+        "snapshot_every": "a replica snapshots to LMDB every this many messages",
+        "snapshot_ms": "... or this often, whichever comes first",
+        "books_expected": "the open books a replica's table is sized and its memory written for at start (0: grow)",
+    },
+    "keys": {
+        "stream": "the stream key, hex (or a list of two while rotating): seals, gap fill, replay logins",
+        "cluster": "the cluster key, hex (or a list of two): replication between voters, alerts to the emitter",
+    },
+    "node": {
+        "name": "the node's name, 1-10 ASCII characters (required)",
+        "role": "sequencer, rewinder, replica or emitter (required)",
+        "host": "the address it binds (one of its host's)",
+        "interface": "its multicast interface: an address or interface name of its host (default: [stream] "
+                     "interface, else host)",
+        "data": "its data directory (default data/NAME; relative: to the config file's directory)",
+        "metrics_port": "its Prometheus metrics port (0: none)",
+        "replication_port": "sequencer and rewinder: the voters' replication port (required)",
+        "inbound_port": "sequencer: the clients' inbound port (required)",
+        "gapfill_port": "rewinder: the gap-fill request port, UDP (required)",
+        "replay_port": "rewinder: the SoupBinTCP replay port (required)",
+        "alert_port": "emitter: the replicas' alert port (required)",
+        "sinks": "emitter: where alerts go, a list of jsonl, webhook, stdout",
+        "webhook_url": "emitter: the webhook sink's http(s) URL",
+        "webhook_timeout_ms": "emitter: a webhook POST's timeout",
+        "delivery": "emitter: deliver an alert on the \"first\" copy, or once a \"quorum\" of replicas sent it",
+    },
+    "client": {
+        "name": "the client's name, 1-10 ASCII characters (required)",
+        "key": "its inbound key, hex: only the client and the sequencers' hosts hold it",
+        "interface": "where it hears the stream (its acknowledgements): as a node's",
+    },
+}

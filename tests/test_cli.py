@@ -98,3 +98,11 @@ def test_config_out_writes_a_private_file_a_host_and_a_sequencer_refuses_another
     out = subprocess.run(TAPE + ["sequencer", "--config", str(tmp_path / "c" / "203.0.113.5.toml"), "--node", "seq-a"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "client load0 has no key in this file" in out.stderr, out.stderr
+
+
+@pytest.mark.process
+def test_config_keys_prints_the_schemas_reference():
+    from tape.ops.cli.config_keys import key_reference
+
+    printed = subprocess.run(TAPE + ["config", "keys"], capture_output=True, text=True, check=True).stdout
+    assert printed == key_reference() and "| [timeouts] `election_ms` | `300` |" in printed

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -85,3 +87,29 @@ def test_the_runbook_says_who_must_reach_every_port_a_node_listens_on():
     runbook = (ROOT / "docs" / "runbook.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)`[^|]* \| ([^|]+) \|", runbook, re.M))
     assert set(PORTS) <= set(rows), sorted(set(PORTS) - set(rows))
+
+
+def test_the_runbooks_key_reference_is_the_schemas():
+    from tape.ops.cli.config_keys import key_reference
+
+    runbook = (ROOT / "docs" / "runbook.md").read_text()
+    shown = runbook.split("<!-- tape config keys -->\n", 1)[1].split("<!-- /tape config keys -->", 1)[0]
+    assert shown == key_reference()
+
+
+def test_every_key_a_generated_config_writes_is_in_the_schema_and_any_other_is_refused():
+    import tomllib
+
+    from tape.runtime.config import ConfigError, default_toml, new_keys, parse
+    from tape.runtime.settings import KEYS
+
+    doc = tomllib.loads(default_toml("/x", replicas=3, sequencers=2, keys=new_keys(2), hosts=["10.9.0.1"]))
+    written = {("node", k) for n in doc["node"] for k in n} | {("client", k) for c in doc["client"] for k in c}
+    written |= {(s, k) for s in ("stream", "journal", "keys") for k in doc[s]}
+    assert all(k in KEYS[s] for s, k in written), sorted((s, k) for s, k in written if k not in KEYS[s])
+    for section, table in (("stream", doc["stream"]), ("node[0].", doc["node"][0]), ("client[1].", doc["client"][1])):
+        table["electoin_ms"] = 300  # a typo
+        with pytest.raises(ConfigError, match=r"electoin_ms: unknown key \(known: "):
+            parse(doc)
+        del table["electoin_ms"]
+    parse(doc)

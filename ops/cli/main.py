@@ -307,6 +307,11 @@ def _onramp(args) -> int:
 def _config_default(args) -> int:
     from tape.runtime.config import default_toml, new_keys
 
+    if args.action == "keys":
+        from tape.ops.cli.config_keys import key_reference
+
+        sys.stdout.write(key_reference())
+        return 0
     if args.action and not args.file:
         raise SystemExit(f"tape config {args.action}: which file? (tape config {args.action} FILE)")
     if args.action == "check":
@@ -618,8 +623,9 @@ def _add_config(sub) -> None:
                        "and multicast interfaces exist here (exit 2 if not). `tape config prometheus FILE` prints the "
                        "Prometheus scrape config for that cluster (every node's metrics port, labelled with its "
                        "node and role, as ops/prometheus/tape-alerts.yml expects).")
-    p.add_argument("action", nargs="?", choices=["check", "prometheus"],
-                   help="check FILE, or print its Prometheus scrape config, instead of printing a config")
+    p.add_argument("action", nargs="?", choices=["check", "prometheus", "keys"],
+                   help="check FILE, or print its Prometheus scrape config, or (keys) every key a config may "
+                   "hold with its default and meaning, instead of printing a config")
     p.add_argument("file", nargs="?", help="the config to check or to scrape")
     p.add_argument("--node", default=None, help="check: the node to check here (default: every node whose host is "
                    "one of this host's addresses)")
