@@ -15,9 +15,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import TAPE, wait_for
+from conftest import TAPE, small_disk, wait_for
 
 from tape.ops.cli.scrape_config import scrape_config
+from tape.ops.verification.faults import fill
 from tape.ops.verification.local import LocalCluster, dies_with
 from tape.runtime.config import default_toml, load, parse
 from tape.runtime.udp import free_port
@@ -91,6 +92,12 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]
 
+    def wait_scraped(self, nodes: int) -> None:
+        """Until every node has been scraped three times in a row (a rate needs two samples)."""
+        wait_for(self.ready, "Prometheus to be ready", timeout=60)
+        scraped = 'min_over_time(up{job="tape"}[1m]) == 1 and count_over_time(up{job="tape"}[1m]) >= 3'
+        wait_for(lambda: len(self.query(scraped)) == nodes, "Prometheus to scrape every node three times", timeout=60)
+
     def query(self, expr: str) -> list:
         return self.api("query", query=expr)["result"]
 
@@ -133,11 +140,8 @@ def test_a_real_prometheus_answers_every_alert_and_panel_and_fires_on_dead_nodes
     try:
         cluster.start_all()
         prometheus = Prometheus(tmp_path / "prometheus", cluster)
-        wait_for(prometheus.ready, "Prometheus to be ready", timeout=60)
         load_proc = cluster.start("load", "load", "--rate", "4000", "--messages", "40000", "--seed", "3")
-        scraped = 'min_over_time(up{job="tape"}[1m]) == 1 and count_over_time(up{job="tape"}[1m]) >= 3'
-        wait_for(lambda: len(prometheus.query(scraped)) == len(cluster.cfg.nodes),
-                 "Prometheus to scrape every node three times (a rate needs two samples)", timeout=60)
+        prometheus.wait_scraped(len(cluster.cfg.nodes))
         wait_for(lambda: prometheus.query("sum(rate(tape_sequencer_messages_published_total[30s])) > 0"),
                  "a rate of sequenced trades", timeout=60)
         rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
@@ -162,3 +166,27 @@ def test_a_real_prometheus_answers_every_alert_and_panel_and_fires_on_dead_nodes
             prometheus.close()
         hook.kill()
         hook.wait()
+
+
+def test_a_real_prometheus_fires_the_disk_alert_when_a_voters_disk_fills(tmp_path):
+    """rw-1's journal on a 32 MiB tmpfs, filled under load: TapeDiskFull for rw-1, then not once
+    the filler is gone."""
+    cluster = LocalCluster(tmp_path, sequencers=2)
+    data = Path(cluster.cfg.node("rw-1").data)
+    data.mkdir(parents=True)
+    prometheus = None
+    with small_disk(data, "32m") as filler:
+        try:
+            cluster.start_all()
+            prometheus = Prometheus(tmp_path / "prometheus", cluster)
+            cluster.start("load", "load", "--rate", "3000", "--messages", "30000", "--seed", "4")
+            prometheus.wait_scraped(len(cluster.cfg.nodes))
+            assert not prometheus.active("TapeDiskFull")
+            fill(filler)
+            wait_for(lambda: prometheus.active("TapeDiskFull") == {"rw-1"}, "TapeDiskFull for rw-1")
+            filler.unlink()
+            wait_for(lambda: not prometheus.active("TapeDiskFull"), "TapeDiskFull to clear once space returns")
+        finally:
+            cluster.close()
+            if prometheus:
+                prometheus.close()
