@@ -102,6 +102,7 @@ if set_blake3_tagger is not None:
 
 SEAL_FAILURES = ("unsealed", "unknown_seal", "unknown_key", "bad_tag")  # what verify() returns of a bad packet
 
+
 class StreamKeys:
     """The stream keys of a node: `keys[0]` signs, its seals made by `seal` (SEALS); any key
     verifies, and seals of either algorithm."""

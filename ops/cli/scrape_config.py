@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tape.runtime.settings import Config
+from tape.runtime.settings import ROLES, Config
 
-ROLES = ("sequencer", "rewinder", "replica", "emitter")
 SCRAPE_INTERVAL_S = 5
 
 
