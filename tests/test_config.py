@@ -1,3 +1,4 @@
+import os
 import tomllib
 
 import pytest
@@ -208,3 +209,35 @@ def test_each_hosts_file_holds_only_the_keys_its_nodes_need():
     assert held["10.9.0.8"] == (False, True, [])  # the emitter alone: only the alert links' key
     assert held["10.9.0.9"] == (True, False, ["load0"])  # a trading client: its own key and the stream's
     assert files["10.9.0.9"].stream_keys == [bytes.fromhex(keys["stream"])]
+
+
+def test_config_units_names_the_systemd_unit_of_each_node_that_lives_on_this_host(tmp_path):
+    import io
+
+    from tape.ops.cli.config_check import units
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(default_toml("/x", replicas=3, sequencers=2, hosts=["127.0.0.1", "203.0.113.7"]))
+    out = io.StringIO()
+    assert units(str(path), out) == 0
+    assert out.getvalue().split() == ["tape-sequencer@seq-a.service", "tape-rewinder@rw-1.service",
+                                      "tape-replica@replica-A.service", "tape-replica@replica-C.service"]
+    assert units(str(tmp_path / "missing.toml"), out) == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a directory to another user: root only")
+def test_node_replace_run_as_root_leaves_the_empty_directory_the_nodes_own(tmp_path):
+    import io
+
+    from tape.ops.cli.node_tool import replace
+
+    (tmp_path / "cluster.toml").write_text(default_toml(str(tmp_path / "data"), replicas=3, free=True))
+    cfg = load(tmp_path / "cluster.toml")
+    data = tmp_path / "data" / "rw-1"
+    data.mkdir(parents=True)
+    (data / "journal").write_text("x")
+    os.chown(data, 4242, 4243)
+    data.chmod(0o700)
+    assert replace(cfg, "rw-1", io.StringIO()) == 0
+    st = data.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (4242, 4243, 0o700) and not any(data.iterdir())

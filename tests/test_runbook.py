@@ -1,16 +1,22 @@
 """docs/runbook.md's commands are the CLI's: every subcommand and option it names exists, and a
-test runs each of them (the runbook is written from what the tests do)."""
+test runs each of them (the runbook is written from what the tests do). Its shell blocks are run
+as they stand by tests/test_deploy.py: each is marked with the name that test runs it by."""
 
 import re
 from pathlib import Path
 
 import pytest
+from hosts import runbook_blocks
 
 from tape.ops.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNBOOK = (ROOT / "docs" / "runbook.md").read_text()
-COMMANDS = sorted({" ".join(c.split()) for c in re.findall(r"`(tape [^`]+)`", RUNBOOK)})
+BLOCKS = runbook_blocks()
+DEPLOY = (ROOT / "tests" / "test_deploy.py").read_text()
+IN_BLOCKS = {" ".join(line.split()) for text in BLOCKS.values() for line in text.splitlines()
+             if line.startswith("tape ")}
+COMMANDS = sorted({" ".join(c.split()) for c in re.findall(r"`(tape [^`]+)`", RUNBOOK)} | IN_BLOCKS)
 TESTS = {p.name: p.read_text() for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_runbook.py"}
 # Where a test drives a command through the Python function behind it rather than the CLI:
 # command -> (test file, the call it makes).
@@ -42,6 +48,13 @@ def test_the_runbook_names_commands():
     assert len(COMMANDS) > 15 and any(c.startswith("tape config check") for c in COMMANDS)
 
 
+def test_every_shell_block_of_the_runbook_is_run_by_the_deploy_test():
+    fences = re.findall(r"^ *```sh$", RUNBOOK, re.M)
+    assert len(fences) == len(BLOCKS) >= 5, "a shell block without its <!-- run: NAME --> line, or a name twice"
+    unrun = [name for name in BLOCKS if f'BLOCKS["{name}"]' not in DEPLOY]
+    assert not unrun, f"blocks of docs/runbook.md that tests/test_deploy.py does not run: {unrun}"
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_subcommand_and_option_the_runbook_names_exists(command):
     ws = words(command)
@@ -54,6 +67,8 @@ def test_every_subcommand_and_option_the_runbook_names_exists(command):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_in_the_runbook_is_run_by_a_test(command):
+    if command in IN_BLOCKS:
+        return  # run as the runbook has it, by tests/test_deploy.py (checked above)
     if command in THROUGH_PYTHON:
         name, call = THROUGH_PYTHON[command]
         assert call in TESTS[name], f"{command!r}: {name} no longer makes {call!r}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -80,6 +81,24 @@ def problems_anywhere(cfg) -> list[str]:
     return out
 
 
+def lives_here(node) -> bool:
+    """The node's host is one of this host's addresses."""
+    return node.host not in ("", "0.0.0.0") and interfaces.is_local(node.host)
+
+
+def units(path: str, out) -> int:
+    """The systemd unit of every node of the config that lives here, one a line (ops/systemd)."""
+    try:
+        cfg = load(Path(path))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    for n in cfg.nodes:
+        if lives_here(n):
+            print(f"tape-{n.role}@{n.name}.service", file=out)
+    return 0
+
+
 def check(path: str, node: str | None, console: Console) -> int:
     try:
         cfg = load(Path(path))
@@ -92,7 +111,7 @@ def check(path: str, node: str | None, console: Console) -> int:
         table.add_column(col)
     for n in cfg.nodes:
         spec = cfg.interface_of(n)
-        here = n.name == node if node else (n.host not in ("", "0.0.0.0") and interfaces.is_local(n.host))
+        here = n.name == node if node else lives_here(n)
         verdict = "elsewhere"
         if here:
             verdict = "[green]ok[/green]"
@@ -110,7 +129,7 @@ def check(path: str, node: str | None, console: Console) -> int:
     if node and node not in {n.name for n in cfg.nodes}:
         problems.append(f"no node named {node!r}")
     warnings = file_warnings(Path(path), cfg) + key_warnings(cfg)
-    if not node and not any(interfaces.is_local(n.host) for n in cfg.nodes if n.host not in ("", "0.0.0.0")):
+    if not node and not any(lives_here(n) for n in cfg.nodes):
         warnings.append("no node of this config lives on this host (is it this host's file?)")
     console.print("keys: " + (", ".join(f"{name} {fingerprint(k)}" for name, k in named_keys(cfg)) or "none"))
     for w in warnings:

@@ -320,6 +320,10 @@ def _config_default(args) -> int:
         from tape.ops.cli.config_check import check
 
         return check(args.file, args.node, Console())
+    if args.action == "units":
+        from tape.ops.cli.config_check import units
+
+        return units(args.file, sys.stdout)
     if args.action == "prometheus":
         from tape.ops.cli.scrape_config import scrape_config
 
@@ -620,12 +624,14 @@ def _add_config(sub) -> None:
                        description="Print a cluster config as TOML, to copy and edit: the default topology on "
                        "loopback, or with --hosts spread over a LAN (one file for every host). `tape config check "
                        "FILE` validates a config and, for the nodes that live on this host, that their addresses "
-                       "and multicast interfaces exist here (exit 2 if not). `tape config prometheus FILE` prints the "
-                       "Prometheus scrape config for that cluster (every node's metrics port, labelled with its "
+                       "and multicast interfaces exist here (exit 2 if not). `tape config units FILE` prints the "
+                       "systemd unit of each node that lives here, to enable. `tape config prometheus FILE` prints "
+                       "the Prometheus scrape config for that cluster (every node's metrics port, labelled with its "
                        "node and role, as ops/prometheus/tape-alerts.yml expects).")
-    p.add_argument("action", nargs="?", choices=["check", "prometheus", "keys"],
-                   help="check FILE, or print its Prometheus scrape config, or (keys) every key a config may "
-                   "hold with its default and meaning, instead of printing a config")
+    p.add_argument("action", nargs="?", choices=["check", "units", "prometheus", "keys"],
+                   help="check FILE, or print the systemd units of its nodes on this host, or its Prometheus "
+                   "scrape config, or (keys) every key a config may hold with its default and meaning, "
+                   "instead of printing a config")
     p.add_argument("file", nargs="?", help="the config to check or to scrape")
     p.add_argument("--node", default=None, help="check: the node to check here (default: every node whose host is "
                    "one of this host's addresses)")

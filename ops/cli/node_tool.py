@@ -7,6 +7,7 @@ it can never vote twice in a term, then the leader catches its journal up."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -39,11 +40,15 @@ def replace(cfg: Config, name: str, out) -> int:
         print(f"tape node replace: {name} answers on {node.host}:{node.metrics_port}: stop it first", file=out)
         return 1
     data = Path(node.data)
-    if data.exists() and any(data.iterdir()):
+    owner = data.stat() if data.exists() else None
+    if owner and any(data.iterdir()):
         aside = aside_path(data, "replaced")
         data.rename(aside)
         print(f"{name}: moved {data} to {aside} (delete it once the node has caught up)", file=out)
     data.mkdir(parents=True, exist_ok=True)
+    if owner:  # run as root for a node that runs as its own user: the empty directory must stay the node's
+        os.chown(data, owner.st_uid, owner.st_gid)
+        data.chmod(owner.st_mode & 0o7777)
     others = ", ".join(v.name for v in cfg.voters if v.name != name)
     print(f"{name}: {data} is empty. Start the node: it recovers its election state from every other voter "
           f"({others}; all must be reachable) before it votes or follows, then catches up from the leader.",
