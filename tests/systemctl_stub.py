@@ -95,14 +95,15 @@ def supervise(unit: str) -> int:
     signal.signal(signal.SIGTERM, stop)
     prevent = {int(c) for c in " ".join(keys.get("RestartPreventExitStatus", [])).split()}
     nofile = int(keys.get("LimitNOFILE", ["1024"])[-1])
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # (systemd, PID 1, may raise it; the stub may not)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(nofile, hard), hard))  # the service inherits it
     while not stopping:
         command, env, user = prepare(unit, keys, instance)
         with open(LOGS / f"{unit}.log", "ab") as log:
             child = subprocess.Popen(
                 command, env=env, cwd=keys.get("WorkingDirectory", ["/"])[-1], stdin=subprocess.DEVNULL,
                 stdout=log, stderr=log, user=user.pw_uid, group=user.pw_gid, extra_groups=[],
-                umask=int(keys.get("UMask", ["0022"])[-1], 8),
-                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+                umask=int(keys.get("UMask", ["0022"])[-1], 8))
         (RUN / f"{unit}.main").write_text(str(child.pid))
         rc = child.wait()
         (RUN / f"{unit}.result").write_text(str(rc))
@@ -117,12 +118,14 @@ def unit_name(arg: str) -> str:
 
 
 def pid_of(unit: str, what: str = "pid") -> int | None:
+    """The unit's supervisor (or `main` process) while it runs; None once it exited (a zombie included:
+    no init of this host reaps it)."""
     try:
         pid = int((RUN / f"{unit}.{what}").read_text())
-        os.kill(pid, 0)
-        return pid
-    except (FileNotFoundError, ProcessLookupError, ValueError):
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ValueError):
         return None
+    return pid if state != "Z" else None
 
 
 def start(unit: str) -> int:
@@ -133,8 +136,9 @@ def start(unit: str) -> int:
         return 5
     RUN.mkdir(parents=True, exist_ok=True)
     (RUN / f"{unit}.result").unlink(missing_ok=True)
-    supervisor = subprocess.Popen([sys.executable, __file__, "--supervise", unit], start_new_session=True,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(LOGS / f"{unit}.log", "ab") as log:  # (the supervisor's own errors too)
+        supervisor = subprocess.Popen([sys.executable, __file__, "--supervise", unit], start_new_session=True,
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     (RUN / f"{unit}.pid").write_text(str(supervisor.pid))
     return 0
 
