@@ -52,6 +52,7 @@ from tape.replicas.emitter_node_core import (
     RecordIntent,
     Redeliver,
 )
+from tape.runtime.config import webhook_secret_bytes
 from tape.runtime.latency import LatencySamples
 from tape.runtime.process import NodeProcess
 from tape.runtime.ratelimited_log import RateLimitedLog
@@ -86,7 +87,8 @@ class Emitter(NodeProcess):
         self.delivered_db = self.env.open_db(b"delivered")
         self.stopping = threading.Event()  # tells a sink retrying in its thread to give up
         self.sinks = sinklib.build(node.sinks, self.data, node.webhook_url, node.webhook_timeout_ms / 1000,
-                                   self.stopping)
+                                   self.stopping, node.webhook_authorization,
+                                   webhook_secret_bytes(node.webhook_secret) or b"")
         with self.env.begin() as txn:
             raw = txn.get(b"mark", db=self.meta)
         self.node_core = EmitterNode(  # every decision; this shell moves bytes and writes
@@ -128,6 +130,10 @@ class Emitter(NodeProcess):
             {s.name: getattr(s, "retries", 0) for s in self.sinks}, "sink"
         yield "sink_refused", "counter", "alerts a sink refused for good (webhook 4xx), by sink", \
             {s.name: getattr(s, "refused", 0) for s in self.sinks}, "sink"
+        webhook = next((s for s in self.sinks if s.name == "webhook"), None)
+        if webhook:
+            yield "webhook_config_errors", "counter", "webhook answers that say its configuration is wrong (401/403: " \
+                "credentials; 3xx: the URL moved), alerts held and retried, by reason", webhook.config_errors, "reason"
 
     async def main(self) -> None:
         server = None

@@ -14,12 +14,16 @@ again to idempotent sinks and listed for the operator for the others.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import http.client
 import json
 import logging
 import os
 import sys
 import threading
+import time
 import urllib.parse
 from operator import itemgetter
 from pathlib import Path
@@ -260,31 +264,51 @@ class StdoutSink:
         pass
 
 
+def redacted(url: str) -> str:
+    """The URL as logs show it: scheme, host and port; a path, query or user (where tokens live) as …."""
+    parts = urllib.parse.urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname}{port}" + ("/…" if parts.path.strip("/") or parts.query else "")
+
+
 class WebhookSink:
     """POSTs each alert as JSON with an `Idempotency-Key` header equal to its
     alert id, so that a receiver can drop the second copy of an alert resent
-    after a crash. Retries network errors, 5xx, 408 and 429 with exponential
-    back-off (capped) until delivered or the emitter stops: alerts are
-    delivered in order, so a down endpoint holds the emitter back rather than
-    losing alerts. Any other 4xx is a refusal: logged, counted, not retried."""
+    after a crash; with a secret, signed as Standard Webhooks specifies
+    (`webhook-id`, `webhook-timestamp`, `webhook-signature`). Retries network
+    errors, 5xx, 408, 425 and 429 with exponential back-off (capped) until
+    delivered or the emitter stops: alerts are delivered in order, so a down
+    endpoint holds the emitter back rather than losing alerts. 401, 403 and
+    3xx say the sink's configuration is wrong (credentials; a URL that
+    moved, not followed: a redirect could send alerts elsewhere): held and
+    retried too, counted in `config_errors` by reason and logged as such.
+    Any other 4xx is a refusal: logged, counted, not retried. Logs show the
+    URL redacted (`redacted`)."""
 
     idempotent = True
     name = "webhook"
     RETRY_STATUS = {408, 425, 429}
+    CONFIG_STATUS = {401: "unauthorized", 403: "unauthorized"}  # and every 3xx: "redirect"
 
     def __init__(self, url: str, timeout_s: float = WEBHOOK_TIMEOUT_S, backoff_s: float = SINK_RETRY_FIRST_S,
-                 max_backoff_s: float = SINK_RETRY_MAX_S, stopping: threading.Event | None = None):
+                 max_backoff_s: float = SINK_RETRY_MAX_S, stopping: threading.Event | None = None,
+                 authorization: str = "", secret: bytes = b"", clock: Callable[[], float] = time.time):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"webhook_url {url!r}: expected http(s)://host[:port]/path")
+            raise ValueError("webhook_url: expected http(s)://host[:port]/path")
         self.url = url
+        self.shown = redacted(url)
         self.parts = parts
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.stopping = stopping or threading.Event()
+        self.authorization = authorization
+        self.secret = secret
+        self.clock = clock  # the signature's timestamp (a receiver refuses one too old: replay)
         self.retries = 0
         self.refused = 0
+        self.config_errors = {"unauthorized": 0, "redirect": 0}
         self._conn: http.client.HTTPConnection | None = None
 
     def _connection(self) -> http.client.HTTPConnection:
@@ -293,17 +317,30 @@ class WebhookSink:
             self._conn = cls(self.parts.hostname, self.parts.port, timeout=self.timeout_s)
         return self._conn
 
-    def _post(self, record: AlertLine) -> int:
+    def headers(self, record: AlertLine, body: bytes) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Idempotency-Key": record.alert_id}
+        if self.authorization:
+            headers["Authorization"] = self.authorization
+        if self.secret:
+            stamp = str(int(self.clock()))
+            signed = f"{record.alert_id}.{stamp}.".encode() + body
+            mac = base64.b64encode(hmac.new(self.secret, signed, hashlib.sha256).digest()).decode()
+            headers.update({"webhook-id": record.alert_id, "webhook-timestamp": stamp,
+                            "webhook-signature": f"v1,{mac}"})
+        return headers
+
+    def _post(self, record: AlertLine) -> tuple[int, str]:
+        """(the answer's status, its Location header or "")."""
         path = self.parts.path or "/"
         if self.parts.query:
             path += "?" + self.parts.query
         conn = self._connection()
+        body = record.line.encode()
         try:
-            conn.request("POST", path, body=record.line.encode(),
-                         headers={"Content-Type": "application/json", "Idempotency-Key": record.alert_id})
+            conn.request("POST", path, body=body, headers=self.headers(record, body))
             response = conn.getresponse()
             response.read()
-            return response.status
+            return response.status, response.getheader("Location", "")
         except (OSError, http.client.HTTPException):
             conn.close()
             self._conn = None
@@ -326,22 +363,30 @@ class WebhookSink:
     def _attempt(self, record: AlertLine) -> bool:
         """One POST: True once the receiver took the alert or refused it for good."""
         try:
-            status = self._post(record)
+            status, location = self._post(record)
         except (OSError, http.client.HTTPException) as e:
-            self._problem = f"{type(e).__name__}: {e}"
+            self._problem = type(e).__name__  # (its text may name the URL's host and path)
             return False
         if 200 <= status < 300:
             return True
+        reason = "redirect" if 300 <= status < 400 else self.CONFIG_STATUS.get(status)
+        if reason:
+            self.config_errors[reason] += 1
+            self._problem = (f"HTTP {status}: check webhook_authorization and webhook_secret" if reason ==
+                             "unauthorized" else f"HTTP {status}: webhook_url moved to "
+                             f"{redacted(location) if location else 'an address not given'}; set it there "
+                             f"(redirects are not followed)")
+            return False
         if 400 <= status < 500 and status not in self.RETRY_STATUS:
             self.refused += 1
-            log.error("webhook %s refused alert %s with HTTP %d; not retrying", self.url, record.alert_id, status)
+            log.error("webhook %s refused alert %s with HTTP %d; not retrying", self.shown, record.alert_id, status)
             return True
         self._problem = f"HTTP {status}"
         return False
 
     def _retrying(self, record: AlertLine, delay: float) -> None:
         self.retries += 1
-        log.warning("webhook %s: alert %s not delivered (%s); retrying in %.2f s", self.url, record.alert_id,
+        log.warning("webhook %s: alert %s not delivered (%s); retrying in %.2f s", self.shown, record.alert_id,
                     self._problem, delay)
 
     def close(self) -> None:
@@ -350,7 +395,7 @@ class WebhookSink:
 
 
 def build(kinds: list[str], data: Path, webhook_url: str = "", webhook_timeout_s: float = WEBHOOK_TIMEOUT_S,
-          stopping: threading.Event | None = None) -> list:
+          stopping: threading.Event | None = None, authorization: str = "", secret: bytes = b"") -> list:
     sinks = []
     for kind in kinds:
         if kind == "jsonl":
@@ -358,7 +403,8 @@ def build(kinds: list[str], data: Path, webhook_url: str = "", webhook_timeout_s
         elif kind == "stdout":
             sinks.append(StdoutSink())
         elif kind == "webhook":
-            sinks.append(WebhookSink(webhook_url, webhook_timeout_s, stopping=stopping))
+            sinks.append(WebhookSink(webhook_url, webhook_timeout_s, stopping=stopping, authorization=authorization,
+                                     secret=secret))
         else:
             raise ValueError(f"unknown sink {kind!r} (jsonl, webhook, stdout)")
     return sinks

@@ -19,7 +19,7 @@
                 replication_port; rewinder: replication_port, gapfill_port,
                 replay_port; emitter: alert_port, sinks (["jsonl", "webhook",
                 "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms,
-                delivery ("first" | "quorum"; default "first")
+                webhook_authorization, webhook_secret, delivery ("first" | "quorum"; default "first")
     [keys]      stream, cluster: a hex key, or a list of up to two during a
                 rotation (the first signs, either verifies); absent: that
                 link is not authenticated (docs/security.md)
@@ -31,6 +31,7 @@ Every problem raises ConfigError naming the key.
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import os
@@ -248,9 +249,27 @@ def _parse_emitter(node: NodeSettings, n: dict, where: str) -> None:
     node.webhook_timeout_ms = _get(n, "webhook_timeout_ms", int, where, default_of(NodeSettings, "webhook_timeout_ms"))
     if "webhook" in node.sinks and not _is_http_url(node.webhook_url):  # not echoed: a URL may hold a secret
         raise ConfigError(f"{where}webhook_url: the webhook sink needs an http(s)://host[:port]/path URL")
+    node.webhook_authorization = _get(n, "webhook_authorization", str, where, "")
+    if not all(" " <= c <= "~" for c in node.webhook_authorization):  # not echoed: it is a secret
+        raise ConfigError(f"{where}webhook_authorization: printable ASCII only (an HTTP header's value)")
+    node.webhook_secret = _get(n, "webhook_secret", str, where, "")
+    if node.webhook_secret and webhook_secret_bytes(node.webhook_secret) is None:
+        raise ConfigError(f"{where}webhook_secret: expected whsec_ and the base64 of 24 to 64 random bytes "
+                          f"(Standard Webhooks)")
     node.delivery = _get(n, "delivery", str, where, default_of(NodeSettings, "delivery"))
     if node.delivery not in DELIVERY:
         raise ConfigError(f"{where}delivery: {node.delivery!r} is not one of {', '.join(DELIVERY)}")
+
+
+def webhook_secret_bytes(secret: str) -> bytes | None:
+    """The signing key of a Standard Webhooks secret (whsec_<base64>), None if it is not one."""
+    if not secret.startswith("whsec_"):
+        return None
+    try:
+        key = base64.b64decode(secret.removeprefix("whsec_"), validate=True)
+    except ValueError:
+        return None
+    return key if 24 <= len(key) <= 64 else None
 
 
 def _is_http_url(url: str) -> bool:

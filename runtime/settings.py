@@ -33,6 +33,8 @@ class NodeSettings:
     sinks: list[str] = field(default_factory=lambda: ["jsonl"])
     webhook_url: str = ""
     webhook_timeout_ms: int = 5000
+    webhook_authorization: str = ""  # the Authorization header's value (a secret: never logged)
+    webhook_secret: str = ""  # Standard Webhooks signing secret, whsec_<base64>
     delivery: str = "first"  # emitter: "first" copy of an alert, or once a "quorum" of replicas sent it
 
     @property
@@ -200,6 +202,9 @@ KEYS: dict[str, dict[str, str]] = {
         "sinks": "emitter: where alerts go, a list of jsonl, webhook, stdout",
         "webhook_url": "emitter: the webhook sink's http(s) URL",
         "webhook_timeout_ms": "emitter: a webhook POST's timeout",
+        "webhook_authorization": "emitter: the webhook POST's Authorization header, e.g. \"Bearer ...\" (a secret)",
+        "webhook_secret": "emitter: sign each webhook POST (Standard Webhooks: webhook-id, -timestamp, -signature) "
+                          "with this whsec_<base64> secret",
         "delivery": "emitter: deliver an alert on the \"first\" copy, or once a \"quorum\" of replicas sent it",
     },
     "client": {

@@ -148,6 +148,20 @@ def test_a_webhook_url_the_sink_cannot_post_to_is_a_config_error_that_does_not_e
     assert parse(doc).node("emitter").webhook_url == "https://hooks.example:8443/tape"
 
 
+@pytest.mark.parametrize("key, value", [("webhook_secret", "whsec_c2hvcnQ="), ("webhook_secret", "0123abcd" * 8),
+                                        ("webhook_secret", "whsec_!!notbase64!!"),
+                                        ("webhook_authorization", "Bearer x\r\nX-Injected: 1")])
+def test_a_webhook_secret_or_authorization_that_cannot_be_used_is_refused_without_echo(key, value):
+    doc = tomllib.loads(default_toml("/tmp/x", replicas=3))
+    emitter = next(n for n in doc["node"] if n["role"] == "emitter")
+    emitter.update(sinks=["jsonl", "webhook"], webhook_url="https://hooks.example/t", **{key: value})
+    with pytest.raises(ConfigError, match=key) as e:
+        parse(doc)
+    assert value not in str(e.value)
+    emitter.update(webhook_secret="whsec_" + "A" * 32, webhook_authorization="Bearer abc")
+    assert parse(doc).node("emitter").webhook_authorization == "Bearer abc"
+
+
 def test_config_check_warns_of_weak_repeated_missing_and_exposed_keys_and_prints_only_fingerprints(tmp_path):
     import io
 

@@ -2,6 +2,7 @@
 endpoint for the webhook, a real `tape emitter` process, and the test
 speaking the alert link over real TCP as the replicas would."""
 
+import base64
 import errno
 import http.server
 import io
@@ -34,18 +35,22 @@ from tape.runtime.config import load
 class Endpoint:
     """A webhook receiver: answers the first `fail` POSTs with `status`, then 200; records what it got."""
 
-    def __init__(self, fail: int = 0, status: int = 503):
-        self.fail, self.status = fail, status
+    def __init__(self, fail: int = 0, status: int = 503, location: str = ""):
+        self.fail, self.status, self.location = fail, status, location
         self.posts: list[tuple[str, dict]] = []
+        self.received: list[tuple[dict, bytes]] = []  # every POST's headers and body
         self.attempts = 0
         endpoint = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                endpoint.received.append((dict(self.headers), body))
                 endpoint.attempts += 1
                 if endpoint.attempts <= endpoint.fail:
                     self.send_response(endpoint.status)
+                    if endpoint.location:
+                        self.send_header("Location", endpoint.location)
                 else:
                     endpoint.posts.append((self.headers["Idempotency-Key"], json.loads(body)))
                     self.send_response(200)
@@ -108,6 +113,47 @@ def test_webhook_refusal_is_counted_not_retried():
         sink = WebhookSink(e.url, backoff_s=0.01)
         sink.deliver([record(1), record(2)])
         assert sink.refused == 1 and sink.retries == 0 and [k for k, _ in e.posts] == ["TAPE:2"]
+    finally:
+        e.close()
+
+
+SECRET_PATH = "/hooks/T0KEN-in-the-path"
+
+
+@pytest.mark.parametrize("status, reason", [(401, "unauthorized"), (403, "unauthorized"), (301, "redirect"),
+                                            (308, "redirect")])
+def test_webhook_credentials_refused_or_a_url_moved_are_held_retried_and_counted_never_dropped(status, reason,
+                                                                                                 caplog):
+    e = Endpoint(fail=3, status=status, location="https://elsewhere.example/new/S3CRET" if reason == "redirect" else "")
+    try:
+        sink = WebhookSink(e.url + SECRET_PATH + "?token=Q", backoff_s=0.01)
+        with caplog.at_level("WARNING", logger="tape.emitter"):
+            assert sink.deliver([record(1)]) == 1
+        assert sink.config_errors == {"unauthorized": 0, "redirect": 0} | {reason: 3}
+        assert sink.refused == 0 and [k for k, _ in e.posts] == ["TAPE:1"]  # held until it was taken
+        said = caplog.text
+        assert ("check webhook_authorization" in said if reason == "unauthorized" else
+                "moved to https://elsewhere.example/…; set it there" in said), said
+        assert "T0KEN" not in said and "token=Q" not in said and "S3CRET" not in said
+        assert f"webhook {e.url.removesuffix('/alerts')}/…: alert TAPE:1 not delivered" in said
+    finally:
+        e.close()
+
+
+def test_a_webhook_post_carries_its_authorization_and_a_standard_webhooks_signature_that_verifies():
+    from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+
+    secret = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+    e = Endpoint()
+    try:
+        sink = WebhookSink(e.url, authorization="Bearer abc", secret=bytes(range(32)))
+        sink.deliver([record(1), record(2)])
+        (headers, body), _ = e.received
+        assert headers["Authorization"] == "Bearer abc" and headers["webhook-id"] == "TAPE:1"
+        lower = {k.lower(): v for k, v in headers.items()}
+        assert Webhook(secret).verify(body, lower)["order_id"] == 501  # the library, not our code, says it is ours
+        with pytest.raises(WebhookVerificationError):
+            Webhook(secret).verify(body.replace(b"501", b"502"), lower)
     finally:
         e.close()
 
@@ -255,10 +301,14 @@ async def test_the_file_is_written_on_the_emitters_thread_and_each_batch_reaches
 # --- a real emitter process ----------------------------------------------------------------
 
 
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(b"the emitter's webhook signing key").decode()
+
+
 def emitter_cluster(tmp_path: Path, url: str) -> LocalCluster:
     cluster = LocalCluster(tmp_path, replicas=3)
     text = cluster.config_path.read_text().replace(
-        'role = "emitter"', f'role = "emitter"\nsinks = ["jsonl", "webhook", "stdout"]\nwebhook_url = "{url}"')
+        'role = "emitter"', f'role = "emitter"\nsinks = ["jsonl", "webhook", "stdout"]\nwebhook_url = "{url}"\n'
+        f'webhook_authorization = "Bearer xyz"\nwebhook_secret = "{WEBHOOK_SECRET}"')
     cluster.config_path.write_text(text)
     cluster.cfg = load(cluster.config_path)
     return cluster
@@ -343,11 +393,17 @@ def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, end
         assert m['tape_emitter_delivery_batches_total{node="emitter"}'] == 1
         assert m['tape_emitter_divergences_total{node="emitter"}'] == 1
         assert m['tape_emitter_sink_retries_total{node="emitter",sink="webhook"}'] == 2
+        assert m['tape_emitter_webhook_config_errors_total{node="emitter",reason="unauthorized"}'] == 0
         for s in (keyless, stranger, a, b):
             s.close()
         cluster.stop("emitter")
         want = ["TAPE:11", "TAPE:12", "TAPE:13"]
         assert [k for k, _ in endpoint.posts] == want
+        from standardwebhooks.webhooks import Webhook
+
+        for headers, body in endpoint.received:  # the config's secret and header, on every POST
+            assert headers["Authorization"] == "Bearer xyz"
+            Webhook(WEBHOOK_SECRET).verify(body, {k.lower(): v for k, v in headers.items()})
         stdout = cluster.output("emitter").splitlines()
         assert [json.loads(line)["alert_id"] for line in stdout] == want
         sink = Path(cluster.cfg.node("emitter").data) / "alerts.jsonl"

@@ -19,7 +19,8 @@ def exported_metrics(data: Path) -> set[str]:
 
     cfg = default(data)
     cfg.nodes += [type(cfg.nodes[0])("replica-A", "replica", data=str(data / "replica-A")),
-                  type(cfg.nodes[0])("emitter", "emitter", data=str(data / "emitter"), alert_port=1)]
+                  type(cfg.nodes[0])("emitter", "emitter", data=str(data / "emitter"), alert_port=1,
+                                     sinks=["jsonl", "webhook"], webhook_url="http://127.0.0.1:9/")]
     runtimes = [Sequencer(cfg, cfg.node("seq-a")), Rewinder(cfg, cfg.node("rw-1")), Replica(cfg, cfg.node("replica-A")),
                 Emitter(cfg, cfg.node("emitter"))]
     names = set()
