@@ -77,6 +77,8 @@ REPLAY_LOGIN_FRAME = 1024  # largest frame a replay server accepts before the lo
 REPLAY_LOGIN_TIMEOUT_S = 5.0
 REPLAY_IDLE_TIMEOUT_S = 15.0  # a replay client silent this long is gone (SoupBinTCP: it heartbeats every second)
 REPLAY_CLIENT_HEARTBEAT_S = 1.0
+REPLAY_WRITE_TIMEOUT_S = 15.0  # a replay client that has not taken a chunk (1,000 messages) in this long has
+# stopped reading: closed, so that it holds no slot and no buffer (its heartbeats alone do not keep it)
 REPLAY_HEARTBEAT_NS = 1_000_000_000  # a replay server's heartbeat after this long without sending
 
 # --- listeners ---------------------------------------------------------------------------

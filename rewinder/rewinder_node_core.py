@@ -28,7 +28,13 @@ from typing import Hashable
 from tape.protocol import soupbintcp as soup
 from tape.protocol.actions import Close, Send
 from tape.protocol.errors import ProtocolError
-from tape.protocol.limits import REPLAY_HEARTBEAT_NS, REPLAY_IDLE_TIMEOUT_S, REPLAY_LOGIN_FRAME, REPLAY_LOGIN_TIMEOUT_S
+from tape.protocol.limits import (
+    REPLAY_HEARTBEAT_NS,
+    REPLAY_IDLE_TIMEOUT_S,
+    REPLAY_LOGIN_FRAME,
+    REPLAY_LOGIN_TIMEOUT_S,
+    REPLAY_WRITE_TIMEOUT_S,
+)
 from tape.protocol.stamping import PacketBuilder
 from tape.protocol.streamauth import StreamKeys, seal_covers
 from tape.protocol.voter_node import Committed, VoterNode
@@ -39,6 +45,7 @@ from tape.rewinder.gapfill_core import Answer, GapFillCore, Refuse
 FLOOD_REASONS = frozenset(("rate_limited", "server_busy", "parked_full"))
 LOGIN_NS = int(REPLAY_LOGIN_TIMEOUT_S * 1e9)
 IDLE_NS = int(REPLAY_IDLE_TIMEOUT_S * 1e9)
+WRITE_NS = int(REPLAY_WRITE_TIMEOUT_S * 1e9)
 
 
 class Reject(Enum):
@@ -47,6 +54,7 @@ class Reject(Enum):
     BAD_FRAME = "bad_frame"
     IDLE = "idle"  # the client fell silent (it heartbeats every second)
     NO_LOGIN = "no_login"  # none within REPLAY_LOGIN_TIMEOUT_S
+    NOT_READING = "not_reading"  # a chunk not taken within REPLAY_WRITE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class Replay:
         self.deadline = now + LOGIN_NS  # the login's, then the client's silence
         self.sent_at = now  # the last frame this server sent: a heartbeat a second after it
         self.writing = False  # a ReplayRecords not yet drained
+        self.write_deadline = 0  # while writing: the client must have taken the chunk by then
 
 
 class RewinderNode:
@@ -105,6 +114,7 @@ class RewinderNode:
         self.replays: dict[Hashable, Replay] = {}
         self.replay_sessions = 0
         self.replay_idle_closed = 0
+        self.replay_stalled_closed = 0
         self.replayed = 0
         self.gap_messages_sent = 0
 
@@ -130,7 +140,10 @@ class RewinderNode:
     def on_timer(self, now: int) -> list:
         out = self._after(self.voter.on_timer(now), now)
         for conn, r in list(self.replays.items()):
-            if r.deadline <= now:
+            if r.writing and r.write_deadline <= now:
+                self.replay_stalled_closed += 1
+                out += self._close(conn, Reject.NOT_READING)
+            elif r.deadline <= now:
                 if r.seq is not None:
                     self.replay_idle_closed += 1
                 out += self._close(conn, Reject.IDLE if r.seq is not None else Reject.NO_LOGIN)
@@ -143,6 +156,8 @@ class RewinderNode:
         due = [self.voter.next_deadline(now)]
         for r in self.replays.values():
             due.append(r.deadline)
+            if r.writing:
+                due.append(r.write_deadline)
             if r.seq is not None and not r.writing:
                 due.append(r.sent_at + REPLAY_HEARTBEAT_NS)
         return min(due)
@@ -169,7 +184,7 @@ class RewinderNode:
         for answer, addr in self.gapfill.due(self.commit_seq, now / 1e9):
             out += self._answer(answer, addr)
         for conn, r in self.replays.items():
-            out += self._next_chunk(conn, r)
+            out += self._next_chunk(conn, r, now)
         return out
 
     # --- gap fill --------------------------------------------------------------------------
@@ -227,15 +242,15 @@ class RewinderNode:
             return [Send(conn, soup.login_rejected(login.reason))] + self._close(conn)
         r.seq, r.deadline, r.sent_at = login.seq, now + IDLE_NS, now
         self.replay_sessions += 1
-        return [Send(conn, soup.login_accepted(self.session, login.seq))] + self._next_chunk(conn, r)
+        return [Send(conn, soup.login_accepted(self.session, login.seq))] + self._next_chunk(conn, r, now)
 
-    def _next_chunk(self, conn: Hashable, r: Replay) -> list:
+    def _next_chunk(self, conn: Hashable, r: Replay, now: int) -> list:
         if r.seq is None or r.writing:
             return []
         chunk = replay_core.next_chunk(r.seq, self.commit_seq)
         if chunk is None:
             return []
-        r.writing = True
+        r.writing, r.write_deadline = True, now + WRITE_NS
         return [ReplayRecords(conn, *chunk)]
 
     def on_replayed(self, sent: ReplayRecords, now: int) -> list:
@@ -244,7 +259,7 @@ class RewinderNode:
             return []  # (closed meanwhile)
         r.writing, r.seq, r.sent_at = False, sent.first + sent.count, now
         self.replayed += sent.count
-        return self._next_chunk(sent.conn, r)
+        return self._next_chunk(sent.conn, r, now)
 
     def _close(self, conn: Hashable, reason: Reject | None = None, detail: str = "") -> list:
         del self.replays[conn]

@@ -70,6 +70,8 @@ class Rewinder(NodeProcess):
         yield "dropped_datagrams", "counter", "gap-fill requests dropped, by reason", dropped
         yield "replay_sessions", "counter", "TCP replay sessions accepted", n.replay_sessions
         yield "replay_idle_closed", "counter", "replay sessions closed: the client fell silent", n.replay_idle_closed
+        yield "replay_stalled_closed", "counter", "replay sessions closed: the client stopped reading", \
+            n.replay_stalled_closed
         yield "replay_messages", "counter", "messages sent over TCP replay", n.replayed
         yield "bad_frames", "counter", "malformed TCP frames (connection closed)", self.voter.bad_frames
         yield "refused", "counter", "peers' messages that contradict this node's log, by reason", \

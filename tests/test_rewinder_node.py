@@ -14,6 +14,7 @@ from tape.protocol.voter_node import Committed, VoterNode
 from tape.rewinder.rewinder_node_core import (
     IDLE_NS,
     LOGIN_NS,
+    WRITE_NS,
     ReadGap,
     Reject,
     ReplayRecords,
@@ -136,6 +137,22 @@ def test_a_caught_up_replay_heartbeats_and_a_silent_client_is_closed():
     assert not any(isinstance(a, Close) for a in node.on_timer(IDLE_NS))
     assert node.on_timer(IDLE_NS // 2 + IDLE_NS)[-1] == Close("r", Reject.IDLE)
     assert node.replay_idle_closed == 1 and "r" not in node.replays
+
+
+def test_a_replay_client_that_stops_reading_is_closed_though_it_heartbeats():
+    """Its heartbeats say it is there; a chunk it has not taken in REPLAY_WRITE_TIMEOUT_S says it
+    stopped reading: closed, so that it holds neither a slot nor the chunk's buffer for ever."""
+    node = rewinder(trades(REPLAY_CHUNK + 10))
+    commit(node, REPLAY_CHUNK + 10)
+    node.on_replay_connected("r", 0)
+    chunk = node.on_data("r", login(1), 0)[-1]
+    assert isinstance(chunk, ReplayRecords) and node.next_deadline(1) <= WRITE_NS
+    for t in range(1, WRITE_NS // 10**9):  # it heartbeats every second, and reads nothing
+        node.on_data("r", soup.heartbeat(server=False), t * 10**9)
+        assert not any(isinstance(a, Close) for a in node.on_timer(t * 10**9))
+    assert node.on_timer(WRITE_NS)[-1] == Close("r", Reject.NOT_READING)
+    assert node.replay_stalled_closed == 1 and "r" not in node.replays
+    assert node.on_replayed(chunk, WRITE_NS + 1) == []  # its drain, if it ever comes, finds it gone
 
 
 def test_a_replay_without_a_login_in_time_a_bad_frame_a_foreign_session_and_a_logout_each_close_it():
