@@ -72,6 +72,11 @@ MAX_RETRY_MS = 1_000  # the longest pause a client honours, whatever a back-off 
 
 # --- TCP reads and frames ----------------------------------------------------------------
 REPLICATION_FRAME = replication.MAX_FRAME
+# TCP listeners (replication, alerts, replay; protocol/slots.py): a configured peer's address has its
+# own slots, which no stranger takes; every other address shares a small pool, a few each.
+PEER_SLOTS_PER_HOST = 64
+STRANGER_SLOTS = 128
+STRANGER_SLOTS_PER_HOST = 8
 REPLAY_CHUNK = 1_000  # committed messages per replay write
 REPLAY_LOGIN_FRAME = 1024  # largest frame a replay server accepts before the login
 REPLAY_LOGIN_TIMEOUT_S = 5.0

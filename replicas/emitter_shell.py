@@ -142,7 +142,7 @@ class Emitter(NodeProcess):
                 doubt = [v for _, v in txn.cursor(db=self.outbox)]
             await self._carry_out(self.node_core.start(doubt, time.monotonic_ns()))
             server = await self.serve_links(self._on_replica, self.cfg.cluster_link, self.node.host,
-                                            self.node.alert_port)
+                                            self.node.alert_port, self.cfg.by_role("replica"))
             log.info("emitter at mark %d, listening on :%d, sinks: %s", self.mark, self.node.alert_port,
                      ", ".join(s.name for s in self.sinks))
             await self.stop.wait()

@@ -80,10 +80,11 @@ class Rewinder(NodeProcess):
         yield "truncations", "counter", "uncommitted suffixes dropped on a new leader's word", self.voter.truncations
 
     async def main(self) -> None:
+        voters = [v for v in self.cfg.voters if v.name != self.node.name]
         repl = await self.serve_links(self.voter.serve, self.cfg.cluster_link, self.node.host,
-                                      self.node.replication_port)
+                                      self.node.replication_port, voters)
         replay = await self.serve_links(self._on_replay, self.cfg.replay_link, self.node.host,
-                                        self.node.replay_port)
+                                        self.node.replay_port, self.cfg.by_role("replica"))
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.gap_sock, self._on_gap_requests)

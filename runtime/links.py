@@ -25,12 +25,11 @@ from tape.protocol.linkauth import (
     Sealer,
     record_digests,
 )
+from tape.protocol.slots import Slots
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.tuning import (
     BEHIND_RECV,
     HANDSHAKE_TIMEOUT_S,
-    MAX_CONNECTIONS_PER_HOST,
-    MAX_LINK_CONNECTIONS,
     SOCKET_RECV,
 )
 
@@ -45,6 +44,7 @@ class LinkReader(asyncio.StreamReader):
     copying start_server and open_connection to use another reader)."""
 
     _arrive = None
+    heard = False  # any byte came: a peer without keys has said something (serving's deadline)
 
     def hand_to(self, arrive: Callable[[bytes | BaseException], None] | None) -> None:
         """From now on each chunk goes to `arrive` as it comes (b"" at the end, or the
@@ -63,6 +63,7 @@ class LinkReader(asyncio.StreamReader):
             arrive(b"")
 
     def feed_data(self, data: bytes) -> None:
+        self.heard = self.heard or bool(data)
         if self._arrive is None:
             super().feed_data(data)
         elif data:
@@ -271,28 +272,31 @@ def large_reads(writer: asyncio.StreamWriter) -> None:
         writer.transport.max_size = BEHIND_RECV
 
 
-def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refused: dict[str, int]):
+def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refused: dict[str, int],
+            peers: frozenset[str] = frozenset()):
     """A start_server callback: `handler` gets the (authenticated, with keys) pair, or nothing is
-    called. Bounded, so that no peer can exhaust the process's file descriptors or its peers' slots:
-    at most MAX_LINK_CONNECTIONS open at once, MAX_CONNECTIONS_PER_HOST of them from one host (a
-    peer without the key holds one for HANDSHAKE_TIMEOUT_S at most)."""
-    per_host: dict[str, int] = {}
+    called. Bounded, so that no stranger can exhaust the process's file descriptors or take a
+    configured peer's slot (protocol/slots.py: `peers`, the addresses the listener's peers connect
+    from). A connection that says nothing for HANDSHAKE_TIMEOUT_S is closed, with keys (no hello)
+    or without (no byte)."""
+    slots = Slots(peers)
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         small_reads(writer)
         host = (writer.get_extra_info("peername") or ("?",))[0]
-        if sum(per_host.values()) >= MAX_LINK_CONNECTIONS:
-            _refuse(refused, ProtocolError("too_many_connections", f"{MAX_LINK_CONNECTIONS} open; {host} closed", 0))
+        reason = slots.admit(host)
+        if reason:
+            _refuse(refused, ProtocolError(reason, f"{host} closed ({slots.strangers_open} stranger slots taken)", 0))
             writer.close()
             return
-        if per_host.get(host, 0) >= MAX_CONNECTIONS_PER_HOST:
-            _refuse(refused, ProtocolError("host_busy", f"{host} has {per_host[host]} connections open", 0))
-            writer.close()
-            return
-        per_host[host] = per_host.get(host, 0) + 1
         try:
             if keys is None:
-                return await handler(reader, writer)
+                deadline = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, _unheard, reader, writer,
+                                                                 refused)
+                try:
+                    return await handler(reader, writer)
+                finally:
+                    deadline.cancel()
             try:
                 pair = await _handshake(reader, writer, keys, False, refused)
             except (ConnectionError, OSError):
@@ -300,8 +304,13 @@ def serving(handler: Callable[..., Awaitable[None]], keys: LinkKeys | None, refu
                 return
             await handler(*pair)
         finally:
-            per_host[host] -= 1
-            if not per_host[host]:
-                del per_host[host]
+            slots.release(host)
 
     return serve
+
+
+def _unheard(reader, writer: asyncio.StreamWriter, refused: dict[str, int]) -> None:
+    """A keyless connection's deadline: closed if not a byte came."""
+    if not getattr(reader, "heard", True):
+        _refuse(refused, ProtocolError("hello_timeout", f"nothing in {HANDSHAKE_TIMEOUT_S} s", 0))
+        writer.close()

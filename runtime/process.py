@@ -53,9 +53,11 @@ class NodeProcess:
         """A TCP connection to a peer, authenticated when `keys` (runtime/links.py)."""
         return await links.connect(host, port, keys, self.link_refused, timeout)
 
-    async def serve_links(self, handler, keys, host: str, port: int) -> asyncio.Server:
-        """A TCP server that hands `handler` only authenticated connections (runtime/links.py)."""
-        return await links.start_server(links.serving(handler, keys, self.link_refused), host, port)
+    async def serve_links(self, handler, keys, host: str, port: int, peers=()) -> asyncio.Server:
+        """A TCP server that hands `handler` only authenticated connections (runtime/links.py);
+        `peers`: the nodes that connect to it, whose addresses have slots of their own."""
+        addresses = frozenset(n.host for n in peers if n.host not in ("", "0.0.0.0"))
+        return await links.start_server(links.serving(handler, keys, self.link_refused, addresses), host, port)
 
     def metrics(self):
         """The role's report and what every node reports."""

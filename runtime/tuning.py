@@ -30,8 +30,6 @@ SOCKET_RECV = 64 << 10
 # sent several by the time it reads (one fsync and one acknowledgement for all of them).
 BEHIND_RECV = 1 << 20
 HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
-MAX_LINK_CONNECTIONS = 256  # open at once on one listener (replication, alerts, replay)
-MAX_CONNECTIONS_PER_HOST = 64  # of those, from one host
 CONNECT_TIMEOUT_S = 2.0  # a connection and its handshake, where the caller has no tighter limit
 
 # --- threads, heap, collector --------------------------------------------------------------
@@ -83,7 +81,6 @@ FINAL_DRAIN_S = 0.5  # at shutdown, how long each follower's queue may take to d
 def _check() -> None:
     assert DATAGRAM_BUFFER >= moldudp64.MAX_UDP_PAYLOAD, "a recv() must hold any datagram"
     assert GAP_REQUEST_BUFFER >= moldudp64.MAX_UDP_PAYLOAD, "a padded request must fit the request buffer"
-    assert MAX_CONNECTIONS_PER_HOST <= MAX_LINK_CONNECTIONS
     assert SOCKET_RECV <= BEHIND_RECV and CONTROL_READ <= BEHIND_RECV
     assert HEAP_MAPPED_FROM <= HEAP_KEPT_BYTES
 

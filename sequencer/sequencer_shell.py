@@ -144,7 +144,8 @@ class Sequencer(NodeProcess):
         self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         self.dest = (self.cfg.group, self.cfg.port)
         server = await self.serve_links(self.voter.serve, self.cfg.cluster_link, self.node.host,
-                                        self.node.replication_port)
+                                        self.node.replication_port,
+                                        [v for v in self.cfg.voters if v.name != self.node.name])
         log.info("%s at seq %d, term %d; replication :%d, inbound %s:%d (rcvbuf %d), publishing %s:%d; %d voters",
                  self.node.name, self.journal.last_seq, self.voter.election.term, self.node.replication_port,
                  self.node.host, self.node.inbound_port, granted, *self.dest, len(self.cfg.voters))

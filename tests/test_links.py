@@ -11,7 +11,7 @@ from conftest import until
 
 from tape.protocol.linkauth import HELLO, MAGIC, MAX_RECORD, OLDER, LinkKeys
 from tape.runtime import links
-from tape.runtime.tuning import BEHIND_RECV, SOCKET_RECV
+from tape.runtime.tuning import BEHIND_RECV, HANDSHAKE_TIMEOUT_S, SOCKET_RECV
 
 KEYS = pytest.mark.parametrize("keys", [None, LinkKeys([os.urandom(32)])], ids=["plain", "sealed"])
 
@@ -205,6 +205,34 @@ async def test_links_with_a_node_not_yet_upgraded_run_in_its_version():
             assert opener.open(await reader.read(1 << 16)) == b"echo ping"
         assert not refused
         writer.close()
+    finally:
+        server.close()
+
+
+async def test_a_link_without_keys_that_says_nothing_is_closed_after_the_handshake_timeout():
+    """Without keys there is no hello to wait for; a connection that sends not a byte in
+    HANDSHAKE_TIMEOUT_S is closed and counted all the same, and one that talks is left alone."""
+    refused: dict[str, int] = {}
+
+    async def echo_forever(reader, writer):
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+
+    server = await links.start_server(links.serving(echo_forever, None, refused), "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        silent = await asyncio.open_connection("127.0.0.1", port)
+        talking = await asyncio.open_connection("127.0.0.1", port)
+        talking[1].write(b"hello")
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT_S + 5):
+            assert await talking[0].readexactly(5) == b"hello"
+            assert await silent[0].read(1) == b""  # closed by the server
+        assert refused == {"hello_timeout": 1}
+        talking[1].write(b"still here")
+        async with asyncio.timeout(5):
+            assert await talking[0].readexactly(10) == b"still here"
+        for _, writer in (silent, talking):
+            writer.close()
     finally:
         server.close()
 
