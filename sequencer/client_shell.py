@@ -200,7 +200,9 @@ class Client:
     backoffs = property(lambda self: self.core.backoffs)  # back-offs honoured
 
     async def start(self) -> None:
-        self.sock, _ = udp_socket("127.0.0.1" if self.interface.startswith("127.") else "0.0.0.0")
+        # On its own interface's address only: the advice (back-offs, resend requests) comes from
+        # the sequencers, and nothing on another network of this host can reach it.
+        self.sock, _ = udp_socket(self.interface)
         if self._own_listener:
             self.listener.start()
         self.advice = await asyncio_dgram.from_socket(self.sock)

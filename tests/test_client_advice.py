@@ -46,3 +46,15 @@ async def test_a_closed_client_stops_reading_its_advice(tmp_path):
     await client.start()
     await client.close()
     assert client._reading_advice.done() and client.sock.fileno() == -1
+
+
+async def test_the_advice_socket_listens_on_the_clients_interface_only(tmp_path):
+    path = tmp_path / "cluster.toml"
+    text = default_toml(tmp_path, free=True)
+    path.write_text(text.replace('name = "load0"', 'name = "load0"\ninterface = "127.0.0.5"'))
+    client = Client(load(path), "load0")
+    await client.start()
+    try:
+        assert client.sock.getsockname()[0] == "127.0.0.5"  # not 0.0.0.0, nor another loopback address
+    finally:
+        await client.close()
