@@ -79,6 +79,20 @@ def _try_connect(port: int) -> socket.socket | None:
         return None
 
 
+@pytest.fixture
+def lan():
+    """Five hosts of network namespaces on a bridge (ops/verification/lan.py), deleted after."""
+    from tape.ops.verification.lan import Lan, LanUnavailable
+
+    if os.geteuid() != 0:
+        pytest.skip("the LAN tests make network namespaces: they need root (ip netns)")
+    try:
+        with Lan(5) as made:
+            yield made
+    except LanUnavailable as e:
+        pytest.skip(f"network namespaces are not available here: {e}")
+
+
 @pytest.fixture(scope="session")
 def spark():
     """One local Spark session for every Spark test (start-up costs seconds)."""

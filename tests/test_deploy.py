@@ -20,23 +20,11 @@ from conftest import wait_for
 from hosts import Host, runbook_blocks
 from test_install import checkout_copy
 
-from tape.ops.verification.lan import Lan, LanUnavailable
 from tape.runtime.config import node_names, place
 
 pytestmark = pytest.mark.process
 USER = "tapelog"  # the units' User=
 BLOCKS = runbook_blocks()
-
-
-@pytest.fixture
-def lan():
-    if os.geteuid() != 0:
-        pytest.skip("the deploy test makes network namespaces: it needs root")
-    try:
-        with Lan(5) as made:
-            yield made
-    except LanUnavailable as e:
-        pytest.skip(f"network namespaces are not available here: {e}")
 
 
 def ok(done: subprocess.CompletedProcess, what: str) -> str:

@@ -11,24 +11,13 @@ import pytest
 from conftest import TAPE, wait_for
 
 from tape.ops.verification.drill import LAN_DRILLS
-from tape.ops.verification.lan import Lan, LanCluster, LanUnavailable
+from tape.ops.verification.lan import Lan, LanCluster
 from tape.ops.verification.verdict import judge, read_run
 
 pytestmark = pytest.mark.process
 VOTERS = ("seq-a", "seq-b", "rw-1", "rw-2")
 REPLICAS = ("replica-A", "replica-B", "replica-C")
 TRADES = 12_000
-
-
-@pytest.fixture
-def lan():
-    if os.geteuid() != 0:
-        pytest.skip("the LAN tests make network namespaces: they need root (ip netns)")
-    try:
-        with Lan(5) as made:
-            yield made
-    except LanUnavailable as e:
-        pytest.skip(f"network namespaces are not available here: {e}")
 
 
 def test_five_hosts_one_config_file_pass_the_verdict(tmp_path, lan):
