@@ -82,6 +82,7 @@ class ListenerCore:
         self._key_ids = keys.by_id if keys is not None else None  # key id -> key, for the C check
         self.max_packet = max_packet  # unsigned requests are padded to this: no answer is larger than its request
         self.reply: tuple[str, int] | None = None  # where answers come back to (signed into requests)
+        self.nonce = 0  # the last signed request's
         self.receiver = StreamReceiver(session, next_seq)
         self._hint_seq = 0  # with keys: a heartbeat said seqs before this may exist
         self._hint_from = 0  # the next seq when the hint was last asked about
@@ -197,9 +198,12 @@ class ListenerCore:
             return Undecodable(bad_seq, e)
         return None
 
-    def reply_at(self, host: str, port: int) -> None:
-        """The address the shell receives answers on (a signed request names it)."""
+    def reply_at(self, host: str, port: int, nonce: int) -> None:
+        """The address the shell receives answers on (a signed request names it), and the nonce
+        its requests count up from: above any this address used before (the shell's wall clock
+        in ns at start; a rewinder answers a nonce once)."""
         self.reply = (host, port)
+        self.nonce = nonce
 
     def _request(self, seq: int, count: int) -> bytes:
         request = moldudp64.encode_request(self.session, seq, count)
@@ -207,7 +211,8 @@ class ListenerCore:
             return request.ljust(self.max_packet, b"\0")
         if self.reply is None:
             raise InvariantViolation("a signed gap request before the shell said where answers come back")
-        return self.keys.sign_request(request, self.reply)
+        self.nonce += 1
+        return self.keys.sign_request(request, self.reply, self.nonce)
 
     def on_timer(self, now_ns: int) -> list[AskRewinder]:
         """The gap requests due: for missing runs not asked for within the answer timeout. New

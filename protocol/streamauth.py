@@ -61,9 +61,10 @@ except ImportError:  # built without a C compiler
     seal_run = verify_sealed = set_blake3_tagger = None
 
 TAG_SIZE = 16
-_REPLY = struct.Struct(">4sH")
+_REPLY = struct.Struct(">4sHQ")  # the reply address and port, and the request's nonce
 _SIGNED_REQUEST = HEADER_SIZE + _REPLY.size  # the bytes a request's tag covers
 SIGNED_REQUEST_SIZE = _SIGNED_REQUEST + 8 + TAG_SIZE
+UNFRESH_REQUEST_SIZE = SIGNED_REQUEST_SIZE - 8  # an older version's signed request: no nonce
 _REQUEST_PERSON = b"tape-gap-req"
 _TAG_AT = 1 + 8 + 8  # offset of the tag inside a seal
 _ZERO_TAG = bytes(TAG_SIZE)
@@ -178,17 +179,18 @@ class StreamKeys:
         return None
 
 
-    def sign_request(self, request: bytes, reply: tuple[str, int]) -> bytes:
-        """A MoldUDP64 request signed, its answer bound to `reply` (IPv4 host, port)."""
-        body = request + _REPLY.pack(ipaddress.IPv4Address(reply[0]).packed, reply[1])
+    def sign_request(self, request: bytes, reply: tuple[str, int], nonce: int) -> bytes:
+        """A MoldUDP64 request signed, its answer bound to `reply` (IPv4 host, port), with a nonce
+        greater than any its requester used before (a rewinder refuses one it saw surpassed)."""
+        body = request + _REPLY.pack(ipaddress.IPv4Address(reply[0]).packed, reply[1], nonce)
         tag = hashlib.blake2b(body, key=self.signing, digest_size=TAG_SIZE, person=_REQUEST_PERSON).digest()
         return body + self.signing_id + tag
 
-    def verify_request(self, data: bytes, source: tuple[str, int]) -> str | None:
-        """None if `data` is a signed request whose tag verifies and that names `source` (where the
-        datagram came from) as its reply address, else the reason."""
+    def verify_request(self, data: bytes, source: tuple[str, int]) -> str | int:
+        """The nonce of a signed request whose tag verifies and that names `source` (where the
+        datagram came from) as its reply address, else the reason it does not (a str)."""
         if len(data) != SIGNED_REQUEST_SIZE:
-            return "unsigned_request"
+            return "unfresh_request" if len(data) == UNFRESH_REQUEST_SIZE else "unsigned_request"
         key = self.by_id.get(data[_SIGNED_REQUEST:_SIGNED_REQUEST + 8])
         if key is None:
             return "unknown_key"
@@ -196,10 +198,10 @@ class StreamKeys:
         tag = hashlib.blake2b(body, key=key, digest_size=TAG_SIZE, person=_REQUEST_PERSON).digest()
         if not hmac.compare_digest(tag, data[-TAG_SIZE:]):
             return "bad_tag"
-        host, port = _REPLY.unpack_from(data, HEADER_SIZE)
+        host, port, nonce = _REPLY.unpack_from(data, HEADER_SIZE)
         if (str(ipaddress.IPv4Address(host)), port) != tuple(source):
             return "wrong_source"
-        return None
+        return nonce
 
 
 def seal_origin(packet: bytes) -> bytes | None:

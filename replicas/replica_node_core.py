@@ -124,26 +124,29 @@ class ReplicaNode:
         self.rebuilding = False
         self.saving = False
         self.reply_address: tuple[str, int] | None = None
+        self.listener: ListenerCore | None = None
         self._start(machine, outbox, now)
 
     def _start(self, machine: AuditMachine, outbox: list[bytes], now: int) -> None:
         self.machine = machine
         self.core = ReplicaCore(machine, outbox, self.snapshot_every, self.snapshot_ns, self.exit_on_end, now,
                                 self.phase)
+        nonce = self.listener.nonce if self.listener else 0
         self.listener = ListenerCore(self.session, len(self.rewinders), self.gap_request_ns, machine.last_seq + 1,
                                      self.keys, self.max_packet)
         self.receiver = self.listener.receiver
-        if self.reply_address is not None:  # (a rebuild's new listener asks from the same socket)
-            self.listener.reply_at(*self.reply_address)
+        if self.reply_address is not None:  # (a rebuild's new listener asks from the same socket, nonces on)
+            self.listener.reply_at(*self.reply_address, nonce)
         self.dial_alert_at = now if self.emitter else None
         self.poll_at, self.fast_until = now, now + FAST_FOR_NS
         self.housekeeping_at = now + HOUSEKEEPING_NS
         self.ask_at: int | None = None
 
-    def reply_at(self, host: str, port: int) -> None:
-        """Where the rewinders' answers come back (signed into requests), for every listener."""
+    def reply_at(self, host: str, port: int, nonce: int) -> None:
+        """Where the rewinders' answers come back (signed into requests), for every listener, and
+        the nonce they count up from (ListenerCore.reply_at)."""
         self.reply_address = (host, port)
-        self.listener.reply_at(host, port)
+        self.listener.reply_at(host, port, nonce)
 
     # --- the stream ----------------------------------------------------------------------
 

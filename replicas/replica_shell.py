@@ -157,7 +157,7 @@ class Replica(NodeProcess):
         sys.setswitchinterval(GIL_SWITCH_S)  # the snapshot thread holds up applying 1 ms at most
         self.sockets = StreamSockets(self.cfg, self.cfg.interface_of(self.node), self._on_datagrams, self.drop,
                                      self.seed)
-        self.node_core.reply_at(*self.sockets.start())
+        self.node_core.reply_at(*self.sockets.start(), time.time_ns())  # (nonces above any before a restart)
         self._rearm()
         await self.stop.wait()
         if self._timer is not None:

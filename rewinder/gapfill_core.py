@@ -3,7 +3,8 @@ the sender's address, the time and the committed seq; the core answers
 which messages to send back or why the request is dropped.
 
 No amplification: with a stream key only signed requests are answered (one
-sealed range, to the address the request names and came from); without,
+sealed range, to the address the request names and came from, once a nonce:
+a recorded request sent again is refused); without,
 an answer is no larger than the request's datagram (a listener pads its
 requests to the size of the answer it wants), so a forged source address
 gets no more bytes than the forger sent. Floods: only committed seqs, a token bucket per
@@ -88,6 +89,7 @@ class GapFillCore:
         self.burst = burst
         self.max_peers = max_peers
         self._buckets: OrderedDict = OrderedDict()  # host -> TokenBucket, least recently asking first
+        self._nonces: OrderedDict = OrderedDict()  # (host, port) -> its last signed request's nonce
         self._total = TokenBucket(total_rate_per_s, total_burst, 0.0)
         self.park_s = park_s  # how long a request for seqs not yet known committed waits (0: refused)
         self._parked: deque = deque()  # (expires, seq, count, addr), oldest first
@@ -98,9 +100,11 @@ class GapFillCore:
         """What to send back to a request from `addr` (host, port), that it waits for the commit
         point, or why it is dropped. Budgets are per host: the port is the sender's to choose."""
         if self.keys is not None:
-            reason = self.keys.verify_request(data, addr)
-            if reason is not None:
-                return self._drop(reason)
+            nonce = self.keys.verify_request(data, addr)
+            if isinstance(nonce, str):
+                return self._drop(nonce)
+            if not self._fresh(tuple(addr), nonce):
+                return self._drop("replayed_request")
             answer_bytes = self.max_packet
         else:
             answer_bytes = min(len(data), self.max_packet)
@@ -125,6 +129,19 @@ class GapFillCore:
             self._parked.append((now + self.park_s, seq, count, addr))
             return PARKED
         return self._serve(seq, count, committed_seq)
+
+    def _fresh(self, addr: tuple, nonce: int) -> bool:
+        """A signed request's nonce above the last one its address used: a request recorded on the
+        LAN and sent again (from its signer's address, the only one its signature allows) is
+        answered once, not each time. The addresses remembered are bounded as the budgets are."""
+        last = self._nonces.get(addr)
+        if last is not None and nonce <= last:
+            return False
+        self._nonces[addr] = nonce
+        self._nonces.move_to_end(addr)
+        if len(self._nonces) > self.max_peers:
+            self._nonces.popitem(last=False)
+        return True
 
     def due(self, committed_seq: int, now: float) -> list[tuple[Answer, tuple]]:
         """(answer, address) for each parked request the commit point now covers whole, or that

@@ -92,7 +92,7 @@ class StreamListener:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.core.reply_at(*self.sockets.start())
+        self.core.reply_at(*self.sockets.start(), time.time_ns())  # (nonces above any before a restart)
         self._rearm()
 
     def stop(self) -> None:

@@ -28,7 +28,7 @@ EXAMPLES = {
     "heartbeat": m.encode_heartbeat(TAPE, 42),
     "end_of_session": m.encode_end_of_session(TAPE, 42),
     "request": m.encode_request(TAPE, 5, 3),
-    "signed_request": StreamKeys([LINK_KEY]).sign_request(m.encode_request(TAPE, 5, 3), ("10.0.0.7", 40001)),
+    "signed_request": StreamKeys([LINK_KEY]).sign_request(m.encode_request(TAPE, 5, 3), ("10.0.0.7", 40001), 1),
     "inbound_batch": m.encode_packet(CLIENT1, 1, [R, P]),
     "backoff": backoff.encode(CLIENT1, 2, 27, 50, LINK_KEY),
     "resend": backoff.encode_resend(CLIENT1, 2, 27, LINK_KEY),

@@ -15,7 +15,7 @@ GAP_NS, RESEND_NS = 100 * MS, 100 * MS
 
 def node(*clients: str) -> cn.ClientNode:
     n = cn.ClientNode(S, 2, GAP_NS, RESEND_NS)
-    n.listener.reply_at("127.0.0.1", 9)
+    n.listener.reply_at("127.0.0.1", 9, 0)
     for c in clients:
         n.add(c, None)
     return n
@@ -78,7 +78,7 @@ def test_a_packet_held_ahead_of_a_gap_stops_the_resends_it_shows_sequenced():
     from tape.protocol.streamauth import StreamKeys
     keys = StreamKeys([b"k" * 32])
     n = cn.ClientNode(S, 2, GAP_NS, RESEND_NS, keys=keys)
-    n.listener.reply_at("127.0.0.1", 9)
+    n.listener.reply_at("127.0.0.1", 9, 0)
     n.add("c0", None)
     n.submit("c0", trades(2), 0)
     ahead = keys.seal_run(S, 3, sequenced("c0", [1, 2]), 10, 1, b"seq-a".ljust(10))[1]

@@ -98,7 +98,7 @@ def test_a_damaged_sealed_segment_stops_the_rewinder_and_its_restart_repairs_it(
         assert seq < 30_000 - JOURNAL_RECENT_RECORDS - 1_000  # older than the tail kept in memory: read from the file
         keys = cluster.cfg.stream_auth
         request = keys.sign_request(moldudp64.encode_request(cluster.cfg.session_bytes, seq, 1),
-                                    requester.getsockname())
+                                    requester.getsockname(), 1)
         requester.sendto(request, ("127.0.0.1", cluster.cfg.node("rw-1").gapfill_port))
         cluster.let_go.add("rw-1")
         assert cluster.procs["rw-1"].wait(timeout=30) == 5

@@ -41,15 +41,34 @@ def test_without_keys_no_answer_is_larger_than_its_request():
 def test_with_a_key_only_signed_requests_naming_their_source_are_answered():
     core = GapFillCore(S, P, StreamKeys([K1]))
     signer = StreamKeys([K1])
-    good = signer.sign_request(m.encode_request(S, 5, 100), A)
+    good = signer.sign_request(m.encode_request(S, 5, 100), A, 1)
     assert core.on_request(good, A, 0.0, 50) == Answer(5, 17)
     assert core.on_request(padded(5, 100), A, 0.0, 50) == Refuse("unsigned_request")
     assert core.on_request(good, B, 0.0, 50) == Refuse("wrong_source")  # replayed from elsewhere: aimed at B
     assert core.on_request(good[:-1] + bytes([good[-1] ^ 1]), A, 0.0, 50) == Refuse("bad_tag")
-    other = StreamKeys([K2]).sign_request(m.encode_request(S, 5, 100), A)
+    other = StreamKeys([K2]).sign_request(m.encode_request(S, 5, 100), A, 2)
     assert core.on_request(other, A, 0.0, 50) == Refuse("unknown_key")
     rotating = GapFillCore(S, P, StreamKeys([K2, K1]))  # during a rotation either key verifies
     assert rotating.on_request(good, A, 0.0, 50) == rotating.on_request(other, A, 0.0, 50) == Answer(5, 17)
+
+
+def test_a_signed_request_sent_again_is_refused_and_a_fresh_one_answered():
+    """A request recorded on the LAN and sent again from its signer's address (the only source its
+    signature allows) would earn a whole sealed range each time: its nonce is refused once an
+    equal or greater one from that address was answered. An older version's request, without a
+    nonce, is refused by its size."""
+    core = GapFillCore(S, P, StreamKeys([K1]), max_peers=2)
+    signer = StreamKeys([K1])
+    ask = lambda nonce, at=A: signer.sign_request(m.encode_request(S, 5, 100), at, nonce)  # noqa: E731
+    assert core.on_request(ask(10), A, 0.0, 50) == Answer(5, 17)
+    assert core.on_request(ask(10), A, 0.0, 50) == Refuse("replayed_request")
+    assert core.on_request(ask(9), A, 0.0, 50) == Refuse("replayed_request")
+    assert core.on_request(ask(11), A, 0.0, 50) == Answer(5, 17)
+    assert core.on_request(ask(1, B), B, 0.0, 50) == Answer(5, 17)  # each address its own count
+    assert core.on_request(ask(2, ("10.0.0.9", 1)), ("10.0.0.9", 1), 0.0, 50) == Answer(5, 17)
+    assert len(core._nonces) == 2  # bounded: the least recent forgotten
+    unfresh = ask(12)[:-32] + ask(12)[-24:]  # (the older layout: no nonce field)
+    assert core.on_request(unfresh, A, 0.0, 50) == Refuse("unfresh_request")
 
 
 def test_rate_limit_per_requester_refills_with_time():

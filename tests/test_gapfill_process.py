@@ -98,8 +98,8 @@ def test_with_keys_only_signed_requests_naming_their_source_are_answered(tmp_pat
         request = moldudp64.encode_request(session, 1, 5)
         refused(cluster, requester, request.ljust(1400, b"\0"), "unsigned_request")
         host, port = requester.getsockname()
-        refused(cluster, requester, keys.sign_request(request, (host, port + 1)), "wrong_source")  # aimed elsewhere
-        answer = answered(cluster, requester, keys.sign_request(request, (host, port)))
+        refused(cluster, requester, keys.sign_request(request, (host, port + 1), 1), "wrong_source")  # aimed elsewhere
+        answer = answered(cluster, requester, keys.sign_request(request, (host, port), 1))
         assert keys.verify(answer) is None  # one whole sealed range, as the leader cut it
         assert moldudp64.decode_header(answer)[1] == 1 and len(answer) <= cluster.cfg.max_packet
     finally:

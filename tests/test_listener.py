@@ -166,7 +166,7 @@ async def test_a_drain_delivers_its_runs_in_one_call_and_keeps_their_order_with_
 
 def test_the_timer_is_wanted_only_while_a_run_is_missing_or_asked_for_or_a_hint_worth_asking():
     core = listener(keys=True)[0].core  # (the core alone: a drain through the shell asks at once)
-    core.reply_at("127.0.0.1", 9)
+    core.reply_at("127.0.0.1", 9, 0)
     delivered = []
 
     def feed(data: bytes) -> None:

@@ -1,5 +1,6 @@
 """The live stream with real processes on loopback multicast (issue 3)."""
 
+import itertools
 import json
 import random
 import socket
@@ -111,15 +112,18 @@ def test_garbage_flood_at_every_port_harms_nothing(cluster):
     ]
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind(("127.0.0.1", 0))
-    signed = lambda *request: cfg.stream_auth.sign_request(moldudp64.encode_request(*request),  # noqa: E731
-                                                              udp.getsockname())  # signed by a stream-key holder
+    nonces = itertools.count(1)
+    signed = lambda *request: lambda: cfg.stream_auth.sign_request(  # noqa: E731  (signed by a stream-key holder,
+        moldudp64.encode_request(*request), udp.getsockname(), next(nonces))  # each with a fresh nonce)
     samples += [signed(sess, 10**12, 5), signed(b"OTHER     ", 1, 5)]  # not committed; foreign session
+    samples.append(signed(sess, 1, 5)())  # the same signed request again and again: answered once
     udp.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
     deadline = time.monotonic() + 2.0
     sent = 0
     while time.monotonic() < deadline and sent < 20_000:
         for target in udp_targets:
-            udp.sendto(rng.choice(samples), target)
+            sample = rng.choice(samples)
+            udp.sendto(sample() if callable(sample) else sample, target)
             sent += 1
         if sent % 200 == 0:
             time.sleep(0.002)
@@ -137,7 +141,7 @@ def test_garbage_flood_at_every_port_harms_nothing(cluster):
     for reason in ("unknown_client", "truncated", "unauthenticated"):
         assert dropped.get(f'tape_sequencer_dropped_datagrams_total{{node="seq-a",reason="{reason}"}}', 0) > 0, dropped
     rw = cluster.metrics("rw-1")
-    for reason in ("unsigned_request", "not_committed", "foreign_session"):
+    for reason in ("unsigned_request", "not_committed", "foreign_session", "replayed_request"):
         assert rw[f'tape_rewinder_dropped_datagrams_total{{node="rw-1",reason="{reason}"}}'] > 0, reason
     for name in ("seq-a", "rw-1", "rw-2"):
         assert cluster.stop(name) == 0

@@ -164,7 +164,7 @@ def test_a_listener_asks_for_every_missing_run_at_once_and_again_only_after_the_
     assert GAP_ASKED_OF == 2
     keys = StreamKeys([K1])
     lc = ListenerCore(S, 3, 20 * 10**6, keys=keys)
-    lc.reply_at("10.0.0.1", 7000)
+    lc.reply_at("10.0.0.1", 7000, 0)
     packets = [keys.seal_packet(S, 1 + 4 * i, trades(3, first=1 + 3 * i), 1, LEADER)[1] for i in range(12)]
     for i in range(0, 12, 2):  # seqs 5-8, 13-16, ... lost: 5 gaps behind the last packet
         lc.on_datagram(packets[i])
@@ -185,7 +185,7 @@ def test_a_listeners_gap_timeout_follows_how_long_answers_take():
     but at srtt + 4 rttvar; a run asked twice says nothing of the answers' time."""
     keys = StreamKeys([K1])
     lc = ListenerCore(S, 2, 20 * 10**6, keys=keys)
-    lc.reply_at("10.0.0.1", 7000)
+    lc.reply_at("10.0.0.1", 7000, 0)
     packets = [keys.seal_packet(S, 1 + 4 * i, trades(3, first=1 + 3 * i), 1, LEADER)[1] for i in range(6)]
     ms = 10**6
     for i in (0, 2):
@@ -202,7 +202,7 @@ def test_a_listeners_gap_timeout_follows_how_long_answers_take():
 
 def test_with_keys_heartbeats_are_hints_that_claim_nothing():
     lc = ListenerCore(S, 2, 10**9, keys=StreamKeys([K1]))
-    lc.reply_at("10.0.0.1", 7000)
+    lc.reply_at("10.0.0.1", 7000, 0)
     assert lc.on_datagram(moldudp64.encode_heartbeat(S, 2**62)) == []
     assert lc.receiver.lag() == 0  # nothing believed to exist
     asks = [a for t in range(20) for a in lc.on_timer(t * 10**9)]  # but what follows is asked for, a few times

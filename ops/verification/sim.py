@@ -494,7 +494,7 @@ class Replica:
                                 default_of(Config, "snapshot_every"),
                                 default_of(Config, "snapshot_ms") * MS, False, 0.0, sim.now,
                                 REPLAY_BEHIND if sim.seed % 3 else SIM_REPLAY_BEHIND)
-        self.node.reply_at(*address(self.name))
+        self.node.reply_at(*address(self.name), sim.now)  # (its nonces above any before a crash)
         self.wake_at = sim.now
 
     def crash(self, wipe: bool) -> None:
@@ -592,7 +592,7 @@ class Listener:
         self.up = True
         self.node = ClientNode(SESSION, len(REWINDERS), GAP_REQUEST_NS, RESEND_NS, keys=STREAM_KEYS,
                                max_packet=default_of(Config, "max_packet"))
-        self.node.listener.reply_at(*address(self.name))
+        self.node.listener.reply_at(*address(self.name), self.sim.now)
         self.client = self.node.add(self.name, None)
         self.gen = self.trades()
         self.delivered: list[bytes] = []
