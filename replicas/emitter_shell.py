@@ -59,6 +59,8 @@ from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.settings import Config, NodeSettings
 from tape.runtime.tuning import CONTROL_READ, EMITTER_MAP_BYTES
 
+ORIGIN_BYTES = 8  # of the random origin in each webhook Idempotency-Key (sinks.WebhookSink)
+
 log = logging.getLogger("tape.emitter")
 _KEY = itemgetter(slice(0, 8))
 CRASH_EXIT = 99  # the fault injection's exit code: not a failure of the emitter's own
@@ -86,11 +88,15 @@ class Emitter(NodeProcess):
         self.outbox = self.env.open_db(b"outbox")
         self.delivered_db = self.env.open_db(b"delivered")
         self.stopping = threading.Event()  # tells a sink retrying in its thread to give up
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(b"mark", db=self.meta)
+            origin = txn.get(b"origin", db=self.meta)
+            if origin is None:  # this emitter's first start: its alerts' keys differ from any other cluster's
+                origin = os.urandom(ORIGIN_BYTES).hex().encode()
+                txn.put(b"origin", origin, db=self.meta)
         self.sinks = sinklib.build(node.sinks, self.data, node.webhook_url, node.webhook_timeout_ms / 1000,
                                    self.stopping, node.webhook_authorization,
-                                   webhook_secret_bytes(node.webhook_secret) or b"")
-        with self.env.begin() as txn:
-            raw = txn.get(b"mark", db=self.meta)
+                                   webhook_secret_bytes(node.webhook_secret) or b"", origin.decode())
         self.node_core = EmitterNode(  # every decision; this shell moves bytes and writes
             {n.wire_name for n in cfg.by_role("replica")}, int.from_bytes(raw, "big") if raw else 0, node.delivery,
             all(s.idempotent for s in self.sinks), crash_at, crash_after)

@@ -272,9 +272,12 @@ def redacted(url: str) -> str:
 
 
 class WebhookSink:
-    """POSTs each alert as JSON with an `Idempotency-Key` header equal to its
-    alert id, so that a receiver can drop the second copy of an alert resent
-    after a crash; with a secret, signed as Standard Webhooks specifies
+    """POSTs each alert as JSON with an `Idempotency-Key` header of its alert id
+    and this emitter's `origin` (`TAPE:42/<16 hex>`: random, made at the
+    emitter's first start and kept in its LMDB), so that a receiver can drop
+    the second copy of an alert resent after a crash, and two clusters of one
+    session name posting to one receiver never share a key; with a secret,
+    signed as Standard Webhooks specifies
     (`webhook-id`, `webhook-timestamp`, `webhook-signature`). Retries network
     errors, 5xx, 408, 425 and 429 with exponential back-off (capped) until
     delivered or the emitter stops: alerts are delivered in order, so a down
@@ -292,7 +295,8 @@ class WebhookSink:
 
     def __init__(self, url: str, timeout_s: float = WEBHOOK_TIMEOUT_S, backoff_s: float = SINK_RETRY_FIRST_S,
                  max_backoff_s: float = SINK_RETRY_MAX_S, stopping: threading.Event | None = None,
-                 authorization: str = "", secret: bytes = b"", clock: Callable[[], float] = time.time):
+                 authorization: str = "", secret: bytes = b"", origin: str = "",
+                 clock: Callable[[], float] = time.time):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("webhook_url: expected http(s)://host[:port]/path")
@@ -305,6 +309,7 @@ class WebhookSink:
         self.stopping = stopping or threading.Event()
         self.authorization = authorization
         self.secret = secret
+        self.origin = origin
         self.clock = clock  # the signature's timestamp (a receiver refuses one too old: replay)
         self.retries = 0
         self.refused = 0
@@ -318,14 +323,15 @@ class WebhookSink:
         return self._conn
 
     def headers(self, record: AlertLine, body: bytes) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "Idempotency-Key": record.alert_id}
+        key = f"{record.alert_id}/{self.origin}" if self.origin else record.alert_id
+        headers = {"Content-Type": "application/json", "Idempotency-Key": key}
         if self.authorization:
             headers["Authorization"] = self.authorization
         if self.secret:
             stamp = str(int(self.clock()))
-            signed = f"{record.alert_id}.{stamp}.".encode() + body
+            signed = f"{key}.{stamp}.".encode() + body
             mac = base64.b64encode(hmac.new(self.secret, signed, hashlib.sha256).digest()).decode()
-            headers.update({"webhook-id": record.alert_id, "webhook-timestamp": stamp,
+            headers.update({"webhook-id": key, "webhook-timestamp": stamp,
                             "webhook-signature": f"v1,{mac}"})
         return headers
 
@@ -395,7 +401,8 @@ class WebhookSink:
 
 
 def build(kinds: list[str], data: Path, webhook_url: str = "", webhook_timeout_s: float = WEBHOOK_TIMEOUT_S,
-          stopping: threading.Event | None = None, authorization: str = "", secret: bytes = b"") -> list:
+          stopping: threading.Event | None = None, authorization: str = "", secret: bytes = b"",
+          origin: str = "") -> list:
     sinks = []
     for kind in kinds:
         if kind == "jsonl":
@@ -404,7 +411,7 @@ def build(kinds: list[str], data: Path, webhook_url: str = "", webhook_timeout_s
             sinks.append(StdoutSink())
         elif kind == "webhook":
             sinks.append(WebhookSink(webhook_url, webhook_timeout_s, stopping=stopping, authorization=authorization,
-                                     secret=secret))
+                                     secret=secret, origin=origin))
         else:
             raise ValueError(f"unknown sink {kind!r} (jsonl, webhook, stdout)")
     return sinks

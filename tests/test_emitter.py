@@ -29,7 +29,7 @@ from tape.replicas.audit_core import Alert
 from tape.replicas.emitter_node_core import keep_newest
 from tape.replicas.emitter_shell import Emitter
 from tape.replicas.sinks import JsonLinesSink, WebhookSink
-from tape.runtime.config import load
+from tape.runtime.config import default_toml, load
 
 
 class Endpoint:
@@ -67,6 +67,14 @@ class Endpoint:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+def alert_ids(endpoint: Endpoint) -> list[str]:
+    """The alert ids of the keys an emitter process posted, each `<alert id>/<its origin>`: one
+    origin, 16 hex digits (tests/test_emitter.py makes the one of another emitter differ)."""
+    ids, origins = zip(*(key.rsplit("/", 1) for key, _ in endpoint.posts))
+    assert len(set(origins)) == 1 and re.fullmatch(r"[0-9a-f]{16}", origins[0]), origins
+    return list(ids)
 
 
 @pytest.fixture
@@ -398,7 +406,7 @@ def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, end
             s.close()
         cluster.stop("emitter")
         want = ["TAPE:11", "TAPE:12", "TAPE:13"]
-        assert [k for k, _ in endpoint.posts] == want
+        assert alert_ids(endpoint) == want
         from standardwebhooks.webhooks import Webhook
 
         for headers, body in endpoint.received:  # the config's secret and header, on every POST
@@ -431,8 +439,9 @@ def test_emitter_crash_resends_in_doubt_alerts_to_the_webhook_and_lists_them_for
         assert (alertlink.ACK, alertlink.MARK.pack(22)) in frames(a, 1)
         a.close()
         cluster.stop("emitter")
-        # The webhook saw 21 twice under the same key (its receiver drops the copy), then 22.
-        assert [k for k, _ in endpoint.posts] == ["TAPE:21", "TAPE:21", "TAPE:22"]
+        # The webhook saw 21 twice under the same key (its receiver drops the copy), then 22: the origin
+        # the emitter made at its first start, kept across the crash.
+        assert alert_ids(endpoint) == ["TAPE:21", "TAPE:21", "TAPE:22"]
         data = Path(cluster.cfg.node("emitter").data)
         assert [json.loads(line)["alert_id"] for line in (data / "alerts.jsonl").read_text().splitlines()] == \
             ["TAPE:21", "TAPE:22"]
@@ -628,3 +637,26 @@ def test_a_stop_during_a_sinks_back_off_ends_it_with_no_attempt_after(tmp_path):
     threading.Thread(target=back_off, daemon=True).start()
     wait_for(lambda: outcome, "the stop to end the back-off", timeout=60)
     assert "TAPE:1" in outcome[0] and attempts == [1]
+
+
+def test_an_emitters_origin_is_made_at_its_first_start_and_kept_and_another_emitters_differs(tmp_path):
+    """The webhook's Idempotency-Key is `<alert id>/<origin>`: the same across the emitter's
+    restarts (a resent alert is dropped by the receiver), another for another emitter (two clusters
+    of one session name posting to one receiver never share a key)."""
+    path = tmp_path / "cluster.toml"
+    path.write_text(default_toml(tmp_path / "data", replicas=1, free=True).replace(
+        'role = "emitter"', 'role = "emitter"\nsinks = ["webhook"]\nwebhook_url = "http://127.0.0.1:9/"'))
+    cfg = load(path)
+
+    def origin(data: Path) -> str:
+        node = cfg.node("emitter")
+        node.data = str(data)
+        emitter = Emitter(cfg, node)
+        try:
+            return emitter.sinks[0].headers(record(7), b"{}")["Idempotency-Key"]
+        finally:
+            emitter.env.close()
+
+    first = origin(tmp_path / "one")
+    assert re.fullmatch(r"TAPE:7/[0-9a-f]{16}", first) and origin(tmp_path / "one") == first
+    assert origin(tmp_path / "two") != first

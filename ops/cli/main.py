@@ -431,7 +431,7 @@ def _add_replica(sub) -> None:
 def _add_emitter(sub) -> None:
     p = sub.add_parser("emitter", help="run the alert emitter", description="Run the emitter: receive alerts from "
                        "the replicas and deliver each exactly once to its sinks: a JSON-lines file, an HTTP webhook "
-                       "(POST, Idempotency-Key = alert id, retried with back-off) and/or stdout.")
+                       "(POST, Idempotency-Key = alert id/origin, retried with back-off) and/or stdout.")
     _cluster_options(p, drop=False)
     p.add_argument("--node", default="emitter", help="this node's name in the config (default emitter)")
     p.add_argument("--sinks", help="comma-separated sinks, overriding the config: jsonl,webhook,stdout")
