@@ -15,7 +15,7 @@
                 host (the address it binds), interface (its host's multicast
                 interface: an address or a name like "eth0"; default:
                 [stream] interface, else host), data, metrics_port (0 =
-                none); sequencer: inbound_port,
+                none), metrics_host (default: host); sequencer: inbound_port,
                 replication_port; rewinder: replication_port, gapfill_port,
                 replay_port; emitter: alert_port, sinks (["jsonl", "webhook",
                 "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms,
@@ -226,7 +226,8 @@ def _parse_node(n: dict, where: str, base: Path | None) -> NodeSettings:
     if base is not None and not Path(data).is_absolute():
         data = str(base / data)
     node = NodeSettings(name, role, _get(n, "host", str, where, default_of(NodeSettings, "host")), data=data,
-                interface=_get(n, "interface", str, where, ""), metrics_port=_port(n, "metrics_port", where))
+                interface=_get(n, "interface", str, where, ""), metrics_port=_port(n, "metrics_port", where),
+                metrics_host=_get(n, "metrics_host", str, where, ""))
     if role in VOTER_ROLES:
         node.replication_port = _port(n, "replication_port", where, required=True)
     if role == "sequencer":

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from tape.runtime import metrics_server
 
 # A sample: (name, kind "counter" | "gauge", help, value or {label value: value}, label name), or
 # (name, "histogram", help, a node.latency.LatencyHistogram)
@@ -41,7 +43,10 @@ class FunctionCollector(Collector):
 
 
 def serve(port: int, prefix: str, node: str, report: Callable[[], Iterable[Sample]], host: str = "127.0.0.1") -> None:
-    """Expose `report` on http://host:port/metrics (port 0: not at all)."""
+    """Expose `report` on http://host:port/metrics (port 0: not at all), bounded (runtime/metrics_server.py)."""
     REGISTRY.register(FunctionCollector(prefix, node, report))
     if port:
-        start_http_server(port, addr=host)
+        server = metrics_server.start(host, port)
+        REGISTRY.register(FunctionCollector(prefix, node, lambda: [
+            ("metrics_refused", "counter", "metrics requests refused: too many at once (busy) or a second "
+             "(rate_limited)", server.refused)]))

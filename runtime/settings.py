@@ -29,6 +29,7 @@ class NodeSettings:
     gapfill_port: int = 0
     replay_port: int = 0
     metrics_port: int = 0
+    metrics_host: str = ""  # the metrics endpoint's address, e.g. a management network's ("": host)
     alert_port: int = 0
     sinks: list[str] = field(default_factory=lambda: ["jsonl"])
     webhook_url: str = ""
@@ -36,6 +37,10 @@ class NodeSettings:
     webhook_authorization: str = ""  # the Authorization header's value (a secret: never logged)
     webhook_secret: str = ""  # Standard Webhooks signing secret, whsec_<base64>
     delivery: str = "first"  # emitter: "first" copy of an alert, or once a "quorum" of replicas sent it
+
+    @property
+    def metrics_address(self) -> str:
+        return self.metrics_host or self.host
 
     @property
     def wire_name(self) -> bytes:
@@ -194,6 +199,7 @@ KEYS: dict[str, dict[str, str]] = {
                      "interface, else host)",
         "data": "its data directory (default data/NAME; relative: to the config file's directory)",
         "metrics_port": "its Prometheus metrics port (0: none)",
+        "metrics_host": "the address its metrics port binds, e.g. on a management network (default: host)",
         "replication_port": "sequencer and rewinder: the voters' replication port (required)",
         "inbound_port": "sequencer: the clients' inbound port (required)",
         "gapfill_port": "rewinder: the gap-fill request port, UDP (required)",

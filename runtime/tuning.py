@@ -30,6 +30,11 @@ SOCKET_RECV = 64 << 10
 # sent several by the time it reads (one fsync and one acknowledgement for all of them).
 BEHIND_RECV = 1 << 20
 HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
+# The metrics endpoint (runtime/metrics_server.py): requests at once, the time to read one, and
+# answers a second (Prometheus scrapes every few seconds; `tape status` and the test harness poll).
+METRICS_CONNECTIONS = 8
+METRICS_READ_TIMEOUT_S = 2.0
+METRICS_SCRAPES_PER_S = 50
 CONNECT_TIMEOUT_S = 2.0  # a connection and its handshake, where the caller has no tighter limit
 
 # --- threads, heap, collector --------------------------------------------------------------

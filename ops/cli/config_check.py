@@ -118,6 +118,9 @@ def check(path: str, node: str | None, console: Console) -> int:
             if not interfaces.is_local(n.host):
                 problems.append(f"{n.name}: host {n.host} is not an address of this host")
                 verdict = "[red]host missing[/red]"
+            elif n.metrics_host and not interfaces.is_local(n.metrics_host):
+                problems.append(f"{n.name}: metrics_host {n.metrics_host} is not an address of this host")
+                verdict = "[red]metrics host missing[/red]"
             elif n.role in ("sequencer", "replica"):
                 try:
                     verdict = f"[green]ok[/green], multicast on {interfaces.resolve(spec)}"

@@ -180,7 +180,7 @@ def _run_node(make) -> int:
         logging.getLogger("tape").warning("C speed-ups off (%s): built without a C compiler, or TAPE_PURE set; "
                                           "the same functions run in Python, slower", ", ".join(gone))
     node = runtime.node
-    metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.metrics, node.host)
+    metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.metrics, node.metrics_address)
     tune_memory()
     return runtime.run()
 

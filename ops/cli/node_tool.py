@@ -36,8 +36,9 @@ def replace(cfg: Config, name: str, out) -> int:
         print(f"tape node replace: {name} is a {node.role}; only voters (sequencers, rewinders) are replaced so "
               f"(docs/runbook.md, 'Replacing a failed node')", file=out)
         return 1
-    if _running(node.host, node.metrics_port):
-        print(f"tape node replace: {name} answers on {node.host}:{node.metrics_port}: stop it first", file=out)
+    if _running(node.metrics_address, node.metrics_port):
+        print(f"tape node replace: {name} answers on {node.metrics_address}:{node.metrics_port}: stop it first",
+              file=out)
         return 1
     data = Path(node.data)
     owner = data.stat() if data.exists() else None

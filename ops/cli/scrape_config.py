@@ -32,6 +32,6 @@ def scrape_config(cfg: Config, rules: str = "tape-alerts.yml", interval_s: float
     for role in ROLES:
         for node in cfg.by_role(role):
             if node.metrics_port:
-                lines += [f"      - targets: [{q(f'{node.host}:{node.metrics_port}')}]",
+                lines += [f"      - targets: [{q(f'{node.metrics_address}:{node.metrics_port}')}]",
                           f"        labels: {{node: {q(node.name)}, role: {role}}}"]
     return "\n".join(lines) + "\n"

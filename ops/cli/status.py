@@ -40,7 +40,7 @@ FIELDS = {
 
 def _scrape(node) -> dict[str, float] | None:
     try:
-        text = urllib.request.urlopen(f"http://{node.host}:{node.metrics_port}/metrics",
+        text = urllib.request.urlopen(f"http://{node.metrics_address}:{node.metrics_port}/metrics",
                                       timeout=FETCH_TIMEOUT_S).read().decode()
     except OSError:
         return None
@@ -57,7 +57,7 @@ def collect(cfg) -> dict:
         m = scraped[n.name]
         row = {"node": n.name, "role": n.role, "host": n.host, "up": m is not None}
         if m is None:
-            problems.append(f"{n.name} ({n.host}:{n.metrics_port}) does not answer")
+            problems.append(f"{n.name} ({n.metrics_address}:{n.metrics_port}) does not answer")
             rows.append(row)
             continue
         prefix, label = f"tape_{n.role}_", f'{{node="{n.name}"}}'

@@ -1,0 +1,86 @@
+"""A node's metrics endpoint, bounded (issue 63): anyone who reaches it may connect, so it must
+not let them take the process's threads, its file descriptors or the GIL its event loop needs.
+
+prometheus-client's own server starts a thread for every connection and waits on a silent one
+for ever. This one, on the same WSGI app: at most METRICS_CONNECTIONS requests at once (more
+are closed at once); a request not read whole within METRICS_READ_TIMEOUT_S is dropped (one
+request a connection, HTTP/1.0: no idle keep-alive); and at most METRICS_SCRAPES_PER_S answers
+a second (a burst of as many), each further one a 429 that costs no collection, since a
+collection walks every metric under the GIL. Counted in `refused` by reason."""
+
+from __future__ import annotations
+
+import socketserver
+import threading
+import time
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from prometheus_client import REGISTRY, make_wsgi_app
+
+from tape.runtime.tuning import METRICS_CONNECTIONS, METRICS_READ_TIMEOUT_S, METRICS_SCRAPES_PER_S
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = METRICS_READ_TIMEOUT_S  # the socket's: a slow or silent client is dropped
+
+    def log_message(self, *args) -> None:
+        pass  # (counted instead: a flood must not become a flood of log lines)
+
+
+class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, clock=time.monotonic):
+        super().__init__((host, port), _Handler)
+        self.clock = clock
+        self.slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+        self.refused = {"busy": 0, "rate_limited": 0}
+        self.tokens, self.at = float(METRICS_SCRAPES_PER_S), clock()
+        self.lock = threading.Lock()
+        collect = make_wsgi_app(REGISTRY)
+
+        def app(environ, start_response):
+            if not self._take_token():
+                self.refused["rate_limited"] += 1
+                start_response("429 Too Many Requests", [("Content-Type", "text/plain"), ("Retry-After", "1")])
+                return [b"too many scrapes\n"]
+            return collect(environ, start_response)
+
+        self.set_app(app)
+
+    def _take_token(self) -> bool:
+        with self.lock:
+            now = self.clock()
+            self.tokens = min(METRICS_SCRAPES_PER_S, self.tokens + (now - self.at) * METRICS_SCRAPES_PER_S)
+            self.at = now
+            if self.tokens < 1:
+                return False
+            self.tokens -= 1
+            return True
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused["busy"] += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that went away or timed out: nothing to report
+
+
+def start(host: str, port: int, clock=time.monotonic) -> MetricsServer:
+    """Serve the registry on http://host:port/metrics from a thread of its own."""
+    server = MetricsServer(host, port, clock)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server

@@ -1,0 +1,59 @@
+"""The metrics endpoint is bounded (runtime/metrics_server.py, issue 63): strangers holding silent
+connections or scraping as fast as they can take neither its threads nor the collection's GIL
+time beyond its budget. A real server on loopback, in this process."""
+
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import wait_for
+
+from tape.runtime import metrics_server
+from tape.runtime.tuning import METRICS_CONNECTIONS, METRICS_SCRAPES_PER_S
+
+
+@pytest.fixture
+def server():
+    s = metrics_server.start("127.0.0.1", 0, clock=lambda: 1000.0)  # time stands still: no refill
+    yield s
+    s.shutdown()
+    s.server_close()
+
+
+def scrape(port: int) -> int:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_silent_connections_hold_a_few_slots_for_a_while_and_then_the_endpoint_answers(server):
+    port = server.server_address[1]
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(METRICS_CONNECTIONS)]
+    wait_for(lambda: server.slots._value == 0, "every slot taken by a silent connection")
+    extra = socket.create_connection(("127.0.0.1", port))
+    extra.settimeout(5)
+    assert closed(extra) and server.refused["busy"] == 1  # closed at once: no thread for it
+    for s in silent:
+        s.settimeout(10)
+    assert all(closed(s) for s in silent)  # each dropped after the read timeout
+    assert scrape(port) == 200
+    for s in (*silent, extra):
+        s.close()
+
+
+def test_scrapes_beyond_the_budget_are_answered_429_without_a_collection(server):
+    port = server.server_address[1]
+    answers = [scrape(port) for _ in range(3 * METRICS_SCRAPES_PER_S)]
+    assert answers == [200] * METRICS_SCRAPES_PER_S + [429] * 2 * METRICS_SCRAPES_PER_S  # the burst, then none
+    assert server.refused["rate_limited"] == 2 * METRICS_SCRAPES_PER_S
+    server.clock = lambda: 1001.0  # a second later: a second's worth again
+    assert [scrape(port) for _ in range(METRICS_SCRAPES_PER_S + 1)] == [200] * METRICS_SCRAPES_PER_S + [429]
