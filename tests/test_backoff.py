@@ -4,8 +4,12 @@ overload, and requests to resend a batch that later ones overtook."""
 import hashlib
 import hmac
 import json
+import os
+import signal
+import time
 
 import pytest
+from conftest import wait_for
 
 from tape.ops.verification.local import LocalCluster
 from tape.protocol import backoff
@@ -238,11 +242,19 @@ def test_the_resend_timeout_follows_the_measured_submit_to_sequenced_time():
 def test_an_overloaded_leader_tells_the_clients_to_back_off_and_nothing_is_lost(tmp_path):
     """Two clients send 300,000 trades as fast as they can build them (a datagram costs a client
     far less than sequencing its trades costs the leader, so its socket backs up past the
-    overload threshold): they are told to back off, pause, and every trade is sequenced once."""
+    overload threshold): they are told to back off, pause, and every trade is sequenced once. On a
+    fast quiet host the leader may keep up, so the overload is made to bite: the leader is stopped
+    for three times the overload threshold while the load sends (well under the election timeout), and
+    its inbound socket backs up."""
     cluster = LocalCluster(tmp_path)
     try:
         cluster.start_all()
         load = cluster.start("load", "load", "--rate", "100000000", "--messages", str(TRADES), "--seed", "3")
+        wait_for(lambda: cluster.metrics("seq-a")['tape_sequencer_sequenced_seq{node="seq-a"}'] > 1000,
+                 "the load under way")
+        os.kill(cluster.procs["seq-a"].pid, signal.SIGSTOP)
+        time.sleep(3 * OVERLOAD_NS / 1e9)  # the fault's length (half the election timeout), not a wait for an event
+        os.kill(cluster.procs["seq-a"].pid, signal.SIGCONT)
         assert load.wait(timeout=180) == 0, cluster.output("load")
         report = json.loads(cluster.output("load"))
         assert report["acked"] == TRADES and report["backoffs"] > 0 and report["paused_s"] > 0, report
