@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from tape.sequencer.leader_core import LeaderCore
 QUEUED_BYTES = 16 << 20  # at most this much waiting in the replica's socket (it is granted 64 MiB)
 SEND_CHUNK = 64  # packets a send call
 STALL_S = 30.0  # nothing more applied this long: the run failed (the bench stops by itself)
+JOIN_TIMEOUT_S = 30.0
 POLL_S = 0.02  # the replica's metrics, read only once every packet was sent (its endpoint answers 50 a second)
 STREAM_MS_PER_BATCH = 1  # the stamps' clock: a batch of ~1,000 messages a millisecond
 
@@ -55,12 +57,25 @@ def bench_replica_endpoint(n: int = 1_000_000) -> ReplicaRun:
         os.sched_setaffinity(0, theirs)  # the replica inherits the other
         cluster.start_node("replica-A")
         os.sched_setaffinity(0, mine)
+        _wait_joined(cluster.cfg.group)
         return _run(cluster, packets, last_seq, n)
     finally:
         if cluster is not None:
             cluster.close()
         os.sched_setaffinity(0, cores)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait_joined(group: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+    """Until the replica has joined the stream's group (/proc/net/igmp lists it): it serves its
+    metrics, which start_node waits for, before it joins, and with no rewinder here a packet sent
+    before the join is never filled in (the replica would apply nothing)."""
+    wanted = socket.inet_aton(group)[::-1].hex().upper()  # (the file's byte order)
+    deadline = time.monotonic() + timeout_s
+    while wanted not in Path("/proc/net/igmp").read_text():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the replica did not join {group} within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
 
 
 def _stream(cluster: LocalCluster, n: int) -> tuple[list[bytes], int]:
