@@ -5,7 +5,8 @@ events and returns one list of typed actions, which the shell carries out in
 order; the simulator drives the same core over the same bytes. The calling
 convention, shared by every node core:
 
-    on_connected(conn, now)        a connection is up (authenticated, where keys are set)
+    on_connected(conn, now[, peer])  a connection is up (authenticated, where keys are set: `peer`
+                                   is the node its handshake proved is at the other end)
     on_data(conn, data, now)       bytes read from it, cut anywhere
     on_closed(conn, now)           it closed
     on_timer(now)                  at or after next_deadline()

@@ -13,9 +13,14 @@ answering costs no round trip):
 
     magic "TPL3" (or "TPL2") | key id 8 | nonce 16          (28 bytes)
 
-The key is the connecting side's (named by its id: rotation works as for
-the stream, docs/security.md); the accepting side must hold it. Each
-direction then has its own key,
+The key is the pair's: each pair of nodes that may talk shares a key of its
+own (`pair_key`), so the key a hello names (by its id: rotation works as
+for the stream, docs/security.md) says which configured node connects, and
+the handshake proves it (`LinkEnd.peer`): only the two ends hold it. A
+listener accepts only the pairs of the peers whose role may send to it, so
+a replica's keys open no voter's port, and no node can speak in another's
+name. (Replay logins share the stream key, whoever reads the stream: their
+peer is `ANY_LISTENER`.) Each direction then has its own key,
 
     BLAKE2b-256(key=K, person="tape-link-c2s" or "-s2c", nonce_c | nonce_s)
 
@@ -97,38 +102,58 @@ def offered(peer_hello: bytes) -> bytes:
     return magic
 
 
+ANY_LISTENER = b""  # the peer of a link whose key is shared (replay's: the stream key)
+PAIR_PERSON = b"tape-link-pair"
+
+
+def pair_key(cluster_key: bytes, a: str, b: str) -> bytes:
+    """The key nodes `a` and `b` (and no other) share, derived from a cluster key: the config
+    generator writes each host only the pairs of its own nodes (runtime/config.py keys_of_host)."""
+    names = "/".join(sorted((a, b))).encode()
+    return hashlib.blake2b(names, key=cluster_key, person=PAIR_PERSON).digest()
+
+
 class LinkKeys:
-    """A link's keys: `keys[0]` is offered when connecting; any is accepted."""
+    """A node's link keys, by peer: each peer's first key is offered when connecting to it; any
+    peer's key is accepted, and names the peer. `LinkKeys(keys)`: one shared key list, whose
+    holders are all ANY_LISTENER."""
 
-    def __init__(self, keys: list[bytes]):
-        if not keys:
+    def __init__(self, keys: list[bytes] | None = None, *, peers: dict[bytes, list[bytes]] | None = None):
+        peers = {ANY_LISTENER: keys} if peers is None else peers
+        if not peers or not all(peers.values()):
             raise ValueError("no link key")
-        self.signing = keys[0]
-        self.by_id = {key_id(k): k for k in keys}
+        self.signing = {peer: keys[0] for peer, keys in peers.items()}
+        self.by_id = {key_id(k): (peer, k) for peer, keys in peers.items() for k in keys}
+        assert len(self.by_id) == sum(map(len, peers.values())), "two peers share a key"
 
-    def hello(self, nonce: bytes, version: bytes = MAGIC) -> bytes:
+    def hello(self, nonce: bytes, version: bytes = MAGIC, peer: bytes = ANY_LISTENER) -> bytes:
+        """KeyError if we hold no key for `peer`."""
         assert len(nonce) == NONCE_SIZE and version in DIGESTS
-        return HELLO.pack(version, key_id(self.signing), nonce)
+        return HELLO.pack(version, key_id(self.signing[peer]), nonce)
 
-    def accept(self, own_nonce: bytes, peer_hello: bytes, initiator: bool,
-               version: bytes = MAGIC) -> tuple["Sealer", "Opener"]:
-        """The two directions of a link in `version` (ours: offered when connecting, answered when
-        accepting), once the peer's hello is in; ProtocolError if it is not a hello in that
-        version (OlderPeer: the accepting side answered in an older one we speak), or names a key
-        this side does not hold."""
+    def accept(self, own_nonce: bytes, peer_hello: bytes, initiator: bool, version: bytes = MAGIC,
+               peer: bytes = ANY_LISTENER) -> tuple[bytes, "Sealer", "Opener"]:
+        """The peer and the two directions of a link in `version` (ours: offered when connecting,
+        answered when accepting), once the peer's hello is in (`peer`: the one we connected to);
+        ProtocolError if it is not a hello in that version (OlderPeer: the accepting side answered
+        in an older one we speak), or names a key this side does not hold."""
         magic = offered(peer_hello)
         if magic != version:
             if initiator and magic == OLDER:
                 raise OlderPeer(magic)
             raise ProtocolError("bad_hello", f"answered in {magic.decode()}, not {version.decode()}", 0)
         _, kid, peer_nonce = HELLO.unpack(peer_hello)
-        key = self.signing if initiator else self.by_id.get(kid)
+        if initiator:
+            key = self.signing[peer]
+        else:
+            peer, key = self.by_id.get(kid, (None, None))
         if key is None:
-            raise ProtocolError("unknown_key", "the peer's link key is not one of ours", 4)
+            raise ProtocolError("unknown_key", "the peer's link key is not one we share with a peer that may "
+                                "connect here", 4)
         nonces = own_nonce + peer_nonce if initiator else peer_nonce + own_nonce
         c2s, s2c = (hashlib.blake2b(nonces, key=key, person=p).digest() for p in (b"tape-link-c2s", b"tape-link-s2c"))
         out, into = (c2s, s2c) if initiator else (s2c, c2s)
-        return Sealer(out, version), Opener(into, version)
+        return peer, Sealer(out, version), Opener(into, version)
 
 
 class LinkEnd:
@@ -136,8 +161,11 @@ class LinkEnd:
     `receive` return is written to the connection, their payloads handed on; runtime/links.py
     does it over asyncio's streams, the simulator over its connections."""
 
-    def __init__(self, keys: LinkKeys, nonce: bytes, initiator: bool, version: bytes = MAGIC):
+    def __init__(self, keys: LinkKeys, nonce: bytes, initiator: bool, version: bytes = MAGIC,
+                 peer: bytes = ANY_LISTENER):
+        """`peer`: connecting, the node we connect to (accepting, the hello says who it is)."""
         self.keys, self.nonce, self.initiator, self.version = keys, nonce, initiator, version
+        self.peer = peer  # proven once established: the only other holder of the link's key
         self.sealer: Sealer | None = None
         self.opener: Opener | None = None
         self._hello = b""  # the peer's hello, as far as it has come
@@ -145,7 +173,7 @@ class LinkEnd:
     def opening(self) -> bytes:
         """What to write as the connection opens: the connecting side's hello (the accepting
         side answers the hello it is offered)."""
-        return self.keys.hello(self.nonce, self.version) if self.initiator else b""
+        return self.keys.hello(self.nonce, self.version, self.peer) if self.initiator else b""
 
     @property
     def established(self) -> bool:
@@ -158,8 +186,9 @@ class LinkEnd:
         assert not self.established
         if not self.initiator:
             self.version = offered(peer_hello)
-        self.sealer, self.opener = self.keys.accept(self.nonce, peer_hello, self.initiator, self.version)
-        return b"" if self.initiator else self.keys.hello(self.nonce, self.version)
+        self.peer, self.sealer, self.opener = self.keys.accept(self.nonce, peer_hello, self.initiator, self.version,
+                                                               self.peer)
+        return b"" if self.initiator else self.keys.hello(self.nonce, self.version, self.peer)
 
     def receive(self, data: bytes) -> tuple[bytes, bytes]:
         """Bytes as they came: (what to write back, the payloads they complete). ProtocolError as

@@ -59,6 +59,15 @@ class Reject(Enum):
 
     BAD_FRAME = "bad_frame"
     UNEXPECTED_FRAME = "unexpected_frame"
+    NOT_THE_PEER = "not_the_peer"  # a frame naming another voter than the one at the link's other end
+
+
+def named(frame) -> bytes | None:
+    """The voter a frame speaks for (a Fetch names none): it must be the one at the link's other end."""
+    for name_field in ("leader", "candidate", "node", "voter", "follower"):
+        if (name := getattr(frame, name_field, None)) is not None:
+            return name
+    return None
 
 
 class Why(Enum):
@@ -200,6 +209,7 @@ class VoterNode:
         self.election.deadline = now + rng.randint(election_ns // 4, election_ns // 2)
         self.tick_ns = int(election_ns * STALL_SHARE * TICK_SHARE_OF_STALL)
         self.served: dict[Hashable, rep.FrameReader] = {}  # connections others opened
+        self.proven: dict[Hashable, bytes] = {}  # a served connection -> the voter its link proved (with keys)
         self._rest: dict[Hashable, list] = {}  # a read's frames still to judge (Resume)
         self.dialed: dict[Hashable, Dialed] = {}
         self.dials = 0
@@ -221,12 +231,16 @@ class VoterNode:
 
     # --- the shared events ---------------------------------------------------------------
 
-    def on_connected(self, conn: Hashable, now: int) -> list:
+    def on_connected(self, conn: Hashable, now: int, peer: bytes | None = None) -> list:
+        """`peer`: the voter the link's handshake proved is at the other end (None without keys):
+        a frame there naming another is refused."""
         d = self.dialed.get(conn)
         if d is None:  # a voter connected to us: greet (all an absent voter gives)
             if self.core.absent:
                 return [Send(conn, rep.encode_hello(*self.core.hello())), Close(conn)]
             self.served[conn] = rep.FrameReader()
+            if peer is not None:
+                self.proven[conn] = peer
             return [Send(conn, rep.encode_hello(*self.core.hello()))]
         d.deadline = now + (FETCH_READ_TIMEOUT_NS if d.purpose == FETCH else self.election_ns)
         if d.purpose == ASK:
@@ -252,6 +266,8 @@ class VoterNode:
             return self._take_fetched(conn, d)
         out = []
         for fr in frames:
+            if named(fr) not in (None, d.peer):
+                return out + self._hang_up(conn, Reject.NOT_THE_PEER, f"{fr!r} from {d.peer!r}")
             if isinstance(fr, rep.Hello):
                 d.hello = fr
                 if d.purpose == GREET:
@@ -266,6 +282,7 @@ class VoterNode:
         it (a drill's partition)."""
         if self.served.pop(conn, None) is not None:
             self._rest.pop(conn, None)
+            self.proven.pop(conn, None)
             if self.core.on_closed(conn, by_peer, now):
                 return [LeaderGone(self.election.term)]
             return []
@@ -356,7 +373,12 @@ class VoterNode:
         except ProtocolError as e:
             return self._hang_up(conn, Reject.BAD_FRAME, str(e))
         out, replies, commit = [], [], self.core.commit_seq
+        proven = self.proven.get(conn)
         for i, fr in enumerate(frames):
+            claimed = named(fr)
+            if proven is not None and claimed not in (None, proven):
+                return out + self._hang_up(conn, Reject.NOT_THE_PEER, f"{type(fr).__name__} names {claimed!r} on "
+                                           f"{proven!r}'s link")
             if isinstance(fr, rep.Append):
                 ack, actions = self.core.on_append(fr, conn, now)
                 replies.append(rep.encode_ack(*ack))
@@ -398,6 +420,7 @@ class VoterNode:
     def _hang_up(self, conn: Hashable, reason: Reject | None = None, detail: str = "") -> list:
         self.served.pop(conn, None)
         self._rest.pop(conn, None)
+        self.proven.pop(conn, None)
         return self._fetched(self.dialed.pop(conn, None)) + [Close(conn, reason, detail)]
 
     def _election(self, actions: list) -> list:

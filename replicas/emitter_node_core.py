@@ -58,6 +58,7 @@ class Reject(Enum):
     """Why a replica's link was closed (the emitter's `rejected` metric, by value)."""
 
     UNKNOWN_REPLICA = "unknown_replica"
+    NOT_THE_PEER = "not_the_peer"  # a hello naming another replica than the link's handshake proved
     MALFORMED_ALERT = "malformed_alert"
     UNEXPECTED_FRAME = "unexpected_frame"
     BAD_FRAME = "bad_frame"
@@ -115,6 +116,7 @@ class EmitterNode:
         `crash_after`: fault injection (EmitterCore)."""
         self.core = EmitterCore(replicas, mark, crash_at, crash_after, delivery, deliver_first=deliver_first)
         self.links: dict[Hashable, bytes | None] = {}  # connection -> the replica it named (None: no hello yet)
+        self.proven: dict[Hashable, bytes | None] = {}  # connection -> the node its link proved (None: no keys)
         self.readers: dict[Hashable, alertlink.Reader] = {}
         self.by_replica: dict[bytes, Hashable] = {}  # its latest connection: where a rebuild order goes
         self.recent: dict[bytes, bytes] = {}  # key -> the bytes recorded, the newest RECENT_ALERTS
@@ -133,13 +135,16 @@ class EmitterNode:
 
     # --- the links ---------------------------------------------------------------------
 
-    def on_connected(self, conn: Hashable, now: int) -> list:
+    def on_connected(self, conn: Hashable, now: int, peer: bytes | None = None) -> list:
+        """`peer`: the node the link's handshake proved it is (None on a link without keys)."""
         self.links[conn] = None
+        self.proven[conn] = peer
         self.readers[conn] = alertlink.Reader()
         return []
 
     def on_closed(self, conn: Hashable, now: int) -> list:
         name = self.links.pop(conn, None)
+        self.proven.pop(conn, None)
         self.readers.pop(conn, None)
         if name is not None and self.by_replica.get(name) == conn:
             del self.by_replica[name]
@@ -181,6 +186,9 @@ class EmitterNode:
         return []
 
     def _hello(self, conn: Hashable, kind: int, name: bytes) -> list:
+        proven = self.proven.get(conn)
+        if kind == alertlink.HELLO and proven is not None and name != proven:
+            return self._reject(conn, Reject.NOT_THE_PEER, f"hello {name[:16]!r} on {proven!r}'s link")
         mark = self.core.on_hello(name) if kind == alertlink.HELLO else None
         if mark is None:
             return self._reject(conn, Reject.UNKNOWN_REPLICA, f"hello {name[:16]!r}")

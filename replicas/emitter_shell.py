@@ -52,6 +52,7 @@ from tape.replicas.emitter_node_core import (
     RecordIntent,
     Redeliver,
 )
+from tape.runtime import links
 from tape.runtime.config import webhook_secret_bytes
 from tape.runtime.latency import LatencySamples
 from tape.runtime.process import NodeProcess
@@ -147,7 +148,7 @@ class Emitter(NodeProcess):
             with self.env.begin() as txn:
                 doubt = [v for _, v in txn.cursor(db=self.outbox)]
             await self._carry_out(self.node_core.start(doubt, time.monotonic_ns()))
-            server = await self.serve_links(self._on_replica, self.cfg.cluster_link, self.node.host,
+            server = await self.serve_links(self._on_replica, self.cfg.links_of(self.node), self.node.host,
                                             self.node.alert_port, self.cfg.by_role("replica"))
             log.info("emitter at mark %d, listening on :%d, sinks: %s", self.mark, self.node.alert_port,
                      ", ".join(s.name for s in self.sinks))
@@ -172,7 +173,7 @@ class Emitter(NodeProcess):
         (self.data / "status.json").write_text(json.dumps(status, indent=1))
 
     async def _on_replica(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.node_core.on_connected(writer, time.monotonic_ns())
+        self.node_core.on_connected(writer, time.monotonic_ns(), links.peer_of(writer))
         try:
             while not writer.is_closing():
                 data = await reader.read(CONTROL_READ)

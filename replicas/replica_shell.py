@@ -29,6 +29,7 @@ import lmdb
 
 from tape.protocol import messages
 from tape.protocol.errors import InvariantViolation, ProtocolError
+from tape.protocol.linkauth import ANY_LISTENER
 from tape.protocol.moldudp64 import HEADER_SIZE
 from tape.protocol.streamauth import SEAL_FAILURES
 from tape.replicas.audit_core import ALERT_SIZE, AuditMachine
@@ -240,9 +241,10 @@ class Replica(NodeProcess):
     async def _dialled(self, conn: Hashable, peer: NodeSettings) -> None:
         """The alert link to the emitter, or a replay from a rewinder, as the node asked."""
         alert = conn[0] == "alert"
-        port, keys = (peer.alert_port, self.cfg.cluster_link) if alert else (peer.replay_port, self.cfg.replay_link)
+        port, keys = (peer.alert_port, self.cfg.links_of(self.node)) if alert else (peer.replay_port,
+                                                                                     self.cfg.replay_link)
         try:
-            reader, writer = await self.open_link(peer.host, port, keys)
+            reader, writer = await self.open_link(peer.host, port, keys, peer=peer.wire_name if alert else ANY_LISTENER)
         except (OSError, asyncio.TimeoutError) as e:
             log.warning("%s link to %s not opened: %s", conn[0], peer.name, e)
             self.event(self.node_core.on_closed, conn)

@@ -124,8 +124,8 @@ class RewinderNode:
 
     # --- the shared events: replay connections here, the rest to the voter ------------------
 
-    def on_connected(self, conn: Hashable, now: int) -> list:
-        return self._after(self.voter.on_connected(conn, now), now)
+    def on_connected(self, conn: Hashable, now: int, peer: bytes | None = None) -> list:
+        return self._after(self.voter.on_connected(conn, now, peer), now)
 
     def on_data(self, conn: Hashable, data: bytes, now: int) -> list:
         if conn in self.replays:

@@ -81,7 +81,7 @@ class Rewinder(NodeProcess):
 
     async def main(self) -> None:
         voters = [v for v in self.cfg.voters if v.name != self.node.name]
-        repl = await self.serve_links(self.voter.serve, self.cfg.cluster_link, self.node.host,
+        repl = await self.serve_links(self.voter.serve, self.voter.link_keys, self.node.host,
                                       self.node.replication_port, voters)
         replay = await self.serve_links(self._on_replay, self.cfg.replay_link, self.node.host,
                                         self.node.replay_port, self.cfg.by_role("replica"))

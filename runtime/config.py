@@ -44,9 +44,21 @@ from pathlib import Path
 from tape.protocol import moldudp64
 from tape.protocol.alertlink import DELIVERY
 from tape.protocol.limits import MAX_BOOKS_EXPECTED
+from tape.protocol.linkauth import pair_key
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE
 from tape.protocol.streamauth import BLAKE3_SEALS_FROM, SEALS
-from tape.runtime.settings import KEYS, ROLES, SINKS, VOTER_ROLES, ClientSettings, Config, NodeSettings, default_of
+from tape.runtime.settings import (
+    KEYS,
+    ROLES,
+    SINKS,
+    VOTER_ROLES,
+    ClientSettings,
+    Config,
+    NodeSettings,
+    default_of,
+    may_link,
+    pair_of,
+)
 from tape.runtime.udp import free_port
 
 MIN_PACKET = 120  # a header and one sequenced block, with room to spare
@@ -128,6 +140,7 @@ def parse(doc: dict, base: Path | None = None) -> Config:
         cfg.nodes.append(node)
     if not cfg.by_role("sequencer"):
         raise ConfigError("node: at least one node with role = \"sequencer\" is needed")
+    _check_link_pairs(cfg)
     for i, c in enumerate(_get(doc, "client", list, "", [])):
         cfg.clients.append(_parse_client(c, f"client[{i}]."))
     if not cfg.clients:
@@ -200,6 +213,22 @@ def _parse_keys(cfg: Config, keys: dict) -> None:
     _only_known(keys, "keys", "keys.")
     cfg.stream_keys = _key_list(keys.get("stream"), "keys.stream")
     cfg.cluster_keys = _key_list(keys.get("cluster"), "keys.cluster")
+    links = _get(keys, "links", dict, "keys.", {})
+    for pair, value in links.items():
+        names = pair.split("/")
+        if len(names) != 2 or names[0] == names[1]:
+            raise ConfigError(f"keys.links.{pair}: name a pair of nodes, \"NODE/NODE\"")
+        cfg.link_keys[pair_of(*names)] = _key_list(value, f"keys.links.{pair}")
+
+
+def _check_link_pairs(cfg: Config) -> None:
+    """Each [keys.links] pair names two configured nodes whose roles link."""
+    roles = {n.name: n.role for n in cfg.nodes}
+    for a, b in cfg.link_keys:
+        if a not in roles or b not in roles:
+            raise ConfigError(f"keys.links.{a}/{b}: {b if a in roles else a!r} is no configured node")
+        if not may_link(roles[a], roles[b]):
+            raise ConfigError(f"keys.links.{a}/{b}: a {roles[a]} and a {roles[b]} share no link")
 
 
 def _key_list(value, where: str) -> list[bytes]:
@@ -340,16 +369,26 @@ def node_names(sequencers: int, rewinders: int, replicas: int, clients: int) -> 
             *(f"load{i}" for i in range(clients))]
 
 
-def keys_of_host(keys: dict, names_here: set[str]) -> dict:
-    """What of `keys` (new_keys) the nodes and clients in `names_here` need, None for the rest: the
-    stream key where anything reads or serves the stream (not the emitter alone); the cluster key
-    where a cluster node lives (never a client's host alone); every client's key where a sequencer
-    checks them, else only the clients' own."""
-    roles = {n.split("-")[0] if not n.startswith("load") else "client" for n in names_here}
-    cluster_node = bool(roles & {"seq", "rw", "replica", "emitter"})
-    return {"stream": keys["stream"] if roles & {"seq", "rw", "replica", "client"} else None,
-            "cluster": keys["cluster"] if cluster_node else None,
-            "clients": [k if "seq" in roles or f"load{i}" in names_here else None
+def _role_of(name: str) -> str:
+    """The role of a default topology's node (node_names), "client" for a load client."""
+    prefixes = {"seq-": "sequencer", "rw-": "rewinder", "replica-": "replica", "emitter": "emitter"}
+    return next((role for prefix, role in prefixes.items() if name.startswith(prefix)), "client")
+
+
+def keys_of_host(keys: dict, names_here: set[str], names: list[str]) -> dict:
+    """What of `keys` (new_keys) the nodes and clients in `names_here` (of the topology's `names`)
+    need, None for the rest: the stream key where anything reads or serves the stream (not the
+    emitter alone); never the cluster key, but the link key of each pair a node here is one of
+    (`links`: so a replica's host cannot open a voter's link, nor speak for another replica);
+    every client's key where a sequencer checks them, else only the clients' own."""
+    roles = {_role_of(n) for n in names_here}
+    here = [n for n in names if n in names_here and _role_of(n) != "client"]
+    cluster = bytes.fromhex(keys["cluster"])
+    links = {"/".join(pair_of(a, b)): pair_key(cluster, a, b).hex() for a in here for b in names
+             if b != a and may_link(_role_of(a), _role_of(b))}
+    return {"stream": keys["stream"] if roles & {"sequencer", "rewinder", "replica", "client"} else None,
+            "cluster": None, "links": dict(sorted(links.items())),
+            "clients": [k if "sequencer" in roles or f"load{i}" in names_here else None
                         for i, k in enumerate(keys["clients"])]}
 
 
@@ -397,6 +436,8 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         return f'\nhost = "{where[name]}"\ninterface = "{where[name]}"' if name in where else ""
     if keys and (held := [k for k in ("stream", "cluster") if keys[k]]):
         lines.append("[keys]" + "".join(f'\n{k} = "{keys[k]}"' for k in held))
+    if keys and keys.get("links"):
+        lines.append("[keys.links]" + "".join(f'\n"{pair}" = "{key}"' for pair, key in keys["links"].items()))
     for name in ("seq-a", "seq-b", "seq-c")[:sequencers]:
         lines.append(f'[[node]]\nname = "{name}"\nrole = "sequencer"{at(name)}\ndata = "{data / name}"\n'
                      f'inbound_port = {port()}\nreplication_port = {port()}\nmetrics_port = {port()}')

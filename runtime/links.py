@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 from tape.protocol.errors import ProtocolError
 from tape.protocol.linkauth import (
+    ANY_LISTENER,
     HELLO,
     MAGIC,
     NONCE_SIZE,
@@ -170,11 +171,13 @@ class SealedReader:
 
 
 class SealedWriter:
-    """An asyncio.StreamWriter whose writes go out as sealed records."""
+    """An asyncio.StreamWriter whose writes go out as sealed records, to the `peer` the handshake
+    proved."""
 
-    def __init__(self, writer: asyncio.StreamWriter, sealer: Sealer):
+    def __init__(self, writer: asyncio.StreamWriter, sealer: Sealer, peer: bytes):
         self._writer = writer
         self._sealer = sealer
+        self.peer = peer
         self.transport = writer.transport
         self.version = sealer.version
 
@@ -184,6 +187,12 @@ class SealedWriter:
 
     def __getattr__(self, name):  # drain, close, is_closing, wait_closed, get_extra_info
         return getattr(self._writer, name)
+
+
+def peer_of(writer) -> bytes | None:
+    """The node a link's handshake proved is at the other end (ANY_LISTENER: a holder of a shared
+    key), None on a link without keys."""
+    return getattr(writer, "peer", None)
 
 
 def write_each(writers: list, data: bytes) -> None:
@@ -206,13 +215,17 @@ def _refuse(refused: dict[str, int], e: ProtocolError) -> None:
 
 
 async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: dict[str, int],
-                     version: bytes = MAGIC):
-    """Hellos exchanged: the connecting side's first, in `version`; the accepting side's in the
-    version offered. Raises OlderPeer (connecting: the peer answered in an older version we speak),
-    or ConnectionError (counted in `refused`)."""
-    end = LinkEnd(keys, os.urandom(NONCE_SIZE), initiator, version)
-    if initiator:
-        writer.write(end.opening())
+                     version: bytes = MAGIC, peer: bytes = ANY_LISTENER):
+    """Hellos exchanged: the connecting side's first (to `peer`), in `version`; the accepting
+    side's in the version offered. Raises OlderPeer (connecting: the peer answered in an older
+    version we speak), or ConnectionError (counted in `refused`)."""
+    end = LinkEnd(keys, os.urandom(NONCE_SIZE), initiator, version, peer)
+    try:
+        if initiator:
+            writer.write(end.opening())
+    except KeyError:
+        _refuse(refused, ProtocolError("no_pair_key", f"no link key shared with {peer!r}", 0))
+        raise ConnectionError(f"no link key for {peer!r}") from None
     try:
         async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):  # not wait_for (runtime/process.py `within`)
             peer = await reader.readexactly(HELLO.size)
@@ -230,19 +243,21 @@ async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: d
     except ProtocolError as e:
         _refuse(refused, e)
         raise ConnectionError(f"link handshake refused: {e}") from None
-    return SealedReader(reader, end.opener, refused), SealedWriter(writer, end.sealer)
+    return SealedReader(reader, end.opener, refused), SealedWriter(writer, end.sealer, end.peer)
 
 
-async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str, int], timeout: float | None = None):
-    """open_connection, then the handshake when the link has keys, both within `timeout`
-    (raises OSError or asyncio.TimeoutError; ConnectionError when the handshake fails)."""
+async def connect(host: str, port: int, keys: LinkKeys | None, refused: dict[str, int], timeout: float | None = None,
+                  peer: bytes = ANY_LISTENER):
+    """open_connection, then the handshake when the link has keys (with the key shared with `peer`,
+    the node there), both within `timeout` (raises OSError or asyncio.TimeoutError; ConnectionError
+    when the handshake fails)."""
     async def open_link(version: bytes = MAGIC):
         reader, writer = await _open_connection(host, port)
         small_reads(writer)
         if keys is None:
             return reader, writer
         try:
-            return await _handshake(reader, writer, keys, True, refused, version)
+            return await _handshake(reader, writer, keys, True, refused, version, peer)
         except OlderPeer as e:  # a node not yet upgraded refused our hello: offer its version (once:
             writer.close()        # only a TPL3 offer can be answered in TPL2)
             log.warn("older_link_version", "%s:%d speaks %s: connecting again in it", host, port,

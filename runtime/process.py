@@ -49,9 +49,10 @@ class NodeProcess:
         """Metric samples (tape.runtime.metrics): (name, kind, help, value[, label])."""
         return iter(())
 
-    async def open_link(self, host: str, port: int, keys, timeout: float = CONNECT_TIMEOUT_S):
-        """A TCP connection to a peer, authenticated when `keys` (runtime/links.py)."""
-        return await links.connect(host, port, keys, self.link_refused, timeout)
+    async def open_link(self, host: str, port: int, keys, timeout: float = CONNECT_TIMEOUT_S, peer: bytes = b""):
+        """A TCP connection to `peer` (its wire name; b"": a shared key's holder), authenticated when
+        `keys` (runtime/links.py)."""
+        return await links.connect(host, port, keys, self.link_refused, timeout, peer)
 
     async def serve_links(self, handler, keys, host: str, port: int, peers=()) -> asyncio.Server:
         """A TCP server that hands `handler` only authenticated connections (runtime/links.py);

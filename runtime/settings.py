@@ -82,7 +82,8 @@ class Config:
     books_expected: int = 0  # books a replica's table is sized and its memory written for at start
     # [keys]: the first of each list signs, any verifies (rotation); empty: that link is not authenticated
     stream_keys: list[bytes] = field(default_factory=list)  # the public stream, gap fill, replay logins
-    cluster_keys: list[bytes] = field(default_factory=list)  # replication between voters, alerts to the emitter
+    cluster_keys: list[bytes] = field(default_factory=list)  # every pair's link key derives from it
+    link_keys: dict[tuple[str, str], list[bytes]] = field(default_factory=dict)  # [keys.links]: by pair (sorted)
     nodes: list[NodeSettings] = field(default_factory=list)
     clients: list[ClientSettings] = field(default_factory=list)
 
@@ -94,11 +95,26 @@ class Config:
         return StreamKeys(self.stream_keys, self.seal) if self.stream_keys else None
 
     @property
-    def cluster_link(self):
-        """LinkKeys for replication and alert links, or None without a cluster key."""
+    def links_keyed(self) -> bool:
+        return bool(self.cluster_keys or self.link_keys)
+
+    def pair_keys(self, a: str, b: str) -> list[bytes]:
+        """The link keys nodes `a` and `b` share: [keys.links]' pair, else derived from the cluster key."""
+        from tape.protocol.linkauth import pair_key
+
+        return self.link_keys.get(pair_of(a, b)) or [pair_key(k, a, b) for k in self.cluster_keys]
+
+    def links_of(self, node: NodeSettings):
+        """`node`'s LinkKeys for replication and alert links: a key for each node it may link with (a
+        voter with the other voters, a replica with the emitter, the emitter with the replicas) whose
+        pair this host holds; None without link keys. Its listener accepts only those peers."""
         from tape.protocol.linkauth import LinkKeys
 
-        return LinkKeys(self.cluster_keys) if self.cluster_keys else None
+        if not self.links_keyed:
+            return None
+        peers = {p.wire_name: keys for p in self.nodes if may_link(node.role, p.role) and p.name != node.name
+                 and (keys := self.pair_keys(node.name, p.name))}
+        return LinkKeys(peers=peers)
 
     @property
     def replay_link(self):
@@ -142,6 +158,17 @@ class Config:
 
         return Journal(Path(node.data) / "journal", self.session_bytes, fsync=self.fsync,
                        segment_bytes=self.segment_mb << 20)
+
+
+def may_link(role: str, other: str) -> bool:
+    """Whether nodes of these roles hold a link key together: voters replicate with each other,
+    replicas send alerts to the emitter. Nothing else shares a key, so nothing else can connect."""
+    return (role in VOTER_ROLES and other in VOTER_ROLES) or {role, other} == {"replica", "emitter"}
+
+
+def pair_of(a: str, b: str) -> tuple[str, str]:
+    """A pair of nodes as [keys.links] names it ("a/b", either order)."""
+    return tuple(sorted((a, b)))
 
 
 def default_of(cls, name: str):
@@ -189,7 +216,11 @@ KEYS: dict[str, dict[str, str]] = {
     },
     "keys": {
         "stream": "the stream key, hex (or a list of two while rotating): seals, gap fill, replay logins",
-        "cluster": "the cluster key, hex (or a list of two): replication between voters, alerts to the emitter",
+        "cluster": "the cluster key, hex (or a list of two): every pair of nodes' link key derives from it, so a "
+                   "host that holds it can be any node (keep it on the build machine; hosts get [keys.links])",
+        "links": "a table of link keys by pair, \"NODE/NODE\" = hex (or a list of two): a pair's key proves each end "
+                 "to the other (voter/voter replication, replica/emitter alerts); `tape config --hosts` writes each "
+                 "host its own nodes' pairs",
     },
     "node": {
         "name": "the node's name, 1-10 ASCII characters (required)",

@@ -25,6 +25,7 @@ import random
 import time
 import zlib
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Callable, Hashable, NamedTuple
 
@@ -110,7 +111,7 @@ class VoterShell:
         """`wrap`: the process's node core around this endpoint's (a rewinder's), which then gets
         every event; `on_other`: carries out that core's own actions (returning what they lead to)."""
         self.cfg = cfg
-        self.link_keys = cfg.cluster_link
+        self.link_keys = cfg.links_of(node)  # the other voters' pairs: no other node can connect
         self.link_refused = {} if link_refused is None else link_refused  # shared with the node's metrics
         self.node = node
         self.journal = journal
@@ -341,7 +342,7 @@ class VoterShell:
             return
         conn = writer
         self._writers[conn] = writer
-        self.event(conn, self.node_core.on_connected, conn)
+        self.event(conn, partial(self.node_core.on_connected, peer=links.peer_of(writer)), conn)
         if conn in self._writers:
             links.large_reads(writer)
         await self.read(conn, reader, writer)
@@ -380,12 +381,12 @@ class VoterShell:
         answer the handshake, which a starved peer may not do within the 0.2 s a bare TCP connect had)."""
         try:
             reader, writer = await links.connect(peer.host, peer.replication_port, self.link_keys,
-                                                    self.link_refused, within)
+                                                 self.link_refused, within, peer.wire_name)
         except (OSError, asyncio.TimeoutError):
             self.event(None, self.node_core.on_closed, conn)
             return
         self._writers[conn] = writer
-        self.event(conn, self.node_core.on_connected, conn)
+        self.event(conn, partial(self.node_core.on_connected, peer=links.peer_of(writer)), conn)
         await self.read(conn, reader, writer)
 
     def adopt(self, writer: asyncio.StreamWriter) -> None:

@@ -224,10 +224,11 @@ class SequencerNode:
 
     # --- the shared events: the leader's links here, the rest to the voter ------------------
 
-    def on_connected(self, conn: Hashable, now: int) -> list:
+    def on_connected(self, conn: Hashable, now: int, peer: bytes | None = None) -> list:
+        """`peer`: the voter the link's handshake proved (VoterNode.on_connected)."""
         link = self.links.get(conn)
         if link is None:
-            return self._after(self.voter.on_connected(conn, now))
+            return self._after(self.voter.on_connected(conn, now, peer))
         link.deadline = now + self.voter.election_ns  # its hello
         return []
 

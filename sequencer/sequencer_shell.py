@@ -143,7 +143,7 @@ class Sequencer(NodeProcess):
         self.publisher = multicast_sender(self.cfg.interface_of(self.node))
         self.publisher.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         self.dest = (self.cfg.group, self.cfg.port)
-        server = await self.serve_links(self.voter.serve, self.cfg.cluster_link, self.node.host,
+        server = await self.serve_links(self.voter.serve, self.voter.link_keys, self.node.host,
                                         self.node.replication_port,
                                         [v for v in self.cfg.voters if v.name != self.node.name])
         log.info("%s at seq %d, term %d; replication :%d, inbound %s:%d (rcvbuf %d), publishing %s:%d; %d voters",

@@ -41,7 +41,7 @@ EXAMPLES = {
     "journal_record": jfmt.encode_record(1, 1, R_SEQ),
     "link_hello": LINK.hello(bytes(16)),
     # The connecting side's first record after hellos with nonces of zeros (its own) and 0x11s.
-    "link_record": LINK.accept(bytes(16), LINK.hello(b"\x11" * 16), initiator=True)[0].seal(b"hello frame"),
+    "link_record": LINK.accept(bytes(16), LINK.hello(b"\x11" * 16), initiator=True)[1].seal(b"hello frame"),
 }
 
 

@@ -97,7 +97,7 @@ def test_config_out_writes_a_private_file_a_host_and_a_sequencer_refuses_another
     assert not re.search(r"[0-9a-f]{64}", made.stdout)  # fingerprints only
     out = subprocess.run(TAPE + ["sequencer", "--config", str(tmp_path / "c" / "203.0.113.5.toml"), "--node", "seq-a"],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "client load0 has no key in this file" in out.stderr, out.stderr
+    assert out.returncode == 2 and "no link key shared with seq-b, rw-1, rw-2 in this file" in out.stderr, out.stderr
 
 
 @pytest.mark.process

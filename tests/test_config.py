@@ -3,6 +3,8 @@ import tomllib
 
 import pytest
 
+from tape.protocol.errors import ProtocolError
+from tape.protocol.linkauth import LinkKeys
 from tape.runtime.config import ConfigError, default, default_toml, load, parse
 
 
@@ -195,7 +197,7 @@ def test_config_check_warns_of_weak_repeated_missing_and_exposed_keys_and_prints
     del doc["keys"]["cluster"], doc["client"][1]["key"]
     cfg = parse(doc)
     from tape.ops.cli.config_check import key_warnings
-    assert key_warnings(cfg) == ["no [keys] cluster: those links are unauthenticated (docs/security.md)",
+    assert key_warnings(cfg) == ["no [keys] cluster or links: those links are unauthenticated (docs/security.md)",
                                  "client load1 has no key: the sequencers take its batches unauthenticated"]
 
 
@@ -215,14 +217,26 @@ def test_each_hosts_file_holds_only_the_keys_its_nodes_need():
     keys = new_keys(2)
     files = {h: parse(tomllib.loads(t)) for h, t in host_texts(hosts, keys, "/var/lib/tape", 2, 2, 3, 2).items()}
     assert len({tuple((n.name, n.host, n.metrics_port) for n in c.nodes) for c in files.values()}) == 1  # one cluster
-    held = {h: (bool(c.stream_keys), bool(c.cluster_keys), [cl.name for cl in c.clients if cl.key])
-            for h, c in files.items()}
-    assert held["10.9.0.1"] == (True, True, ["load0", "load1"])  # seq-a checks every client's batches
-    assert held["10.9.0.3"] == (True, True, [])  # rw-1
-    assert held["10.9.0.5"] == (True, True, [])  # replica-A
-    assert held["10.9.0.8"] == (False, True, [])  # the emitter alone: only the alert links' key
-    assert held["10.9.0.9"] == (True, False, ["load0"])  # a trading client: its own key and the stream's
+    held = {h: (bool(c.stream_keys), sorted("/".join(pair) for pair in c.link_keys),
+                [cl.name for cl in c.clients if cl.key]) for h, c in files.items()}
+    assert not any(c.cluster_keys for c in files.values())  # the key every pair derives from stays home
+    voters = ["rw-1/rw-2", "rw-1/seq-a", "rw-1/seq-b", "rw-2/seq-a", "rw-2/seq-b", "seq-a/seq-b"]
+    assert held["10.9.0.1"] == (True, [p for p in voters if "seq-a" in p], ["load0", "load1"])  # seq-a checks
+    assert held["10.9.0.3"] == (True, [p for p in voters if "rw-1" in p], [])  # every client's batches
+    assert held["10.9.0.5"] == (True, ["emitter/replica-A"], [])  # a replica: its alert link only
+    replicas = ["emitter/replica-A", "emitter/replica-B", "emitter/replica-C"]
+    assert held["10.9.0.8"] == (False, replicas, [])  # the emitter alone: only the alert links' keys
+    assert held["10.9.0.9"] == (True, [], ["load0"])  # a trading client: its own key and the stream's
     assert files["10.9.0.9"].stream_keys == [bytes.fromhex(keys["stream"])]
+    whole = parse(tomllib.loads(default_toml("/var/lib/tape", 2, 2, replicas=3, sequencers=2, hosts=hosts,
+                                             keys=keys)))
+    assert files["10.9.0.5"].pair_keys("emitter", "replica-A") == whole.pair_keys("emitter", "replica-A") \
+        == files["10.9.0.8"].pair_keys("emitter", "replica-A")  # derived alike
+    replica = files["10.9.0.5"]  # every key a replica's host holds: none opens a voter's link
+    for key in [k for ks in replica.link_keys.values() for k in ks] + replica.stream_keys:
+        for voter in whole.voters:
+            with pytest.raises(ProtocolError, match="unknown_key"):
+                whole.links_of(voter).accept(bytes(16), LinkKeys([key]).hello(bytes(16)), initiator=False)
 
 
 def test_config_units_names_the_systemd_unit_of_each_node_that_lives_on_this_host(tmp_path):

@@ -20,8 +20,8 @@ from compilers import where_built
 from conftest import connect, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from linkclient import LinkSocket
 
+from tape.ops.verification.linkclient import LinkSocket
 from tape.ops.verification.local import LocalCluster
 from tape.protocol import alertlink
 from tape.replicas import sinks
@@ -322,11 +322,14 @@ def emitter_cluster(tmp_path: Path, url: str) -> LocalCluster:
     return cluster
 
 
-def link(cluster: LocalCluster, hello: bytes, keys=True) -> LinkSocket:
-    """A replica's alert link (with the cluster key, or none). The emitter opens its alert port
-    only after resolving what was in doubt (its metrics come up first): poll for it, with a deadline."""
-    sock = connect(cluster.cfg.node("emitter").alert_port, "the emitter's alert port")
-    sock = LinkSocket(sock, cluster.cfg.cluster_link if keys else None)
+def link(cluster: LocalCluster, hello: bytes, keys=True, replica: str = "") -> LinkSocket:
+    """An alert link in `replica`'s name (by default the one `hello` names), with its pair key with
+    the emitter or none. The emitter opens its alert port only after resolving what was in doubt
+    (its metrics come up first): poll for it, with a deadline."""
+    emitter = cluster.cfg.node("emitter")
+    sock = connect(emitter.alert_port, "the emitter's alert port")
+    own = cluster.cfg.links_of(cluster.cfg.node(replica or hello.decode().strip()))
+    sock = LinkSocket(sock, own if keys else None, emitter.wire_name)
     sock.sendall(alertlink.hello(hello))
     return sock
 
@@ -366,9 +369,11 @@ def test_emitter_refuses_bad_input_and_delivers_to_every_sink_once(tmp_path, end
         keyless = link(cluster, b"replica-A ", keys=False)  # a replica's name, without the cluster key
         assert closed_by_peer(keyless)  # nothing answered (it wants a link hello first), closed after the timeout
         assert cluster.metrics("emitter")['tape_emitter_link_refused_total{node="emitter",reason="hello_timeout"}'] == 1
-        stranger = link(cluster, b"mallory".ljust(10))
+        stranger = link(cluster, b"mallory".ljust(10), replica="replica-A")
         assert closed_by_peer(stranger)
-        assert rejected(cluster, "unknown_replica") == 1
+        impostor = link(cluster, b"replica-B ", replica="replica-A")  # A's key, B's name
+        assert closed_by_peer(impostor)
+        assert rejected(cluster, "not_the_peer") == 2  # the hello must name the node the handshake proved
         a = link(cluster, b"replica-A ")
         assert frames(a, 1)[0] == (alertlink.WELCOME, alertlink.MARK.pack(0))
         a.sendall(alertlink.alert(b"\x01\x02\x03"))  # well framed, not an alert

@@ -41,6 +41,14 @@ def test_a_known_replica_is_welcomed_a_stranger_refused_and_counted():
     assert n.on_data("m", alertlink.alert(alert(6)), 0) == []  # closed: what was in flight counts for nothing
 
 
+def test_a_hello_must_name_the_replica_the_link_proved():
+    n = node()
+    n.on_connected("b", 0, peer=A)  # replica-A's pair key, replica-B's name: refused
+    assert n.on_data("b", alertlink.hello(B), 0) == [Close("b", Reject.NOT_THE_PEER, f"hello {B!r} on {A!r}'s link")]
+    n.on_connected("a", 0, peer=A)
+    assert sent(n.on_data("a", alertlink.hello(A), 0), "a")[0][0] == alertlink.WELCOME
+
+
 def test_a_read_holding_a_bad_frame_is_refused_whole():
     n = node()
     linked(n, "a", A)

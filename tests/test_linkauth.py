@@ -19,6 +19,7 @@ from tape.protocol.linkauth import (
     LinkKeys,
     OlderPeer,
     offered,
+    pair_key,
     record_digests,
 )
 
@@ -28,8 +29,8 @@ K1, K2 = os.urandom(32), os.urandom(32)
 def pair(client_keys: LinkKeys, server_keys: LinkKeys, nc: bytes = b"c" * 16, ns: bytes = b"s" * 16,
          version: bytes = MAGIC):
     """(client sealer, client opener, server sealer, server opener) after a handshake."""
-    cs, co = client_keys.accept(nc, server_keys.hello(ns, version), initiator=True, version=version)
-    ss, so = server_keys.accept(ns, client_keys.hello(nc, version), initiator=False, version=version)
+    _, cs, co = client_keys.accept(nc, server_keys.hello(ns, version), initiator=True, version=version)
+    _, ss, so = server_keys.accept(ns, client_keys.hello(nc, version), initiator=False, version=version)
     return cs, co, ss, so
 
 
@@ -196,3 +197,30 @@ def test_a_link_end_refuses_a_stranger_without_answering_and_answers_an_older_of
     assert reply[:4] == OLDER and older.version == OLDER
     with pytest.raises(OlderPeer):
         LinkEnd(LinkKeys([K1]), b"c" * 16, True).receive(reply)
+
+
+def node_keys(cluster: bytes, me: str, peers: list[str]) -> LinkKeys:
+    return LinkKeys(peers={p.encode(): [pair_key(cluster, me, p)] for p in peers})
+
+
+def test_a_pairs_key_proves_each_end_and_opens_no_other_pair():
+    """Each pair of nodes shares a key of its own: the listener learns from the handshake which
+    peer connected, and a node holding no pair with the listener (a third node, another role)
+    is refused at its hello, whatever name it would claim afterwards."""
+    assert pair_key(K1, "seq-a", "rw-1") == pair_key(K1, "rw-1", "seq-a")  # either order
+    assert len({pair_key(K1, "seq-a", "rw-1"), pair_key(K1, "seq-a", "rw-2"), pair_key(K2, "seq-a", "rw-1")}) == 3
+    seq_a = node_keys(K1, "seq-a", ["rw-1", "rw-2"])
+    client = LinkEnd(node_keys(K1, "rw-1", ["seq-a", "rw-2"]), b"c" * 16, True, peer=b"seq-a")
+    server = LinkEnd(seq_a, b"s" * 16, False)
+    reply, _ = server.receive(client.opening())
+    client.receive(reply)
+    assert server.peer == b"rw-1" and client.peer == b"seq-a"
+    _, plain = server.receive(client.sealer.seal(b"append"))
+    assert plain == b"append"
+    for stranger in (node_keys(K1, "replica-A", ["seq-a"]),  # derivable, but seq-a holds no pair with it
+                     node_keys(K2, "rw-1", ["seq-a"])):  # another cluster's key
+        with pytest.raises(ProtocolError) as e:
+            LinkEnd(seq_a, b"s" * 16, False).receive(stranger.hello(b"c" * 16, peer=b"seq-a"))
+        assert e.value.reason == "unknown_key"
+    with pytest.raises(KeyError):  # nothing to offer a node we hold no pair with
+        seq_a.hello(b"c" * 16, peer=b"replica-A")

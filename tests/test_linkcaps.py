@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 from conftest import connect, wait_for
-from linkclient import LinkSocket
 
+from tape.ops.verification.linkclient import LinkSocket
 from tape.ops.verification.local import LocalCluster
 from tape.protocol import alertlink
 from tape.protocol import soupbintcp as soup
@@ -63,7 +63,8 @@ def test_strangers_hold_a_few_slots_each_a_small_pool_in_all_and_never_a_peers(t
         wait_for(lambda: accepted(cluster, "emitter", port) == STRANGER_SLOTS, "the strangers' pool full")
         assert closed(stranger("127.0.0.250", port))  # a new stranger: the pool is full
         wait_for(lambda: refused(cluster, "emitter", "too_many_connections") == 1, "the pool's refusal counted")
-        replica = LinkSocket(connect(port, "the alert port"), cluster.cfg.cluster_link)  # replica-A's own slot
+        replica = LinkSocket(connect(port, "the alert port"), cluster.cfg.links_of(cluster.cfg.node("replica-A")),
+                             cluster.cfg.node("emitter").wire_name)  # replica-A's own slot
         replica.sendall(alertlink.hello(b"replica-A "))
         assert alertlink.Reader().feed(replica.recv(64))[0][0] == alertlink.WELCOME
         assert all(closed(s) for s in held)  # none said hello: each dropped after the handshake timeout

@@ -172,7 +172,7 @@ async def test_links_with_a_node_not_yet_upgraded_run_in_its_version():
         if peer[:4] != OLDER:
             writer.close()
             return
-        sealer, opener = keys.accept(nonce, peer, initiator=False, version=OLDER)
+        _, sealer, opener = keys.accept(nonce, peer, initiator=False, version=OLDER)
         writer.write(sealer.seal(b"echo " + opener.open(await reader.read(1 << 16))))
         await writer.drain()
         writer.close()
@@ -199,7 +199,7 @@ async def test_links_with_a_node_not_yet_upgraded_run_in_its_version():
         writer.write(keys.hello(nonce, OLDER))  # a TPL2 node connecting
         async with asyncio.timeout(5):
             answer = await reader.readexactly(HELLO.size)
-        sealer, opener = keys.accept(nonce, answer, initiator=True, version=OLDER)
+        _, sealer, opener = keys.accept(nonce, answer, initiator=True, version=OLDER)
         writer.write(sealer.seal(b"ping"))
         async with asyncio.timeout(5):
             assert opener.open(await reader.read(1 << 16)) == b"echo ping"
@@ -252,9 +252,9 @@ def test_an_append_to_links_of_two_versions_is_hashed_once_a_version():
     keys, data = LinkKeys([os.urandom(32)]), os.urandom(MAX_RECORD + 99)
     pairs = []
     for version in (MAGIC, OLDER, MAGIC):
-        sealer, _ = keys.accept(b"c" * 16, keys.hello(b"s" * 16, version), initiator=True, version=version)
-        _, opener = keys.accept(b"s" * 16, keys.hello(b"c" * 16, version), initiator=False, version=version)
-        pairs.append((links.SealedWriter(Collected(), sealer), opener))
+        _, sealer, _ = keys.accept(b"c" * 16, keys.hello(b"s" * 16, version), initiator=True, version=version)
+        _, _, opener = keys.accept(b"s" * 16, keys.hello(b"c" * 16, version), initiator=False, version=version)
+        pairs.append((links.SealedWriter(Collected(), sealer, b""), opener))
     links.write_each([writer for writer, _ in pairs], data)
     for writer, opener in pairs:
         assert opener.open(writer._writer.data) == data

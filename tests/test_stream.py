@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from conftest import connect, until, wait_for
-from linkclient import LinkSocket
 
 from tape.ops.cli.journal_tool import digest as journal_digest
+from tape.ops.verification.linkclient import LinkSocket
 from tape.ops.verification.local import LocalCluster as Cluster
 from tape.protocol import moldudp64
 from tape.protocol import soupbintcp as soup

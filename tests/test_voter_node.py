@@ -89,6 +89,26 @@ def test_what_must_not_come_closes_the_connection_with_its_reason():
     assert v.on_data("d", rep.encode_hello(1, A, 0, 0), 4) == []  # (closed: what was in flight is nothing)
 
 
+def test_a_frame_naming_another_voter_than_the_link_proved_closes_it():
+    """With keys, the handshake proves which voter is at the other end: an append or a vote
+    request in another's name (a follower's key used to pose as the leader) is refused, and so is
+    a dialed voter answering in another's name."""
+    v = node()
+    v.on_connected("c", 0, peer=R2)
+    out = v.on_data("c", rep.encode_append(1, A, 0, 0, 0, 1, [msg(1)]), 1)
+    assert out[-1].conn == "c" and out[-1].reason is vn.Reject.NOT_THE_PEER and not frames(out)
+    v.on_connected("d", 2, peer=R2)
+    out = v.on_data("d", rep.encode_vote_request(5, A, 9, 1), 3)
+    assert out[-1].reason is vn.Reject.NOT_THE_PEER and v.election.term == 1  # nothing it said was taken
+    v.on_connected("e", 4, peer=A)
+    assert kinds(v.on_data("e", rep.encode_append(1, A, 0, 0, 0, 1, [msg(1)]), 5))[0] == "AppendRecords"
+    w = node(found=False)
+    ask = next(a for a in w.on_timer(0) if isinstance(a, vn.Dial))
+    w.on_connected(ask.conn, 1)
+    out = w.on_data(ask.conn, rep.encode_hello(1, B if ask.peer != B else A, 0, 0), 2)
+    assert out[-1].reason is vn.Reject.NOT_THE_PEER
+
+
 def test_a_voter_without_its_election_state_greets_every_connection_and_asks_each_voter_for_its_hello():
     v = node(found=False, term=0)
     assert kinds(v.on_connected("c", 0)) == ["Send", "Close"]  # greeted, hung up

@@ -51,7 +51,8 @@ def _leader(cfg, node, frames: list[bytes], n: int, out) -> None:
         os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
 
     async def run() -> float:
-        reader, writer = await links.connect(node.host, node.replication_port, cfg.cluster_link, {}, 10)
+        keys = cfg.links_of(cfg.node("seq-a"))  # the leader's
+        reader, writer = await links.connect(node.host, node.replication_port, keys, {}, 10, node.wire_name)
         acks = replication.FrameReader()
         t0 = time.perf_counter()
         for frame in frames:  # sealed as sent: drain() lets the loop send while the follower reads
@@ -106,7 +107,7 @@ def bench_endpoint(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -
 
 
 async def _serve_while(cfg, node, voter: VoterShell, frames, n, ours, theirs) -> EndpointRun:
-    server = await links.start_server(links.serving(voter.serve, cfg.cluster_link, {}), node.host,
+    server = await links.start_server(links.serving(voter.serve, voter.link_keys, {}), node.host,
                                          node.replication_port)
     child = multiprocessing.get_context("fork").Process(target=_leader, args=(cfg, node, frames, n, theirs),
                                                         daemon=True)

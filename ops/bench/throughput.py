@@ -140,7 +140,7 @@ def _bench_auth(session: bytes, sequenced: list[bytes], batch: int, now: int) ->
         out[f"stream: verify seals{what} (listener)"] = (n, clock() - t0)
     frames = [replication.encode_append(1, session, i, 1, i, 1, sequenced[i:i + batch]) for i in range(0, n, batch)]
     link = LinkKeys([os.urandom(32)])
-    sealer, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=True)
+    _, sealer, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=True)
     _, opener = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
     t0 = clock()
     wire = [sealer.seal(f) for f in frames]
@@ -203,9 +203,9 @@ def bench_rewinder(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -
     gen = TradeGenerator(seed=12)
     sequenced = [messages.stamp(m, time.time_ns(), session, i) for i, m in enumerate(gen.take(n), 1)]
     link = LinkKeys([os.urandom(32)])
-    sealer, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=True)
+    _, sealer, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=True)
     _, opener = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
-    acks, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
+    _, acks, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
     wire = [sealer.seal(replication.encode_append(1, names[0], i, 1 if i else 0, i, 1, sequenced[i:i + batch]))
             for i in range(0, n, batch)]
     d = tempfile.mkdtemp(prefix="tape-bench-")

@@ -21,7 +21,7 @@ def host_texts(hosts: list[str], keys: dict | None, data: str, sequencers: int, 
     for host in dict.fromkeys(hosts):
         here = {name for name, at in where.items() if at == host}
         texts[host] = default_toml(data, rewinders, clients, replicas=replicas, sequencers=sequencers, hosts=hosts,
-                                   keys=keys_of_host(keys, here) if keys else None)
+                                   keys=keys_of_host(keys, here, list(where)) if keys else None)
     return texts
 
 

@@ -131,6 +131,23 @@ def _config(args):
         raise SystemExit(EXIT_CONFIG) from None
 
 
+def _check_keys_held(cfg, name: str, role: str) -> None:
+    """With keys, the file holds every key the node needs: else it was written for another host."""
+    from tape.runtime.settings import may_link
+
+    keyless = [c.name for c in cfg.clients if not c.key]
+    unpaired = [p.name for p in cfg.nodes if cfg.links_keyed and may_link(role, p.role) and p.name != name
+                and not cfg.pair_keys(name, p.name)]
+    if unpaired:
+        print(f"tape: node {name}: no link key shared with {', '.join(unpaired)} in this file (is this its host's "
+              f"file? tape config --out)", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
+    if role == "sequencer" and cfg.links_keyed and keyless:
+        print(f"tape: node {name}: client {keyless[0]} has no key in this file, and a sequencer checks every "
+              f"client's batches (is this the sequencer's host's file? tape config --out)", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
+
+
 def _node(cfg, name: str, role: str):
     """The node `name` of `role`, checked against this host: the address it binds is one of this
     host's, and its multicast interface (resolved to an address) too, where the role uses one."""
@@ -144,11 +161,7 @@ def _node(cfg, name: str, role: str):
     if node.role != role:
         print(f"tape: node {name} is a {node.role}, not a {role}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
-    keyless = [c.name for c in cfg.clients if not c.key]
-    if role == "sequencer" and cfg.cluster_keys and keyless:  # a file written for a host without a sequencer
-        print(f"tape: node {name}: client {keyless[0]} has no key in this file, and a sequencer checks every "
-              f"client's batches (is this the sequencer's host's file? tape config --out)", file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG)
+    _check_keys_held(cfg, name, role)
     if not interfaces.is_local(node.host):
         raise interfaces.InterfaceError(f"node {name}: host {node.host} is not an address of this host (have: "
                                    f"{', '.join(a for addrs in interfaces.local_ipv4().values() for a in addrs)}): "

@@ -280,7 +280,9 @@ class Hostile(Drill):
     """hostile: the attacks of issue 13 (ops/verification/hostile.py), sent by an outsider without keys at 30% of
     the run: forged stream packets, end of session and far heartbeats to the group, undecodable
     unicast to every replica socket, forged votes, appends and acks, a forged alert, a batch under a
-    client's name, a gap-fill flood, random bytes at every socket of every process. No node may stop
+    client's name, a gap-fill flood, random bytes at every socket of every process; and, with the
+    keys a replica's host holds, votes and appends to the voters and an alert in another replica's
+    name. No node may stop
     (a node that exits aborts the run) or take the forged term; the verdict shows that nothing
     forged was applied, delivered or journaled; each kind of forgery was counted where it landed."""
 
@@ -288,6 +290,8 @@ class Hostile(Drill):
         "stream packets refused by the replicas": ("replica", "bad_datagrams", "unsealed"),
         "links refused by the voters": ("voters", "link_refused", None),
         "links refused by the emitter": ("emitter", "link_refused", None),
+        "a replica's keys refused by the voters": ("voters", "link_refused", "unknown_key"),
+        "a replica in another's name refused by the emitter": ("emitter", "rejected", "not_the_peer"),
         "batches refused by the sequencers": ("sequencer", "dropped_datagrams", "unauthenticated"),
         "gap requests refused by the rewinders": ("rewinder", "dropped_datagrams", "unsigned_request"),
     }
@@ -296,7 +300,7 @@ class Hostile(Drill):
         from tape.ops.verification.hostile import run_all
 
         self.sent = run_all(cluster)
-        return f"{len(self.sent)} attacks sent without keys (ops/verification/hostile.py)"
+        return f"{len(self.sent)} attacks sent, by an outsider and with a replica's keys (ops/verification/hostile.py)"
 
     def healable(self, cluster):
         return True  # a burst: nothing to heal; the run goes on under the verdict

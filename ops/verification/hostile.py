@@ -1,5 +1,6 @@
 """The attacks of issue 13, as an outsider on the LAN would send them (no
-keys), against a live local cluster: for `tape drill hostile` and the
+keys), and of a compromised replica host (every key its host file holds:
+issue 63), against a live local cluster: for `tape drill hostile` and the
 adversarial tests. Each attack is bounded in what it sends and returns a
 line saying what it did. Targets are found as an attacker on the host would
 find them: every socket each node's process holds (/proc), not only the
@@ -7,7 +8,9 @@ ports in the config.
 
 What must hold afterwards (the drill's checks and the verdict): with keys,
 nothing forged is applied, delivered or journaled and nothing stops; without
-keys, nothing stops or is stuck.
+keys, nothing stops or is stuck. (What a replica's keys still allow, it
+speaking falsely in its own name and sealing the stream, docs/security.md
+states.)
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import socket
 import time
 from dataclasses import dataclass
 
+from tape.ops.verification.linkclient import LinkSocket
 from tape.ops.verification.local import LocalCluster
 from tape.protocol import alertlink, moldudp64
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
+from tape.protocol.errors import ProtocolError
 from tape.protocol.stamping import PacketBuilder
 from tape.replicas.audit_core import Alert
 
@@ -161,6 +166,40 @@ def forged_alert(cluster: LocalCluster, rng: random.Random) -> str:
     return "a replica's hello and an alert at emit seq 2^62 to the emitter"
 
 
+def _insider_link(cluster: LocalCluster, port: int, frames: bytes) -> bool:
+    """Open a link to `port` with replica-A's pair key with the emitter (all the link keys its host
+    holds), send `frames`, and wait for the node to close it: False if the handshake was refused."""
+    keys, emitter = cluster.cfg.links_of(cluster.cfg.node("replica-A")), cluster.cfg.node("emitter")
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=TCP_WAIT_S) as sock:
+            link = LinkSocket(sock, keys, emitter.wire_name)
+            link.sendall(frames)
+            while link.recv(4096):
+                pass
+    except (OSError, ConnectionError, ProtocolError):
+        return False  # refused, reset or timed out: all a replica's keys should earn here
+    return True
+
+
+def replica_keys_at_the_voters(cluster: LocalCluster, rng: random.Random) -> str:
+    """A replica's keys pose as the leader and as a candidate: no voter shares a key with it."""
+    a = cluster.cfg.node("replica-A").wire_name
+    frames = (rep.encode_vote_request(FORGED_TERM, a, 10**9, FORGED_TERM - 1)
+              + rep.encode_append(FORGED_TERM, a, 0, 0, 10**9, FORGED_TERM, [bytes(M.SEQUENCED_SIZE)]))
+    voters = [n for n in cluster.cfg.voters if cluster.alive(n.name)]
+    opened = sum(_insider_link(cluster, n.replication_port, frames) for n in voters)
+    return f"a vote request and an append of term {FORGED_TERM} over replica-A's link key to {len(voters)} " \
+           f"replication ports ({opened} handshakes answered)"
+
+
+def replica_in_anothers_name(cluster: LocalCluster, rng: random.Random) -> str:
+    """Replica-A's own link to the emitter, saying it is replica-B and sending B's alert."""
+    fake = Alert(2**62, 2**62, 1, 1, b"mallory".ljust(16), b"EVIL".ljust(8), 1, 2, 0)
+    frames = alertlink.hello(cluster.cfg.node("replica-B").wire_name) + alertlink.alert(fake.encode())
+    _insider_link(cluster, cluster.cfg.node("emitter").alert_port, frames)
+    return "replica-A's link to the emitter, in replica-B's name, with an alert at emit seq 2^62"
+
+
 def foreign_client_batch(cluster: LocalCluster, rng: random.Random) -> str:
     name = moldudp64.session_bytes(cluster.cfg.clients[0].name)
     batch = moldudp64.encode_packet(name, 10**6, [M.purchase(1, 1, 10, "mallory", "EVIL")])
@@ -200,7 +239,8 @@ def garbage_everywhere(cluster: LocalCluster, rng: random.Random) -> str:
 
 
 ATTACKS = (forged_stream_packet, end_of_session, far_heartbeat, undecodable_unicast, forged_replication,
-           forged_alert, foreign_client_batch, gapfill_flood, garbage_everywhere)
+           forged_alert, replica_keys_at_the_voters, replica_in_anothers_name, foreign_client_batch, gapfill_flood,
+           garbage_everywhere)
 
 
 def run_all(cluster: LocalCluster, seed: int = 13) -> list[str]:

@@ -26,6 +26,7 @@ and at the end.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import os
@@ -46,7 +47,7 @@ from tape.protocol.actions import Close, Send
 from tape.protocol.election import Persist, Refused
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import REPLAY_BEHIND
-from tape.protocol.linkauth import NONCE_SIZE, LinkEnd, LinkKeys
+from tape.protocol.linkauth import ANY_LISTENER, NONCE_SIZE, LinkEnd, LinkKeys, pair_key
 from tape.protocol.listener import Deliver, Undecodable
 from tape.protocol.stamping import PacketBuilder
 from tape.protocol.streamauth import StreamKeys
@@ -77,7 +78,7 @@ from tape.replicas.emitter_node_core import (
 from tape.replicas.replica_node_core import Applied, AskRewinder, Rebuild, ReplicaNode, TakeSnapshot
 from tape.replicas.snapshot import open_verified
 from tape.rewinder.rewinder_node_core import ReadGap, ReplayRecords, RewinderNode, SendDatagram
-from tape.runtime.settings import Config, default_of
+from tape.runtime.settings import Config, default_of, may_link
 from tape.runtime.storage import journal_store
 from tape.runtime.storage.journal_repair import open_checked
 from tape.runtime.tuning import DISK_CHECK_EVERY_S, FREE_SPACE
@@ -107,9 +108,9 @@ SESSION = moldudp64.session_bytes("SIM")
 STREAM_KEY = b"sim stream key, 32 bytes long..."
 STREAM_KEYS = StreamKeys([STREAM_KEY])
 # Every connection runs the link records with keys (protocol/linkauth.py), as a cluster with keys
-# does: replication and alert links the cluster key's, replay connections the stream key's.
-CLUSTER_LINK_KEYS = LinkKeys([b"sim cluster key, 32 bytes long.."])
-LINK_KEYS = {"replication": CLUSTER_LINK_KEYS, "alert": CLUSTER_LINK_KEYS, "replay": LinkKeys([STREAM_KEY])}
+# does: replication and alert links each pair's key (derived from this), replay connections the stream key's.
+CLUSTER_KEY = b"sim cluster key, 32 bytes long.."
+REPLAY_LINK_KEYS = LinkKeys([STREAM_KEY])
 SEQUENCERS = ("seq-a", "seq-b")
 REWINDERS = ("rw-1", "rw-2")
 VOTERS = SEQUENCERS + REWINDERS
@@ -159,6 +160,21 @@ SIM_MAX_BATCH = 4
 
 def wire(name: str) -> bytes:
     return moldudp64.session_bytes(name)
+
+
+def role_of(name: str) -> str:
+    return ("sequencer" if name in SEQUENCERS else "rewinder" if name in REWINDERS else
+            "replica" if name in REPLICAS else "emitter" if name == EMITTER else "client")
+
+
+@functools.cache
+def link_keys(name: str, port: str) -> LinkKeys:
+    """`name`'s keys on a connection to or from `port`: a pair's for replication and alerts, as
+    `Config.links_of` gives a node (only the peers its role links with), the stream key for replay."""
+    if port == "replay":
+        return REPLAY_LINK_KEYS
+    return LinkKeys(peers={wire(p): [pair_key(CLUSTER_KEY, name, p)] for p in LAN
+                           if p != name and may_link(role_of(name), role_of(p))})
 
 
 def address(name: str) -> tuple[str, int]:
@@ -426,7 +442,7 @@ class SimVoter:
         if kind == "open" and msg[2] == "replay":  # a replica catching up
             self.act(self.node.on_replay_connected(conn, now), conn)
         elif kind == "open":
-            self.act(self.node.on_connected(conn, now), conn)
+            self.act(self.node.on_connected(conn, now, msg[3]), conn)
         elif kind == "bytes":
             self.act(self.node.on_data(conn, msg[2], now), conn)
         elif kind == "shut":
@@ -675,7 +691,7 @@ class Emitter:
     def receive(self, src: str, msg) -> None:
         now = self.sim.now
         if msg[0] == "open":  # a replica's alert link
-            self.carry_out(self.node.on_connected(msg[1], now))
+            self.carry_out(self.node.on_connected(msg[1], now, msg[3]))
         elif msg[0] == "bytes":
             self.carry_out(self.node.on_data(msg[1], msg[2], now))
         elif msg[0] == "shut":
@@ -819,7 +835,8 @@ class Sim:
         self.conns[key] = {src: conn, dst: key}  # each end's name for it, while that end is open
         self.handles[(src, conn)] = self.handles[(dst, key)] = key
         self.ports[key] = port
-        self.links[(key, src)] = LinkEnd(LINK_KEYS[port], self.rng.randbytes(NONCE_SIZE), True)
+        peer = ANY_LISTENER if port == "replay" else wire(dst)
+        self.links[(key, src)] = LinkEnd(link_keys(src, port), self.rng.randbytes(NONCE_SIZE), True, peer=peer)
         self.at(self.now + self.rng.randint(100_000, 3 * MS), self.accept, key, src, dst, port)
 
     def refused(self, src: str, conn, dst: str, life: int) -> None:
@@ -832,7 +849,7 @@ class Sim:
         """The connection reaches `dst`: the dialler's hello follows it."""
         if dst not in self.conns.get(key, ()) or src not in self.conns[key]:
             return  # a process died meanwhile: the other end learns it from its close
-        self.links[(key, dst)] = LinkEnd(LINK_KEYS[port], self.rng.randbytes(NONCE_SIZE), False)
+        self.links[(key, dst)] = LinkEnd(link_keys(dst, port), self.rng.randbytes(NONCE_SIZE), False)
         self.transmit(key, src, dst, self.links[(key, src)].opening())
 
     def stream(self, src: str, conn, data: bytes) -> None:
@@ -898,7 +915,7 @@ class Sim:
         if reply:
             self.transmit(key, dst, src, reply)
         conn = self.conns[key][dst]
-        return ([("open", conn, self.ports[key])] if end.established and not was_open else []) + \
+        return ([("open", conn, self.ports[key], end.peer)] if end.established and not was_open else []) + \
             ([("bytes", conn, plain)] if plain else [])
 
     def close_end(self, key, node: str) -> None:

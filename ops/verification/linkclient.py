@@ -1,26 +1,27 @@
-"""A blocking client of an authenticated link (protocol/linkauth.py), for tests that
-talk to a node's TCP port byte by byte: `sendall` and `recv` as on a socket."""
+"""A blocking client of an authenticated link (protocol/linkauth.py), for the attacks and tests
+that talk to a node's TCP port byte by byte: `sendall` and `recv` as on a socket."""
 
 import os
 import socket
 
-from tape.protocol.linkauth import HELLO, NONCE_SIZE, LinkKeys
+from tape.protocol.linkauth import ANY_LISTENER, HELLO, NONCE_SIZE, LinkKeys
 
 
 class LinkSocket:
-    def __init__(self, sock: socket.socket, keys: LinkKeys | None):
+    def __init__(self, sock: socket.socket, keys: LinkKeys | None, peer: bytes = ANY_LISTENER):
+        """`peer`: the node listening (whose pair key `keys` offers)."""
         self.sock = sock
         self.sealer = self.opener = None
         if keys is not None:
             nonce = os.urandom(NONCE_SIZE)
-            sock.sendall(keys.hello(nonce))
-            peer = b""
-            while len(peer) < HELLO.size:
-                data = sock.recv(HELLO.size - len(peer))
+            sock.sendall(keys.hello(nonce, peer=peer))
+            answer = b""
+            while len(answer) < HELLO.size:
+                data = sock.recv(HELLO.size - len(answer))
                 if not data:
                     raise ConnectionError("closed during the handshake")
-                peer += data
-            self.sealer, self.opener = keys.accept(nonce, peer, initiator=True)
+                answer += data
+            _, self.sealer, self.opener = keys.accept(nonce, answer, initiator=True, peer=peer)
 
     def sendall(self, data: bytes) -> None:
         self.sock.sendall(self.sealer.seal(data) if self.sealer else data)
