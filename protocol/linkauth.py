@@ -110,7 +110,7 @@ def pair_key(cluster_key: bytes, a: str, b: str) -> bytes:
     """The key nodes `a` and `b` (and no other) share, derived from a cluster key: the config
     generator writes each host only the pairs of its own nodes (runtime/config.py keys_of_host)."""
     names = "/".join(sorted((a, b))).encode()
-    return hashlib.blake2b(names, key=cluster_key, person=PAIR_PERSON).digest()
+    return hashlib.blake2b(names, key=cluster_key, person=PAIR_PERSON, digest_size=32).digest()
 
 
 class LinkKeys:

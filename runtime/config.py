@@ -383,13 +383,21 @@ def keys_of_host(keys: dict, names_here: set[str], names: list[str]) -> dict:
     every client's key where a sequencer checks them, else only the clients' own."""
     roles = {_role_of(n) for n in names_here}
     here = [n for n in names if n in names_here and _role_of(n) != "client"]
-    cluster = bytes.fromhex(keys["cluster"])
-    links = {"/".join(pair_of(a, b)): pair_key(cluster, a, b).hex() for a in here for b in names
-             if b != a and may_link(_role_of(a), _role_of(b))}
+    clusters = [bytes.fromhex(k) for k in _listed(keys["cluster"])]  # two while rotating: each pair's two
+    links = {"/".join(pair_of(a, b)): _unlisted([pair_key(c, a, b).hex() for c in clusters]) for a in here
+             for b in names if b != a and may_link(_role_of(a), _role_of(b))}
     return {"stream": keys["stream"] if roles & {"sequencer", "rewinder", "replica", "client"} else None,
             "cluster": None, "links": dict(sorted(links.items())),
             "clients": [k if "sequencer" in roles or f"load{i}" in names_here else None
                         for i, k in enumerate(keys["clients"])]}
+
+
+def _listed(key: str | list[str]) -> list[str]:
+    return key if isinstance(key, list) else [key]
+
+
+def _unlisted(keys: list[str]) -> str | list[str]:
+    return keys[0] if len(keys) == 1 else keys
 
 
 def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 2, free: bool = False,
@@ -435,9 +443,9 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
     def at(name: str) -> str:  # a node's (or client's) host and interface lines, on a LAN
         return f'\nhost = "{where[name]}"\ninterface = "{where[name]}"' if name in where else ""
     if keys and (held := [k for k in ("stream", "cluster") if keys[k]]):
-        lines.append("[keys]" + "".join(f'\n{k} = "{keys[k]}"' for k in held))
+        lines.append("[keys]" + "".join(f'\n{k} = {json.dumps(keys[k])}' for k in held))
     if keys and keys.get("links"):
-        lines.append("[keys.links]" + "".join(f'\n"{pair}" = "{key}"' for pair, key in keys["links"].items()))
+        lines.append("[keys.links]" + "".join(f'\n"{pair}" = {json.dumps(key)}' for pair, key in keys["links"].items()))
     for name in ("seq-a", "seq-b", "seq-c")[:sequencers]:
         lines.append(f'[[node]]\nname = "{name}"\nrole = "sequencer"{at(name)}\ndata = "{data / name}"\n'
                      f'inbound_port = {port()}\nreplication_port = {port()}\nmetrics_port = {port()}')
@@ -453,7 +461,7 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         lines.append(f'[[node]]\nname = "emitter"\nrole = "emitter"{at("emitter")}\ndata = "{data / "emitter"}"\n'
                      f'alert_port = {port()}\nmetrics_port = {port()}\ndelivery = "{delivery}"')
     for i in range(clients):
-        key = f'\nkey = "{keys["clients"][i]}"' if keys and keys["clients"][i] else ""
+        key = f'\nkey = {json.dumps(keys["clients"][i])}' if keys and keys["clients"][i] else ""
         iface = f'\ninterface = "{where[f"load{i}"]}"' if where else ""
         lines.append(f'[[client]]\nname = "load{i}"{key}{iface}')
     return "\n\n".join(lines) + "\n"
@@ -466,10 +474,15 @@ def default(data_dir: str | Path = EMBEDDED_DATA_DIR) -> Config:
 
 def shared_keys(data_dir: Path, clients: int = 2) -> dict:
     """`data_dir/keys.json`: made once (by whichever process comes first), then read."""
-    path = data_dir / "keys.json"
+    return keys_file(data_dir / "keys.json", clients)
+
+
+def keys_file(path: Path, clients: int) -> dict:
+    """The keys (new_keys' form, JSON) kept at `path`: made there owner-only if it does not exist,
+    else read (`stream` and `cluster` may be lists of two while rotating: the first signs)."""
     if not path.exists():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        tmp = data_dir / f".keys.{os.getpid()}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:  # 0600 from the start
             f.write(json.dumps(new_keys(clients)))
         try:
@@ -478,4 +491,7 @@ def shared_keys(data_dir: Path, clients: int = 2) -> dict:
             pass
         finally:
             tmp.unlink()
-    return json.loads(path.read_text())
+    keys = json.loads(path.read_text())
+    if len(keys.get("clients", [])) < clients:
+        raise ConfigError(f"{path}: keys for {len(keys.get('clients', []))} clients, not {clients}")
+    return keys

@@ -269,3 +269,22 @@ def test_node_replace_run_as_root_leaves_the_empty_directory_the_nodes_own(tmp_p
     assert replace(cfg, "rw-1", io.StringIO()) == 0
     st = data.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (4242, 4243, 0o700) and not any(data.iterdir())
+
+
+def test_a_keys_file_is_made_owner_only_once_then_read_and_a_cluster_key_in_rotation_gives_each_pair_two(tmp_path):
+    from tape.ops.cli.config_out import host_texts
+    from tape.runtime.config import keys_file
+
+    path = tmp_path / "build" / "keys.json"
+    made = keys_file(path, 2)
+    assert path.stat().st_mode & 0o777 == 0o600 and keys_file(path, 2) == made  # the same keys, written again
+    with pytest.raises(ConfigError, match="keys for 2 clients, not 3"):
+        keys_file(path, 3)
+    hosts = [f"10.9.0.{i}" for i in range(1, 10)]
+    old = parse(tomllib.loads(host_texts(hosts, made, "/d", 2, 2, 3, 2)["10.9.0.5"]))
+    new_cluster = os.urandom(32).hex()
+    rotating = parse(tomllib.loads(host_texts(hosts, {**made, "cluster": [new_cluster, made["cluster"]]}, "/d",
+                                              2, 2, 3, 2)["10.9.0.5"]))
+    pair = ("emitter", "replica-A")
+    assert len(old.pair_keys(*pair)[0]) == 32 and rotating.pair_keys(*pair)[1] == old.pair_keys(*pair)[0]
+    assert len(rotating.pair_keys(*pair)) == 2  # the new pair key signs, the old one still verifies

@@ -318,7 +318,9 @@ def _onramp(args) -> int:
 
 
 def _config_default(args) -> int:
-    from tape.runtime.config import default_toml, new_keys
+    from pathlib import Path
+
+    from tape.runtime.config import default_toml, keys_file, new_keys
 
     if args.action == "keys":
         from tape.ops.cli.config_keys import key_reference
@@ -343,11 +345,9 @@ def _config_default(args) -> int:
         args.config = args.file
         sys.stdout.write(scrape_config(_config(args)))
         return 0
-    keys = None if args.no_keys else new_keys(args.clients)
+    keys = None if args.no_keys else keys_file(Path(args.keys), args.clients) if args.keys else new_keys(args.clients)
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else None
     if args.out:
-        from pathlib import Path
-
         from tape.ops.cli.config_out import host_texts, write_host_configs
 
         if not hosts or args.free_ports:
@@ -662,6 +662,10 @@ def _add_config(sub) -> None:
     p.add_argument(
         "--free-ports", action="store_true", help="pick free ports and a random group instead of the fixed ones"
     )
+    p.add_argument("--keys", default=None, metavar="FILE",
+                   help="take the cluster's keys from FILE (JSON: stream, cluster, clients), made there owner-only "
+                   "if it does not exist: keep it on the build machine, to write the host files again (a new "
+                   "node, a rotation: docs/security.md)")
     p.add_argument("--no-keys", action="store_true",
                    help="leave every link unauthenticated (default: fresh random keys; docs/security.md)")
     p.set_defaults(func=_config_default)
