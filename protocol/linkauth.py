@@ -119,8 +119,10 @@ class LinkKeys:
     holders are all ANY_LISTENER."""
 
     def __init__(self, keys: list[bytes] | None = None, *, peers: dict[bytes, list[bytes]] | None = None):
-        peers = {ANY_LISTENER: keys} if peers is None else peers
-        if not peers or not all(peers.values()):
+        if peers is None and not keys:
+            raise ValueError("no link key")
+        peers = {ANY_LISTENER: keys} if peers is None else peers  # (no peers: a node alone, accepting none)
+        if not all(peers.values()):
             raise ValueError("no link key")
         self.signing = {peer: keys[0] for peer, keys in peers.items()}
         self.by_id = {key_id(k): (peer, k) for peer, keys in peers.items() for k in keys}

@@ -141,7 +141,7 @@ def _bench_auth(session: bytes, sequenced: list[bytes], batch: int, now: int) ->
     frames = [replication.encode_append(1, session, i, 1, i, 1, sequenced[i:i + batch]) for i in range(0, n, batch)]
     link = LinkKeys([os.urandom(32)])
     _, sealer, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=True)
-    _, opener = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
+    _, _, opener = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
     t0 = clock()
     wire = [sealer.seal(f) for f in frames]
     out[f"link: seal appends of {batch}"] = (n, clock() - t0)
@@ -204,7 +204,7 @@ def bench_rewinder(n: int = 1_000_000, batch: int = 500, fsync: str = "batch") -
     sequenced = [messages.stamp(m, time.time_ns(), session, i) for i, m in enumerate(gen.take(n), 1)]
     link = LinkKeys([os.urandom(32)])
     _, sealer, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=True)
-    _, opener = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
+    _, _, opener = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
     _, acks, _ = link.accept(bytes(16), link.hello(bytes(16)), initiator=False)
     wire = [sealer.seal(replication.encode_append(1, names[0], i, 1 if i else 0, i, 1, sequenced[i:i + batch]))
             for i in range(0, n, batch)]
