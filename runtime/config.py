@@ -369,8 +369,8 @@ def node_names(sequencers: int, rewinders: int, replicas: int, clients: int) -> 
             *(f"load{i}" for i in range(clients))]
 
 
-def _role_of(name: str) -> str:
-    """The role of a default topology's node (node_names), "client" for a load client."""
+def role_of_name(name: str) -> str:
+    """The role of a default topology's node (node_names; the simulator's too), "client" for any other name."""
     prefixes = {"seq-": "sequencer", "rw-": "rewinder", "replica-": "replica", "emitter": "emitter"}
     return next((role for prefix, role in prefixes.items() if name.startswith(prefix)), "client")
 
@@ -381,11 +381,11 @@ def keys_of_host(keys: dict, names_here: set[str], names: list[str]) -> dict:
     emitter alone); never the cluster key, but the link key of each pair a node here is one of
     (`links`: so a replica's host cannot open a voter's link, nor speak for another replica);
     every client's key where a sequencer checks them, else only the clients' own."""
-    roles = {_role_of(n) for n in names_here}
-    here = [n for n in names if n in names_here and _role_of(n) != "client"]
+    roles = {role_of_name(n) for n in names_here}
+    here = [n for n in names if n in names_here and role_of_name(n) != "client"]
     clusters = [bytes.fromhex(k) for k in _listed(keys["cluster"])]  # two while rotating: each pair's two
     links = {"/".join(pair_of(a, b)): _unlisted([pair_key(c, a, b).hex() for c in clusters]) for a in here
-             for b in names if b != a and may_link(_role_of(a), _role_of(b))}
+             for b in names if b != a and may_link(role_of_name(a), role_of_name(b))}
     return {"stream": keys["stream"] if roles & {"sequencer", "rewinder", "replica", "client"} else None,
             "cluster": None, "links": dict(sorted(links.items())),
             "clients": [k if "sequencer" in roles or f"load{i}" in names_here else None

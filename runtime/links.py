@@ -228,8 +228,8 @@ async def _handshake(reader, writer, keys: LinkKeys, initiator: bool, refused: d
         raise ConnectionError(f"no link key for {peer!r}") from None
     try:
         async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):  # not wait_for (runtime/process.py `within`)
-            peer = await reader.readexactly(HELLO.size)
-        reply = end.on_hello(peer)
+            hello = await reader.readexactly(HELLO.size)
+        reply = end.on_hello(hello)
         if reply:
             writer.write(reply)
     except OlderPeer:

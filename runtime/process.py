@@ -21,6 +21,7 @@ import signal
 from typing import Awaitable, Coroutine, TypeVar
 
 from tape.protocol.errors import InvariantViolation
+from tape.protocol.linkauth import ANY_LISTENER
 from tape.runtime import links
 from tape.runtime.exits import EXIT_INTERNAL_ERROR, EXIT_INVARIANT, EXIT_JOURNAL_DAMAGED, EXIT_OK  # noqa: F401
 from tape.runtime.settings import Config, NodeSettings
@@ -49,8 +50,9 @@ class NodeProcess:
         """Metric samples (tape.runtime.metrics): (name, kind, help, value[, label])."""
         return iter(())
 
-    async def open_link(self, host: str, port: int, keys, timeout: float = CONNECT_TIMEOUT_S, peer: bytes = b""):
-        """A TCP connection to `peer` (its wire name; b"": a shared key's holder), authenticated when
+    async def open_link(self, host: str, port: int, keys, timeout: float = CONNECT_TIMEOUT_S,
+                        peer: bytes = ANY_LISTENER):
+        """A TCP connection to `peer` (its wire name, or a shared key's holder), authenticated when
         `keys` (runtime/links.py)."""
         return await links.connect(host, port, keys, self.link_refused, timeout, peer)
 

@@ -78,6 +78,7 @@ from tape.replicas.emitter_node_core import (
 from tape.replicas.replica_node_core import Applied, AskRewinder, Rebuild, ReplicaNode, TakeSnapshot
 from tape.replicas.snapshot import open_verified
 from tape.rewinder.rewinder_node_core import ReadGap, ReplayRecords, RewinderNode, SendDatagram
+from tape.runtime.config import role_of_name
 from tape.runtime.settings import Config, default_of, may_link
 from tape.runtime.storage import journal_store
 from tape.runtime.storage.journal_repair import open_checked
@@ -162,11 +163,6 @@ def wire(name: str) -> bytes:
     return moldudp64.session_bytes(name)
 
 
-def role_of(name: str) -> str:
-    return ("sequencer" if name in SEQUENCERS else "rewinder" if name in REWINDERS else
-            "replica" if name in REPLICAS else "emitter" if name == EMITTER else "client")
-
-
 @functools.cache
 def link_keys(name: str, port: str) -> LinkKeys:
     """`name`'s keys on a connection to or from `port`: a pair's for replication and alerts, as
@@ -174,7 +170,7 @@ def link_keys(name: str, port: str) -> LinkKeys:
     if port == "replay":
         return REPLAY_LINK_KEYS
     return LinkKeys(peers={wire(p): [pair_key(CLUSTER_KEY, name, p)] for p in LAN
-                           if p != name and may_link(role_of(name), role_of(p))})
+                           if p != name and may_link(role_of_name(name), role_of_name(p))})
 
 
 def address(name: str) -> tuple[str, int]:
