@@ -605,6 +605,7 @@ static PyObject *frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 #define SEAL_BLAKE2B 0
 #define SEAL_BLAKE3 1
 #define TAG_SIZE 16
+#define LISTENER_TAG_SIZE 8   /* the seal's last field: the listener key's tag, cut (protocol/streamauth.py) */
 #define AUTH_TYPE 'A'
 
 /* fn(key, packet with its tag zeroed) -> the 16-byte BLAKE3 tag: the `blake3` package's hash, the
@@ -620,9 +621,10 @@ static PyObject *set_blake3_tagger(PyObject *self, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
-/* The BLAKE3 tag of the packet p[0..n) with its tag (at `at`) zeroed, into out: 0, or -1 with an
- * exception raised. */
-static int blake3_tag(unsigned char out[TAG_SIZE], PyObject *key, const unsigned char *p, Py_ssize_t n, size_t at) {
+/* The BLAKE3 tag of the packet p[0..n) with its tag (at `at`) zeroed, and its last `tail` bytes (the
+ * listener tag's, for a listener's check), into out: 0, or -1 with an exception raised. */
+static int blake3_tag(unsigned char out[TAG_SIZE], PyObject *key, const unsigned char *p, Py_ssize_t n, size_t at,
+                      size_t tail) {
     if (blake3_tagger == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "no BLAKE3 tagger registered (protocol/streamauth.py does it)");
         return -1;
@@ -630,6 +632,7 @@ static int blake3_tag(unsigned char out[TAG_SIZE], PyObject *key, const unsigned
     PyObject *unsigned_packet = PyBytes_FromStringAndSize((const char *)p, n);
     if (unsigned_packet == NULL) return -1;
     memset(PyBytes_AS_STRING(unsigned_packet) + at, 0, TAG_SIZE);
+    memset(PyBytes_AS_STRING(unsigned_packet) + n - tail, 0, tail);
     PyObject *tag = PyObject_CallFunctionObjArgs(blake3_tagger, key, unsigned_packet, NULL);
     Py_DECREF(unsigned_packet);
     if (tag == NULL) return -1;
@@ -643,39 +646,78 @@ static int blake3_tag(unsigned char out[TAG_SIZE], PyObject *key, const unsigned
     return 0;
 }
 
-/* Why the seal of the packet p[0..n) does not hold ("unsealed", "unknown_seal", "unknown_key", "bad_tag"),
- * NULL if it does; NULL with *failed set and an exception raised if `keys` (key id -> key) is unusable. */
-static const char *seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *keys, int *failed) {
-    *failed = 0;
-    if (n < 20 + SEALED_BLOCK) return "unsealed";
+/* The algorithm of the seal ending the packet p[0..n) if it is one whole sealed range, else -1 ("unsealed")
+ * or -2 ("unknown_seal"). */
+static int seal_algorithm(const unsigned char *p, Py_ssize_t n) {
+    if (n < 20 + SEALED_BLOCK) return -1;
     uint64_t seq = get_u64(p + 10), count = (uint64_t)(p[18] << 8 | p[19]);
     const unsigned char *seal = p + n - SEAL_SIZE;
     if ((uint64_t)n != 20 + count * SEALED_BLOCK || seal[0] != AUTH_TYPE || get_u64(seal + 1) != seq ||
-        get_u64(seal + 9) != count - 1) return "unsealed";
+        get_u64(seal + 9) != count - 1) return -1;
     uint64_t algorithm = get_u64(seal + SEAL_AT_ALGORITHM);
-    if (algorithm != SEAL_BLAKE2B && algorithm != SEAL_BLAKE3) return "unknown_seal";
+    return algorithm == SEAL_BLAKE2B || algorithm == SEAL_BLAKE3 ? (int)algorithm : -2;
+}
+
+static int usable_key(PyObject *key) {
+    if (PyBytes_Check(key) && PyBytes_GET_SIZE(key) <= 64) return 1;  /* as hashlib.blake2b takes it */
+    PyErr_SetString(PyExc_ValueError, "a stream key is bytes of at most 64");
+    return 0;
+}
+
+/* The tag by `algorithm` and `key` of the packet p[0..n) with its seal's tag (at `at`) and last `tail`
+ * bytes zeroed, into out: 0, or -1 with an exception raised. */
+static int packet_tag(unsigned char out[TAG_SIZE], int algorithm, PyObject *key, const unsigned char *p,
+                      Py_ssize_t n, size_t at, size_t tail) {
+    static const unsigned char zero[TAG_SIZE];
+    if (algorithm == SEAL_BLAKE3) return blake3_tag(out, key, p, n, at, tail);
+    const unsigned char *part[4] = {p, zero, p + at + TAG_SIZE, zero};
+    size_t len[4] = {at, TAG_SIZE, (size_t)n - at - TAG_SIZE - tail, tail};
+    blake2b_keyed_parts(out, TAG_SIZE, (const unsigned char *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
+                        4, part, len);
+    return 0;
+}
+
+/* Why the listener tag of the packet p[0..n) verifies under none of `keys` (a tuple of listener keys), NULL
+ * if it verifies under one; NULL with *failed set and an exception raised if a key is unusable. */
+static const char *listener_seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *keys, int *failed) {
+    *failed = 0;
+    int algorithm = seal_algorithm(p, n);
+    if (algorithm < 0) return algorithm == -1 ? "unsealed" : "unknown_seal";
+    size_t at = (size_t)(n - SEAL_SIZE) + SEAL_AT_TAG;
+    const unsigned char *tag_in = p + n - LISTENER_TAG_SIZE;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(keys); k++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, k);
+        unsigned char tag[TAG_SIZE], diff = 0;
+        if (!usable_key(key) || packet_tag(tag, algorithm, key, p, n, at, LISTENER_TAG_SIZE) < 0) {
+            *failed = 1;
+            return NULL;
+        }
+        for (int i = 0; i < LISTENER_TAG_SIZE; i++) diff |= tag[i] ^ tag_in[i];  /* in constant time */
+        if (!diff) return NULL;
+    }
+    for (int i = 0; i < LISTENER_TAG_SIZE; i++)
+        if (tag_in[i]) return "bad_tag";
+    return "unknown_key";  /* sealed without a listener tag */
+}
+
+/* Why the seal of the packet p[0..n) does not hold ("unsealed", "unknown_seal", "unknown_key", "bad_tag"),
+ * NULL if it does; NULL with *failed set and an exception raised if `keys` is unusable. `keys`: a dict of
+ * stream key id -> key (the seal's tag checked), or a tuple of listener keys (its listener tag). */
+static const char *seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *keys, int *failed) {
+    *failed = 0;
+    if (PyTuple_Check(keys)) return listener_seal_problem(p, n, keys, failed);
+    int algorithm = seal_algorithm(p, n);
+    if (algorithm < 0) return algorithm == -1 ? "unsealed" : "unknown_seal";
+    const unsigned char *seal = p + n - SEAL_SIZE;
     PyObject *id = PyBytes_FromStringAndSize((const char *)seal + SEAL_AT_KEY_ID, 8);
     if (id == NULL) { *failed = 1; return NULL; }
     PyObject *key = PyDict_GetItemWithError(keys, id);  /* borrowed */
     Py_DECREF(id);
     if (key == NULL && PyErr_Occurred()) { *failed = 1; return NULL; }
     if (key == NULL) return "unknown_key";
-    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) > 64) {  /* as hashlib.blake2b refuses it */
-        PyErr_SetString(PyExc_ValueError, "a stream key is bytes of at most 64");
-        *failed = 1;
-        return NULL;
-    }
-    static const unsigned char zero[TAG_SIZE];
     size_t at = (size_t)(seal - p) + SEAL_AT_TAG;
-    const unsigned char *part[3] = {p, zero, p + at + TAG_SIZE};
-    size_t len[3] = {at, TAG_SIZE, (size_t)n - at - TAG_SIZE};
     unsigned char tag[TAG_SIZE], diff = 0;
-    if (algorithm == SEAL_BLAKE3) {
-        if (blake3_tag(tag, key, p, n, at) < 0) { *failed = 1; return NULL; }
-    } else {
-        blake2b_keyed_parts(tag, TAG_SIZE, (const unsigned char *)PyBytes_AS_STRING(key),
-                            (size_t)PyBytes_GET_SIZE(key), 3, part, len);
-    }
+    if (!usable_key(key) || packet_tag(tag, algorithm, key, p, n, at, 0) < 0) { *failed = 1; return NULL; }
     for (int i = 0; i < TAG_SIZE; i++) diff |= tag[i] ^ p[at + i];  /* in constant time */
     return diff ? "bad_tag" : NULL;
 }
@@ -684,7 +726,12 @@ static const char *seal_problem(const unsigned char *p, Py_ssize_t n, PyObject *
 static PyObject *verify_sealed(PyObject *self, PyObject *args) {
     Py_buffer data;
     PyObject *keys;
-    if (!PyArg_ParseTuple(args, "y*O!:verify_sealed", &data, &PyDict_Type, &keys)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*O:verify_sealed", &data, &keys)) return NULL;
+    if (!PyDict_Check(keys) && !PyTuple_Check(keys)) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_TypeError, "keys: a dict of key id -> key, or a tuple of listener keys");
+        return NULL;
+    }
     int failed;
     const char *why = seal_problem(data.buf, data.len, keys, &failed);
     PyBuffer_Release(&data);
@@ -718,8 +765,8 @@ static PyObject *good_stream_packet(PyObject *self, PyObject *const *args, Py_ss
     for (const unsigned char *b = p + 20; b < p + n; b += SEALED_BLOCK)
         if (b[0] != 0 || b[1] != SEQUENCED_SIZE || memchr(types.buf, b[2], (size_t)types.len) == NULL) goto done;
     if (keys != Py_None) {
-        if (!PyDict_Check(keys)) {
-            PyErr_SetString(PyExc_TypeError, "keys: a dict of key id -> key, or None");
+        if (!PyDict_Check(keys) && !PyTuple_Check(keys)) {
+            PyErr_SetString(PyExc_TypeError, "keys: a dict of key id -> key, a tuple of listener keys, or None");
             out = NULL;
             goto done;
         }
@@ -743,25 +790,27 @@ done:
     return out == NULL ? NULL : Py_NewRef(out);
 }
 
-/* seal_run(entries, per, session, first_seq, stamp, origin, key, key_id, algorithm) -> (sealed, packets):
- * the entries (sequenced messages) cut `per` to a packet, each packet ended by its seal, its tag made by
- * `algorithm` (SEAL_BLAKE2B, SEAL_BLAKE3); `sealed` the entries with each seal in its place, `packets`
- * the sealed packets. protocol/streamauth.py's StreamKeys.seal_run_pure is the definition. */
+/* seal_run(entries, per, session, first_seq, stamp, origin, key, key_id, algorithm[, listener_key]) ->
+ * (sealed, packets): the entries (sequenced messages) cut `per` to a packet, each packet ended by its seal,
+ * its tag made by `algorithm` (SEAL_BLAKE2B, SEAL_BLAKE3) over the packet with its listener tag (made first
+ * with `listener_key`, else zero) in place; `sealed` the entries with each seal in its place, `packets` the
+ * sealed packets. protocol/streamauth.py's StreamKeys.seal_run_pure is the definition. */
 static PyObject *seal_run(PyObject *self, PyObject *args) {
-    PyObject *entries, *key_object;
+    PyObject *entries, *key_object, *listener = Py_None;
     Py_ssize_t per, session_len, origin_len, id_len;
     unsigned long long first, stamp;
     int algorithm;
     const char *session, *origin, *key_id;
-    if (!PyArg_ParseTuple(args, "Ony#KKy#O!y#i:seal_run", &entries, &per, &session, &session_len, &first, &stamp,
-                          &origin, &origin_len, &PyBytes_Type, &key_object, &key_id, &id_len, &algorithm))
+    if (!PyArg_ParseTuple(args, "Ony#KKy#O!y#i|O:seal_run", &entries, &per, &session, &session_len, &first, &stamp,
+                          &origin, &origin_len, &PyBytes_Type, &key_object, &key_id, &id_len, &algorithm, &listener))
         return NULL;
-    const char *key = PyBytes_AS_STRING(key_object);
     Py_ssize_t key_len = PyBytes_GET_SIZE(key_object);
     if (session_len != 10 || origin_len != 10 || id_len != 8 || key_len > 64 || per < 1 ||
-        per > 0xFFFE || (algorithm != SEAL_BLAKE2B && algorithm != SEAL_BLAKE3)) {
+        per > 0xFFFE || (algorithm != SEAL_BLAKE2B && algorithm != SEAL_BLAKE3) ||
+        (listener != Py_None && !(PyBytes_Check(listener) && PyBytes_GET_SIZE(listener) <= 64))) {
         PyErr_SetString(PyExc_ValueError, "seal_run: a 10-byte session and origin, an 8-byte key id, a key of "
-                                          "at most 64 bytes, 1 to 65534 entries a packet, a known algorithm");
+                                          "at most 64 bytes, 1 to 65534 entries a packet, a known algorithm, a "
+                                          "listener key of at most 64 bytes or None");
         return NULL;
     }
     PyObject *seq_of = PySequence_Fast(entries, "entries must be a sequence of bytes");
@@ -790,7 +839,8 @@ static PyObject *seal_run(PyObject *self, PyObject *args) {
             memcpy(b + 2, PyBytes_AS_STRING(m), SEQUENCED_SIZE);
             PyList_SET_ITEM(sealed, i + k, Py_NewRef(m));
         }
-        unsigned char *seal = b + 2;  /* 'A' | first seq | entries | tag | key id | 0 | stamp | origin | 0 */
+        unsigned char *seal = b + 2;  /* 'A' | first seq | entries | tag | key id | algorithm | stamp | origin |
+                                   * listener tag */
         b[0] = 0, b[1] = SEQUENCED_SIZE;
         memset(seal, 0, SEQUENCED_SIZE);
         seal[0] = AUTH_TYPE;
@@ -800,15 +850,14 @@ static PyObject *seal_run(PyObject *self, PyObject *args) {
         put_u64(seal + SEAL_AT_ALGORITHM, (uint64_t)algorithm);
         put_u64(seal + SEAL_AT_KEY_ID + 16, stamp);
         memcpy(seal + SEAL_AT_KEY_ID + 24, origin, 10);
-        const unsigned char *part[1] = {p};
-        size_t len[1] = {(size_t)(20 + (count + 1) * SEALED_BLOCK)};
-        if (algorithm == SEAL_BLAKE3) {
-            if (blake3_tag(seal + SEAL_AT_TAG, key_object, p, (Py_ssize_t)len[0], (size_t)(seal - p) + SEAL_AT_TAG) < 0)
-                goto done;
-        } else {
-            blake2b_keyed_parts(seal + SEAL_AT_TAG, TAG_SIZE, (const unsigned char *)key, (size_t)key_len, 1, part,
-                                len);
+        Py_ssize_t size = 20 + (count + 1) * SEALED_BLOCK;
+        size_t at = (size_t)(seal - p) + SEAL_AT_TAG;
+        unsigned char listener_tag[TAG_SIZE];
+        if (listener != Py_None) {  /* first: the seal's tag covers it */
+            if (packet_tag(listener_tag, algorithm, listener, p, size, at, 0) < 0) goto done;
+            memcpy(p + size - LISTENER_TAG_SIZE, listener_tag, LISTENER_TAG_SIZE);
         }
+        if (packet_tag(seal + SEAL_AT_TAG, algorithm, key_object, p, size, at, 0) < 0) goto done;
         PyObject *seal_entry = PyBytes_FromStringAndSize((const char *)seal, SEQUENCED_SIZE);
         if (seal_entry == NULL) goto done;
         PyList_SET_ITEM(sealed, i + k, seal_entry);

@@ -49,7 +49,7 @@ from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import GAP_ASKED_OF, GAPS_ASKED_AT_ONCE, HINT_TRIES, MAX_GAP_TIMEOUT_NS, MAX_HINT_AHEAD
 from tape.protocol.receiver import Deliver, StreamReceiver
 from tape.protocol.rtt import RoundTrip
-from tape.protocol.streamauth import StreamKeys
+from tape.protocol.streamauth import ListenerKeys, StreamKeys
 
 try:
     from tape.protocol._speedups import good_stream_packet
@@ -76,10 +76,10 @@ class AskRewinder:
 
 class ListenerCore:
     def __init__(self, session: bytes, rewinders: int, gap_request_ns: int, next_seq: int = 1,
-                 keys: StreamKeys | None = None, max_packet: int = moldudp64.DEFAULT_MAX_PACKET):
+                 keys: StreamKeys | ListenerKeys | None = None, max_packet: int = moldudp64.DEFAULT_MAX_PACKET):
         self.session = session
         self.keys = keys
-        self._key_ids = keys.by_id if keys is not None else None  # key id -> key, for the C check
+        self._key_ids = keys.verifying if keys is not None else None  # for the C check
         self.max_packet = max_packet  # unsigned requests are padded to this: no answer is larger than its request
         self.reply: tuple[str, int] | None = None  # where answers come back to (signed into requests)
         self.nonce = 0  # the last signed request's

@@ -20,9 +20,11 @@
                 replay_port; emitter: alert_port, sinks (["jsonl", "webhook",
                 "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms,
                 webhook_authorization, webhook_secret, delivery ("first" | "quorum"; default "first")
-    [keys]      stream, cluster: a hex key, or a list of up to two during a
-                rotation (the first signs, either verifies); absent: that
-                link is not authenticated (docs/security.md)
+    [keys]      stream, listeners, cluster: a hex key, or a list of up to two
+                during a rotation (the first signs, either verifies); absent:
+                that link is not authenticated (docs/security.md). stream: the
+                seal's tag (sequencers, rewinders, replicas); listeners: its
+                listener tag, what a client holds instead (it cannot seal)
     [[client]]  name, key (hex HMAC-SHA256 key, optional), interface (as a
                 node's; default [stream] interface, else loopback)
 
@@ -212,6 +214,7 @@ def _parse_audit(cfg: Config, audit: dict) -> None:
 def _parse_keys(cfg: Config, keys: dict) -> None:
     _only_known(keys, "keys", "keys.")
     cfg.stream_keys = _key_list(keys.get("stream"), "keys.stream")
+    cfg.listener_keys = _key_list(keys.get("listeners"), "keys.listeners")
     cfg.cluster_keys = _key_list(keys.get("cluster"), "keys.cluster")
     links = _get(keys, "links", dict, "keys.", {})
     for pair, value in links.items():
@@ -345,8 +348,9 @@ DEFAULT_BASE_PORT = 31400
 
 
 def new_keys(clients: int) -> dict:
-    """Fresh random keys (hex): the stream's, the cluster's and one per client."""
-    return {"stream": secrets.token_hex(KEY_BYTES), "cluster": secrets.token_hex(KEY_BYTES),
+    """Fresh random keys (hex): the stream's, the listeners', the cluster's and one per client."""
+    return {"stream": secrets.token_hex(KEY_BYTES), "listeners": secrets.token_hex(KEY_BYTES),
+            "cluster": secrets.token_hex(KEY_BYTES),
             "clients": [secrets.token_hex(KEY_BYTES) for _ in range(clients)]}
 
 
@@ -377,16 +381,21 @@ def role_of_name(name: str) -> str:
 
 def keys_of_host(keys: dict, names_here: set[str], names: list[str]) -> dict:
     """What of `keys` (new_keys) the nodes and clients in `names_here` (of the topology's `names`)
-    need, None for the rest: the stream key where anything reads or serves the stream (not the
-    emitter alone); never the cluster key, but the link key of each pair a node here is one of
-    (`links`: so a replica's host cannot open a voter's link, nor speak for another replica);
-    every client's key where a sequencer checks them, else only the clients' own."""
+    need, None for the rest: the stream key where the stream is sealed, served or applied
+    (sequencers, rewinders, replicas), the listener key where it is made, served or only read (a
+    client holds it instead of the stream key where there is one: it cannot seal); never the cluster
+    key, but the link key of each pair a node here is one of (`links`: so a replica's host cannot
+    open a voter's link, nor speak for another replica); every client's key where a sequencer
+    checks them, else only the clients' own."""
     roles = {role_of_name(n) for n in names_here}
+    listeners = keys.get("listeners")
     here = [n for n in names if n in names_here and role_of_name(n) != "client"]
     clusters = [bytes.fromhex(k) for k in _listed(keys["cluster"])]  # two while rotating: each pair's two
     links = {"/".join(pair_of(a, b)): _unlisted([pair_key(c, a, b).hex() for c in clusters]) for a in here
              for b in names if b != a and may_link(role_of_name(a), role_of_name(b))}
-    return {"stream": keys["stream"] if roles & {"sequencer", "rewinder", "replica", "client"} else None,
+    stream_roles = {"sequencer", "rewinder", "replica"} | (set() if listeners else {"client"})
+    return {"stream": keys["stream"] if roles & stream_roles else None,
+            "listeners": listeners if roles & {"sequencer", "rewinder", "client"} else None,
             "cluster": None, "links": dict(sorted(links.items())),
             "clients": [k if "sequencer" in roles or f"load{i}" in names_here else None
                         for i, k in enumerate(keys["clients"])]}
@@ -442,7 +451,7 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
 
     def at(name: str) -> str:  # a node's (or client's) host and interface lines, on a LAN
         return f'\nhost = "{where[name]}"\ninterface = "{where[name]}"' if name in where else ""
-    if keys and (held := [k for k in ("stream", "cluster") if keys[k]]):
+    if keys and (held := [k for k in ("stream", "listeners", "cluster") if keys.get(k)]):
         lines.append("[keys]" + "".join(f'\n{k} = {json.dumps(keys[k])}' for k in held))
     if keys and keys.get("links"):
         lines.append("[keys.links]" + "".join(f'\n"{pair}" = {json.dumps(key)}' for pair, key in keys["links"].items()))
@@ -479,7 +488,8 @@ def shared_keys(data_dir: Path, clients: int = 2) -> dict:
 
 def keys_file(path: Path, clients: int) -> dict:
     """The keys (new_keys' form, JSON) kept at `path`: made there owner-only if it does not exist,
-    else read (`stream` and `cluster` may be lists of two while rotating: the first signs)."""
+    else read (`stream`, `listeners` and `cluster` may be lists of two while rotating: the first
+    signs; a file from before listener keys has none, and its clients hold the stream key)."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -82,6 +82,7 @@ class Config:
     books_expected: int = 0  # books a replica's table is sized and its memory written for at start
     # [keys]: the first of each list signs, any verifies (rotation); empty: that link is not authenticated
     stream_keys: list[bytes] = field(default_factory=list)  # the public stream, gap fill, replay logins
+    listener_keys: list[bytes] = field(default_factory=list)  # the seals' listener tags: clients read, never seal
     cluster_keys: list[bytes] = field(default_factory=list)  # every pair's link key derives from it
     link_keys: dict[tuple[str, str], list[bytes]] = field(default_factory=dict)  # [keys.links]: by pair (sorted)
     nodes: list[NodeSettings] = field(default_factory=list)
@@ -89,10 +90,22 @@ class Config:
 
     @property
     def stream_auth(self):
-        """The stream's StreamKeys, or None without a stream key."""
-        from tape.protocol.streamauth import StreamKeys
+        """The stream's StreamKeys (with the listener keys, if any: a leader tags for them, a
+        rewinder takes requests signed by them); a host with the listener keys alone, a client's,
+        its ListenerKeys; None without either."""
+        from tape.protocol.streamauth import ListenerKeys, StreamKeys
 
-        return StreamKeys(self.stream_keys, self.seal) if self.stream_keys else None
+        if self.stream_keys:
+            return StreamKeys(self.stream_keys, self.seal, self.listener_keys)
+        return ListenerKeys(self.listener_keys) if self.listener_keys else None
+
+    @property
+    def listener_auth(self):
+        """What a client checks the stream and signs its gap requests with: the listener keys where
+        the config has them (its path the same in one file as on a host of its own), else stream_auth."""
+        from tape.protocol.streamauth import ListenerKeys
+
+        return ListenerKeys(self.listener_keys) if self.listener_keys else self.stream_auth
 
     @property
     def links_keyed(self) -> bool:
@@ -118,10 +131,12 @@ class Config:
 
     @property
     def replay_link(self):
-        """LinkKeys for replay connections (the stream key: who may read the stream), or None."""
+        """LinkKeys for replay connections (the stream and listener keys: who may read the stream),
+        or None."""
         from tape.protocol.linkauth import LinkKeys
 
-        return LinkKeys(self.stream_keys) if self.stream_keys else None
+        keys = self.stream_keys + self.listener_keys
+        return LinkKeys(keys) if keys else None
 
     @property
     def session_bytes(self) -> bytes:
@@ -215,7 +230,10 @@ KEYS: dict[str, dict[str, str]] = {
         "books_expected": "the open books a replica's table is sized and its memory written for at start (0: grow)",
     },
     "keys": {
-        "stream": "the stream key, hex (or a list of two while rotating): seals, gap fill, replay logins",
+        "stream": "the stream key, hex (or a list of two while rotating): seals, gap fill, replay logins; held by "
+                  "sequencers, rewinders and replicas",
+        "listeners": "the listener key, hex (or a list of two): the seals' listener tags, which a client checks "
+                     "instead of holding the stream key (it cannot seal), its gap requests and replay logins",
         "cluster": "the cluster key, hex (or a list of two): every pair of nodes' link key derives from it, so a "
                    "host that holds it can be any node (keep it on the build machine; hosts get [keys.links])",
         "links": "a table of link keys by pair, \"NODE/NODE\" = hex (or a list of two): a pair's key proves each end "

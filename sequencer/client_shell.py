@@ -66,7 +66,7 @@ class StreamListener:
         self.sockets = StreamSockets(cfg, interface, self._drained, drop, seed)
         self.loss, self.badlog = self.sockets.loss, self.sockets.badlog
         self.node = ClientNode(cfg.session_bytes, len(self.sockets.rewinders), cfg.gap_request_ms * 1_000_000,
-                               cfg.client_resend_ms * 1_000_000, next_seq, cfg.stream_auth, cfg.max_packet)
+                               cfg.client_resend_ms * 1_000_000, next_seq, cfg.listener_auth, cfg.max_packet)
         self.core = self.node.listener
         self.receiver = self.core.receiver
         self.gaps = GapTimer()

@@ -1,5 +1,5 @@
 """`tape bench cluster`: the marginal CPU per message of every process, from two real runs; and
-`tape bench rewinder`, one follower on one core."""
+`tape bench rewinder`, one follower on one core; `tape bench links`, each way of authenticating."""
 
 import json
 import math
@@ -240,3 +240,14 @@ def test_bench_disk_names_the_file_system_and_warns_of_memory(capsys):
     disk.bench_disk(1, 3, 10, 1.0, "/dev/shm")
     said = " ".join(capsys.readouterr().out.split())
     assert "(tmpfs)" in said and "memory, not a disk" in said, said
+
+
+def test_bench_links_carries_every_frame_through_both_link_layers_and_prices_each_stream_scheme():
+    """The bench raises unless a follower reads back, through Tape's records and through mutual TLS,
+    exactly the frames its leader wrote (and a client's check passes every listener-tagged seal)."""
+    out = subprocess.run(TAPE + ["bench", "links", "--batches", "20", "--batch", "50", "--packets", "20"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
+    assert out.returncode == 0, out.stderr
+    assert "TLS 1.3 handshake" in out.stdout and out.stdout.count("listener tag") >= 2
+    for scheme in ("keyed hash", "Ed25519"):
+        assert scheme in out.stdout

@@ -226,8 +226,11 @@ def test_each_hosts_file_holds_only_the_keys_its_nodes_need():
     assert held["10.9.0.5"] == (True, ["emitter/replica-A"], [])  # a replica: its alert link only
     replicas = ["emitter/replica-A", "emitter/replica-B", "emitter/replica-C"]
     assert held["10.9.0.8"] == (False, replicas, [])  # the emitter alone: only the alert links' keys
-    assert held["10.9.0.9"] == (True, [], ["load0"])  # a trading client: its own key and the stream's
-    assert files["10.9.0.9"].stream_keys == [bytes.fromhex(keys["stream"])]
+    assert held["10.9.0.9"] == (False, [], ["load0"])  # a trading client: its own key and the listeners'
+    client = files["10.9.0.9"]
+    assert client.listener_keys == [bytes.fromhex(keys["listeners"])] and not client.stream_keys
+    assert [bool(files[h].listener_keys) for h in ("10.9.0.1", "10.9.0.3", "10.9.0.5", "10.9.0.8")] == \
+        [True, True, False, False]  # made by the leader, gap requests checked by rewinders; a replica needs none
     whole = parse(tomllib.loads(default_toml("/var/lib/tape", 2, 2, replicas=3, sequencers=2, hosts=hosts,
                                              keys=keys)))
     assert files["10.9.0.5"].pair_keys("emitter", "replica-A") == whole.pair_keys("emitter", "replica-A") \

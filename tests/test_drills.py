@@ -39,8 +39,8 @@ def test_every_drill_passes_its_verdict(tmp_path, drill):
     elif drill == "client-restart":  # the second client found what the first had sequenced
         assert 0 < report["resumed_at"] < report["submitted"] == report["acknowledged"] == 20_000
     elif drill == "hostile":  # every attack sent, every kind refused where it landed, no forged term
-        assert len(report["attacks"]) == 11 and report["checks"]["no forged term taken"]
-        assert len(report["refused"]) == 7 and all(n > 0 for n in report["refused"].values())
+        assert len(report["attacks"]) == 12 and report["checks"]["no forged term taken"]
+        assert len(report["refused"]) == 8 and all(n > 0 for n in report["refused"].values())
     elif drill in ("wipe-rewinder", "wipe-standby", "corrupt-snapshot", "corrupt-segment", "disk-full"):
         assert report["checks"]["recovered without an operator"] if drill != "disk-full" else \
             report["checks"]["recovered without an operator once space returned"]

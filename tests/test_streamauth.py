@@ -10,7 +10,7 @@ from tape.protocol import moldudp64
 from tape.protocol.limits import GAP_ASKED_OF, GAPS_ASKED_AT_ONCE, HINT_TRIES
 from tape.protocol.listener import Ahead, Deliver, ListenerCore
 from tape.protocol.stamping import PacketBuilder, messages_per_packet
-from tape.protocol.streamauth import StreamKeys, seal_covers, sealed_ranges
+from tape.protocol.streamauth import SEAL_KEY_ID_AT, ListenerKeys, StreamKeys, key_id, seal_covers, sealed_ranges
 from tape.sequencer.leader_core import InvariantViolation, LeaderCore
 
 S = moldudp64.session_bytes("TAPE")
@@ -39,6 +39,39 @@ def test_keys_rotate_the_first_signs_either_verifies():
     _, by_both = both.seal_packet(S, 1, trades(2), 1, LEADER)
     assert both.verify(by_old) is None and new.verify(by_both) is None
     assert new.verify(by_old) == "unknown_key" and old.verify(by_both) == "unknown_key"
+
+
+L1, L2 = b"L" * 32, b"M" * 32
+
+
+@pytest.mark.parametrize("seal", ["blake2b", "blake3"])
+def test_a_listener_key_checks_the_seal_and_can_make_nothing_the_cluster_takes(seal):
+    leader, cluster, listener = StreamKeys([K1], seal, [L1]), StreamKeys([K1], seal), ListenerKeys([L2, L1])
+    sealed, packets = leader.seal_run(S, 1, trades(7), 3, 2000, LEADER)
+    assert (sealed, packets) == leader.seal_run_pure(S, 1, trades(7), 3, 2000, LEADER)  # C as its definition
+    for packet in packets:  # a cluster listener checks the tag as before (the listener tag is under it)
+        assert cluster.verify(packet) is None and listener.verify(packet) is None is listener.verify_pure(packet)
+        cluster_tag = range(len(packet) - M.SEQUENCED_SIZE + 17, len(packet) - M.SEQUENCED_SIZE + 33)
+        for i in (i for i in range(len(packet)) if i not in cluster_tag):  # the only bytes it does not cover
+            forged = packet[:i] + bytes([packet[i] ^ 1]) + packet[i + 1:]
+            assert listener.verify(forged) is not None and listener.verify_pure(forged) is not None, f"byte {i}"
+    assert ListenerKeys([L2]).verify(packets[0]) == "bad_tag" == ListenerKeys([L2]).verify_pure(packets[0])
+    untagged = cluster.seal_run(S, 1, trades(3), 3, 2000, LEADER)[1][0]  # a leader without a listener key
+    assert listener.verify(untagged) == "unknown_key" == listener.verify_pure(untagged)
+    # What a client's host can make with all it holds: no packet a replica or a rewinder takes.
+    by_listener_key = StreamKeys([L1], seal).seal_packet(S, 1, trades(2), 1, LEADER)[1]
+    at = len(by_listener_key) - M.SEQUENCED_SIZE + SEAL_KEY_ID_AT
+    named_as_the_stream_key = by_listener_key[:at] + key_id(K1) + by_listener_key[at + 8:]
+    assert cluster.verify(by_listener_key) == "unknown_key" and cluster.verify(named_as_the_stream_key) == "bad_tag"
+
+
+def test_a_rewinder_takes_gap_requests_signed_with_the_stream_or_a_listener_key():
+    rewinder = StreamKeys([K1], listeners=[L1])
+    request = moldudp64.encode_request(S, 5, 2)
+    for signer in (StreamKeys([K1]), ListenerKeys([L1])):
+        assert rewinder.verify_request(signer.sign_request(request, ("10.0.0.1", 9), 7), ("10.0.0.1", 9)) == 7
+    assert StreamKeys([K1]).verify_request(ListenerKeys([L1]).sign_request(request, ("10.0.0.1", 9), 7),
+                                           ("10.0.0.1", 9)) == "unknown_key"
 
 
 @pytest.mark.parametrize("case", ["unsealed", "seal_not_last", "seal_covers_other_seqs", "half_a_range"])

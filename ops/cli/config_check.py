@@ -30,6 +30,7 @@ def fingerprint(key: bytes) -> str:
 
 def named_keys(cfg) -> list[tuple[str, bytes]]:
     keys = [(f"stream[{i}]", k) for i, k in enumerate(cfg.stream_keys)]
+    keys += [(f"listeners[{i}]", k) for i, k in enumerate(cfg.listener_keys)]
     keys += [(f"cluster[{i}]", k) for i, k in enumerate(cfg.cluster_keys)]
     keys += [(f"link {a}/{b}[{i}]", k) for (a, b), pair in cfg.link_keys.items() for i, k in enumerate(pair)]
     return keys + [(f"client {c.name}", c.key) for c in cfg.clients if c.key]
@@ -38,9 +39,13 @@ def named_keys(cfg) -> list[tuple[str, bytes]]:
 def key_warnings(cfg) -> list[str]:
     """What is weak about the config's keys: links left open, keys typed by hand, one key in two roles."""
     out = []
-    if not cfg.stream_keys or not cfg.links_keyed:
-        missing = [k for k, held in (("stream", cfg.stream_keys), ("cluster or links", cfg.links_keyed)) if not held]
+    stream = cfg.stream_keys or cfg.listener_keys  # a client's host holds the listener key alone
+    if not stream or not cfg.links_keyed:
+        missing = [k for k, held in (("stream", stream), ("cluster or links", cfg.links_keyed)) if not held]
         out.append(f"no [keys] {' and '.join(missing)}: those links are unauthenticated (docs/security.md)")
+    if cfg.stream_keys and not cfg.listener_keys and cfg.clients:
+        out.append("no [keys] listeners: every client holds the stream key and can seal packets the replicas "
+                   "take (tape config makes a listener key; docs/security.md)")
     out += [f"client {c.name} has no key: the sequencers take its batches unauthenticated"
             for c in cfg.clients if not c.key]
     seen: dict[bytes, str] = {}

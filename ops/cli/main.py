@@ -70,6 +70,13 @@ def _bench_cluster(args) -> int:
     return 0
 
 
+def _bench_links(args) -> int:
+    from tape.ops.bench.link_costs import bench_links
+
+    bench_links(args.rate, args.batch, args.batches, args.packets)
+    return 0
+
+
 def _bench_disk(args) -> int:
     from tape.ops.bench.disk import bench_disk
 
@@ -768,6 +775,18 @@ def _add_bench(sub) -> None:
                     "(default 12: ~80 batches a second)")
     bd.add_argument("--dir", default=None, help="where to write (default the system's temporary directory)")
     bd.set_defaults(func=_bench_disk)
+    bl = bsub.add_parser("links", help="what authenticating the links and the stream costs, each way we could",
+                         description="CPU per message, on one core, of a leader writing append frames to three "
+                                     "followers through Tape's link records and through TLS 1.3 (mutual, a P-256 "
+                                     "certificate per node, ssl over memory BIOs), and of a stream packet's "
+                                     "authentication: the keyed-hash seal of today and an Ed25519 signature "
+                                     "(openssl speed); with the cores each takes at --rate.")
+    bl.add_argument("--rate", type=float, default=250_000, help="messages a second the cores are given for "
+                    "(default 250000)")
+    bl.add_argument("--batch", type=int, default=500, help="messages an append frame (default 500)")
+    bl.add_argument("--batches", type=int, default=2000, help="append frames timed (default 2000)")
+    bl.add_argument("--packets", type=int, default=5000, help="stream packets timed at each size (default 5000)")
+    bl.set_defaults(func=_bench_links)
     bk = bsub.add_parser("spark", help="audit and analytics time over a generated journal",
                          description="Write a journal of --messages generated trades and its delivered alerts, then "
                                      "time in Spark: a count, the Parquet export, the audit (zero findings asserted) "

@@ -288,6 +288,7 @@ class Hostile(Drill):
 
     REFUSALS = {  # (role, metric, reason or None for any): where each kind of attack is counted
         "stream packets refused by the replicas": ("replica", "bad_datagrams", "unsealed"),
+        "a client's keys refused by the replicas": ("replica", "bad_datagrams", "bad_tag"),
         "links refused by the voters": ("voters", "link_refused", None),
         "links refused by the emitter": ("emitter", "link_refused", None),
         "a replica's keys refused by the voters": ("voters", "link_refused", "unknown_key"),
@@ -300,7 +301,8 @@ class Hostile(Drill):
         from tape.ops.verification.hostile import run_all
 
         self.sent = run_all(cluster)
-        return f"{len(self.sent)} attacks sent, by an outsider and with a replica's keys (ops/verification/hostile.py)"
+        return (f"{len(self.sent)} attacks sent, by an outsider and with a replica's and a client's keys "
+                f"(ops/verification/hostile.py)")
 
     def healable(self, cluster):
         return True  # a burst: nothing to heal; the run goes on under the verdict

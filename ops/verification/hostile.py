@@ -29,6 +29,7 @@ from tape.protocol import messages as M
 from tape.protocol import replication as rep
 from tape.protocol.errors import ProtocolError
 from tape.protocol.stamping import PacketBuilder
+from tape.protocol.streamauth import SEAL_KEY_ID_AT, StreamKeys, key_id
 from tape.replicas.audit_core import Alert
 
 FORGED_TERM = 1000  # the term forged votes and appends claim: no node may ever take it
@@ -98,6 +99,18 @@ def forged_stream_packet(cluster: LocalCluster, rng: random.Random) -> str:
     packet = PacketBuilder(cluster.cfg.session_bytes, seq, 61_000).add_sequenced(_forged_trades(seq, 790))[0]
     _to_group(cluster, [packet])
     return f"one {len(packet):,}-byte MoldUDP64 packet of forged trades at seq {seq:,} to the group"
+
+
+def client_keys_seal_the_stream(cluster: LocalCluster, rng: random.Random) -> str:
+    """A client's host seals forged trades with the listener key, its seal naming the stream key's
+    id (on the wire in every seal): the replicas check it with the stream key, which it lacks."""
+    seq = _commit_seq(cluster) + 3
+    listener_key, stream_key = cluster.cfg.listener_keys[0], cluster.cfg.stream_keys[0]
+    _, packet = StreamKeys([listener_key]).seal_packet(cluster.cfg.session_bytes, seq, _forged_trades(seq, 10),
+                                                       time.time_ns(), moldudp64.session_bytes("seq-a"))
+    at = len(packet) - M.SEQUENCED_SIZE + SEAL_KEY_ID_AT
+    _to_group(cluster, [packet[:at] + key_id(stream_key) + packet[at + 8:]])
+    return f"forged trades at seq {seq:,} sealed with a client's listener key, naming the stream key, to the group"
 
 
 def end_of_session(cluster: LocalCluster, rng: random.Random) -> str:
@@ -238,9 +251,9 @@ def garbage_everywhere(cluster: LocalCluster, rng: random.Random) -> str:
     return f"random bytes to {len(targets)} sockets of {len(cluster.procs) - 1} processes"
 
 
-ATTACKS = (forged_stream_packet, end_of_session, far_heartbeat, undecodable_unicast, forged_replication,
-           forged_alert, replica_keys_at_the_voters, replica_in_anothers_name, foreign_client_batch, gapfill_flood,
-           garbage_everywhere)
+ATTACKS = (forged_stream_packet, client_keys_seal_the_stream, end_of_session, far_heartbeat, undecodable_unicast,
+           forged_replication, forged_alert, replica_keys_at_the_voters, replica_in_anothers_name,
+           foreign_client_batch, gapfill_flood, garbage_everywhere)
 
 
 def run_all(cluster: LocalCluster, seed: int = 13) -> list[str]:

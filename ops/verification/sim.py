@@ -50,7 +50,7 @@ from tape.protocol.limits import REPLAY_BEHIND
 from tape.protocol.linkauth import ANY_LISTENER, NONCE_SIZE, LinkEnd, LinkKeys, pair_key
 from tape.protocol.listener import Deliver, Undecodable
 from tape.protocol.stamping import PacketBuilder
-from tape.protocol.streamauth import StreamKeys
+from tape.protocol.streamauth import ListenerKeys, StreamKeys
 from tape.protocol.voter_node import (
     AppendRecords,
     Dial,
@@ -107,7 +107,10 @@ PACE_FROM = 3
 PACED_INTERVAL_NS = 10 * MS
 SESSION = moldudp64.session_bytes("SIM")
 STREAM_KEY = b"sim stream key, 32 bytes long..."
-STREAM_KEYS = StreamKeys([STREAM_KEY])
+LISTENER_KEY = b"sim listener key, 32 bytes long."
+STREAM_KEYS = StreamKeys([STREAM_KEY])  # a replica's: it checks the seals' tags
+VOTER_STREAM_KEYS = StreamKeys([STREAM_KEY], listeners=[LISTENER_KEY])  # a leader tags for clients too
+CLIENT_KEYS = ListenerKeys([LISTENER_KEY])  # a client's: it checks the listener tags, and can seal nothing
 # Every connection runs the link records with keys (protocol/linkauth.py), as a cluster with keys
 # does: replication and alert links each pair's key (derived from this), replay connections the stream key's.
 CLUSTER_KEY = b"sim cluster key, 32 bytes long.."
@@ -279,11 +282,11 @@ class SimVoter:
         if self.can_lead:
             settings = LeaderSettings(SESSION, {wire(c): None for c in CLIENTS}, default_of(Config, "max_packet"),
                                       self.sim.tick_ns, HEARTBEAT_NS, self.sim.batch_interval_ns, LEADER_BEAT_NS,
-                                      STREAM_KEYS, pace_from=PACE_FROM, max_batch=self.sim.max_batch)
+                                      VOTER_STREAM_KEYS, pace_from=PACE_FROM, max_batch=self.sim.max_batch)
             self.node = SequencerNode(endpoint, settings, [wire(v) for v in VOTERS if v != self.name])
         else:
-            self.node = RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"), STREAM_KEYS, GAP_REQUEST_NS,
-                                     SIM_GAPFILL_BUDGETS if self.sim.seed % 5 == 2 else None)
+            self.node = RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"), VOTER_STREAM_KEYS,
+                                     GAP_REQUEST_NS, SIM_GAPFILL_BUDGETS if self.sim.seed % 5 == 2 else None)
         self.core, self.election = self.node.core, self.node.election
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.wake_at = self.sim.now
@@ -602,7 +605,7 @@ class Listener:
         """A client (re)starting: it regenerates the same trades under the same client seqs and,
         restarted, reads the stream from seq 1 up to its head before it numbers on."""
         self.up = True
-        self.node = ClientNode(SESSION, len(REWINDERS), GAP_REQUEST_NS, RESEND_NS, keys=STREAM_KEYS,
+        self.node = ClientNode(SESSION, len(REWINDERS), GAP_REQUEST_NS, RESEND_NS, keys=CLIENT_KEYS,
                                max_packet=default_of(Config, "max_packet"))
         self.node.listener.reply_at(*address(self.name), self.sim.now)
         self.client = self.node.add(self.name, None)
