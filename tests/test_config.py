@@ -193,6 +193,8 @@ def test_config_check_warns_of_weak_repeated_missing_and_exposed_keys_and_prints
     warned = checked()
     assert "cluster[0] (" in warned and "has 1 distinct bytes" in warned
     assert "client load1 is the same key as stream[0]" in warned
+    path.write_text(default_toml(tmp_path, keys=dict(keys, listeners=None)))  # a keys file from before them
+    assert "no [keys] listeners: every client holds the stream key" in checked()
     doc = tomllib.loads(default_toml(tmp_path, keys=keys))
     del doc["keys"]["cluster"], doc["client"][1]["key"]
     cfg = parse(doc)
