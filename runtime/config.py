@@ -20,6 +20,8 @@
                 replay_port; emitter: alert_port, sinks (["jsonl", "webhook",
                 "stdout"]; default ["jsonl"]), webhook_url, webhook_timeout_ms,
                 webhook_authorization, webhook_secret, delivery ("first" | "quorum"; default "first")
+    [metrics]   certfile, keyfile, client_cafile, client_auth_required: HTTPS on
+                every metrics endpoint, as prometheus-client's server takes them
     [keys]      stream, listeners, cluster: a hex key, or a list of up to two
                 during a rotation (the first signs, either verifies); absent:
                 that link is not authenticated (docs/security.md). stream: the
@@ -131,6 +133,7 @@ def parse(doc: dict, base: Path | None = None) -> Config:
     _parse_timeouts(cfg, _get(doc, "timeouts", dict, "", {}))
     _parse_audit(cfg, _get(doc, "audit", dict, "", {}))
     _parse_keys(cfg, _get(doc, "keys", dict, "", {}))
+    _parse_metrics(cfg, _get(doc, "metrics", dict, "", {}), base)
     if cfg.stream_keys and cfg.max_packet < MIN_PACKET + SEQUENCED_BLOCK_SIZE:
         raise ConfigError(f"stream.max_packet: {cfg.max_packet} holds no message and its seal")
     names = set()
@@ -209,6 +212,18 @@ def _parse_audit(cfg: Config, audit: dict) -> None:
         raise ConfigError("audit.book_ttl_s / audit.orphan_ttl_s: must be positive")
     if not 0 <= cfg.books_expected <= MAX_BOOKS_EXPECTED:
         raise ConfigError(f"audit.books_expected: must be from 0 to {MAX_BOOKS_EXPECTED:,}")
+
+
+def _parse_metrics(cfg: Config, metrics: dict, base: Path | None) -> None:
+    _only_known(metrics, "metrics", "metrics.")
+    for key in ("certfile", "keyfile", "client_cafile"):
+        path = _opt(metrics, key, str, "metrics.")
+        setattr(cfg, key, str(base / path) if path and base is not None and not Path(path).is_absolute() else path)
+    cfg.client_auth_required = _opt(metrics, "client_auth_required", bool, "metrics.")
+    if (cfg.keyfile or cfg.client_cafile) and not cfg.certfile:
+        raise ConfigError("metrics: keyfile and client_cafile need a certfile (the endpoint's TLS certificate)")
+    if cfg.client_auth_required and not cfg.client_cafile:
+        raise ConfigError("metrics.client_auth_required: name the CA of the scrapers' certificates (client_cafile)")
 
 
 def _parse_keys(cfg: Config, keys: dict) -> None:

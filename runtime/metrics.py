@@ -42,11 +42,13 @@ class FunctionCollector(Collector):
             yield m
 
 
-def serve(port: int, prefix: str, node: str, report: Callable[[], Iterable[Sample]], host: str = "127.0.0.1") -> None:
-    """Expose `report` on http://host:port/metrics (port 0: not at all), bounded (runtime/metrics_server.py)."""
+def serve(port: int, prefix: str, node: str, report: Callable[[], Iterable[Sample]], host: str = "127.0.0.1",
+          tls=None) -> None:
+    """Expose `report` on http://host:port/metrics (port 0: not at all; https with `tls`, an
+    ssl.SSLContext), bounded (runtime/metrics_server.py)."""
     REGISTRY.register(FunctionCollector(prefix, node, report))
     if port:
-        server = metrics_server.start(host, port)
+        server = metrics_server.start(host, port, tls=tls)
         REGISTRY.register(FunctionCollector(prefix, node, lambda: [
             ("metrics_refused", "counter", "metrics requests refused: too many at once (busy) or a second "
-             "(rate_limited)", server.refused)]))
+             "(rate_limited), or at the TLS handshake (tls)", server.refused)]))

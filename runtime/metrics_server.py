@@ -6,11 +6,15 @@ for ever. This one, on the same WSGI app: at most METRICS_CONNECTIONS requests a
 are closed at once); a request not read whole within METRICS_READ_TIMEOUT_S is dropped (one
 request a connection, HTTP/1.0: no idle keep-alive); and at most METRICS_SCRAPES_PER_S answers
 a second (a burst of as many), each further one a 429 that costs no collection, since a
-collection walks every metric under the GIL. Counted in `refused` by reason."""
+collection walks every metric under the GIL. With TLS (`[metrics]`), each connection's handshake
+runs in its own thread within the read timeout, so a silent or failing one holds one slot a
+while and never the accepting thread; a scraper without the client certificate asked for is
+refused there. Counted in `refused` by reason."""
 
 from __future__ import annotations
 
 import socketserver
+import ssl
 import threading
 import time
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -23,6 +27,15 @@ from tape.runtime.tuning import METRICS_CONNECTIONS, METRICS_READ_TIMEOUT_S, MET
 class _Handler(WSGIRequestHandler):
     timeout = METRICS_READ_TIMEOUT_S  # the socket's: a slow or silent client is dropped
 
+    def setup(self) -> None:
+        super().setup()  # (the timeout set: it bounds the handshake too)
+        if isinstance(self.connection, ssl.SSLSocket):
+            try:
+                self.connection.do_handshake()
+            except (OSError, ValueError):  # ssl.SSLError is an OSError: no TLS, no certificate, a bad one
+                self.server.refused["tls"] += 1
+                raise
+
     def log_message(self, *args) -> None:
         pass  # (counted instead: a flood must not become a flood of log lines)
 
@@ -30,11 +43,13 @@ class _Handler(WSGIRequestHandler):
 class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
-    def __init__(self, host: str, port: int, clock=time.monotonic):
+    def __init__(self, host: str, port: int, clock=time.monotonic, tls: ssl.SSLContext | None = None):
         super().__init__((host, port), _Handler)
+        if tls is not None:  # the handshake in the request's thread (_Handler.setup), not in accept()
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
         self.clock = clock
         self.slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
-        self.refused = {"busy": 0, "rate_limited": 0}
+        self.refused = {"busy": 0, "rate_limited": 0, "tls": 0}
         self.tokens, self.at = float(METRICS_SCRAPES_PER_S), clock()
         self.lock = threading.Lock()
         collect = make_wsgi_app(REGISTRY)
@@ -79,8 +94,8 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         pass  # a client that went away or timed out: nothing to report
 
 
-def start(host: str, port: int, clock=time.monotonic) -> MetricsServer:
-    """Serve the registry on http://host:port/metrics from a thread of its own."""
-    server = MetricsServer(host, port, clock)
+def start(host: str, port: int, clock=time.monotonic, tls: ssl.SSLContext | None = None) -> MetricsServer:
+    """Serve the registry on http://host:port/metrics (https with `tls`) from a thread of its own."""
+    server = MetricsServer(host, port, clock, tls)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

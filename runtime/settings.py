@@ -80,6 +80,11 @@ class Config:
     snapshot_every: int = 100_000
     snapshot_ms: int = 1000
     books_expected: int = 0  # books a replica's table is sized and its memory written for at start
+    # [metrics]: TLS on every metrics endpoint of this file's nodes, as prometheus-client's own server takes it
+    certfile: str = ""  # "": plain HTTP
+    keyfile: str = ""
+    client_cafile: str = ""  # the CA a scraper's certificate must be signed by
+    client_auth_required: bool = False  # refuse a scraper without such a certificate
     # [keys]: the first of each list signs, any verifies (rotation); empty: that link is not authenticated
     stream_keys: list[bytes] = field(default_factory=list)  # the public stream, gap fill, replay logins
     listener_keys: list[bytes] = field(default_factory=list)  # the seals' listener tags: clients read, never seal
@@ -98,6 +103,22 @@ class Config:
         if self.stream_keys:
             return StreamKeys(self.stream_keys, self.seal, self.listener_keys)
         return ListenerKeys(self.listener_keys) if self.listener_keys else None
+
+    @property
+    def metrics_tls(self):
+        """The metrics endpoints' ssl.SSLContext (TLS 1.2 or later), None for plain HTTP; raises
+        OSError or ssl.SSLError if a file cannot be read."""
+        if not self.certfile:
+            return None
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.certfile, self.keyfile or None)
+        if self.client_cafile:
+            context.load_verify_locations(self.client_cafile)
+            context.verify_mode = ssl.CERT_REQUIRED if self.client_auth_required else ssl.CERT_OPTIONAL
+        return context
 
     @property
     def listener_auth(self):
@@ -228,6 +249,12 @@ KEYS: dict[str, dict[str, str]] = {
         "snapshot_every": "a replica snapshots to LMDB every this many messages",
         "snapshot_ms": "... or this often, whichever comes first",
         "books_expected": "the open books a replica's table is sized and its memory written for at start (0: grow)",
+    },
+    "metrics": {
+        "certfile": "the metrics endpoints' TLS certificate (PEM, with its chain): HTTPS instead of HTTP",
+        "keyfile": "its private key (PEM; default: in certfile)",
+        "client_cafile": "the CA (PEM) whose certificates a scraper may present",
+        "client_auth_required": "refuse a scraper without a certificate from client_cafile (mutual TLS)",
     },
     "keys": {
         "stream": "the stream key, hex (or a list of two while rotating): seals, gap fill, replay logins; held by "

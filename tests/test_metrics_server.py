@@ -3,12 +3,14 @@ connections or scraping as fast as they can take neither its threads nor the col
 time beyond its budget. A real server on loopback, in this process."""
 
 import socket
+import ssl
 import urllib.error
 import urllib.request
 
 import pytest
 from conftest import wait_for
 
+from tape.ops.verification.certs import make_certificates
 from tape.runtime import metrics_server
 from tape.runtime.tuning import METRICS_CONNECTIONS, METRICS_SCRAPES_PER_S
 
@@ -57,3 +59,29 @@ def test_scrapes_beyond_the_budget_are_answered_429_without_a_collection(server)
     assert server.refused["rate_limited"] == 2 * METRICS_SCRAPES_PER_S
     server.clock = lambda: 1001.0  # a second later: a second's worth again
     assert [scrape(port) for _ in range(METRICS_SCRAPES_PER_S + 1)] == [200] * METRICS_SCRAPES_PER_S + [429]
+
+
+@pytest.mark.process  # (openssl makes the certificates)
+def test_with_tls_a_silent_connection_holds_its_own_thread_never_the_accepting_one(tmp_path):
+    """The handshake runs in the request's thread: while one connection says nothing, another
+    scrapes at once; the silent one is dropped after the read timeout and counted."""
+    make_certificates(tmp_path, ["node"], ip="127.0.0.1")
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tmp_path / "node.pem", tmp_path / "node.key")
+    server = metrics_server.start("127.0.0.1", 0, tls=tls)
+    port = server.server_address[1]
+    silent = socket.create_connection(("127.0.0.1", port))
+    try:
+        client = ssl.create_default_context(cafile=tmp_path / "ca.pem")
+        url = f"https://127.0.0.1:{port}/metrics"
+        assert urllib.request.urlopen(url, timeout=5, context=client).status == 200
+        silent.setblocking(False)
+        with pytest.raises(BlockingIOError):  # answered while the silent handshake still waits: not behind it
+            silent.recv(1)
+        silent.settimeout(10)
+        assert closed(silent)
+        wait_for(lambda: server.refused["tls"] == 1, "the silent handshake counted")
+    finally:
+        silent.close()  # (first: a server whose accept() waited on its handshake would never shut down)
+        server.shutdown()
+        server.server_close()

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sys
 import tomllib
@@ -18,6 +19,7 @@ import pytest
 from conftest import TAPE, small_disk, wait_for
 
 from tape.ops.cli.scrape_config import scrape_config
+from tape.ops.verification.certs import make_certificates
 from tape.ops.verification.faults import fill
 from tape.ops.verification.local import LocalCluster, dies_with
 from tape.runtime.config import default_toml, load, parse
@@ -65,13 +67,17 @@ def test_the_shipped_scrape_config_is_that_of_the_default_cluster():
 class Prometheus:
     """A Prometheus server of the test's own (its own port and storage), scraping every second."""
 
-    def __init__(self, root: Path, cluster: LocalCluster):
+    def __init__(self, root: Path, cluster: LocalCluster, tls: dict[str, str] | None = None):
+        """`tls`: ca_file, cert_file, key_file (`tape config prometheus`'s --ca-file ...)."""
         root.mkdir()
         shutil.copy(RULES_DIR / "tape-alerts.yml", root)
-        printed = subprocess.run(TAPE + ["config", "prometheus", str(cluster.config_path)], capture_output=True,
-                                 text=True, check=True).stdout
-        assert printed == scrape_config(cluster.cfg)  # what an operator gets from `tape config prometheus`
-        (root / "prometheus.yml").write_text(scrape_config(cluster.cfg, interval_s=1))
+        flags = [a for k, v in (tls or {}).items() for a in (f"--{k.replace('_', '-')}", v)]
+        printed = subprocess.run(TAPE + ["config", "prometheus", str(cluster.config_path), *flags],
+                                 capture_output=True, text=True, check=True).stdout
+        assert printed == scrape_config(cluster.cfg, tls=tls)  # what an operator gets from `tape config prometheus`
+        (root / "prometheus.yml").write_text(scrape_config(cluster.cfg, interval_s=1, tls=tls))
+        checked = promtool("check", "config", str(root / "prometheus.yml"))
+        assert checked.returncode == 0, checked.stdout + checked.stderr
         self.port = free_port()
         self.log = root / "prometheus.log"
         self.proc = subprocess.Popen(
@@ -190,3 +196,42 @@ def test_a_real_prometheus_fires_the_disk_alert_when_a_voters_disk_fills(tmp_pat
             cluster.close()
             if prometheus:
                 prometheus.close()
+
+
+def test_a_real_prometheus_scrapes_a_node_over_mutual_tls_and_a_scraper_without_the_certificate_is_refused(
+        tmp_path):
+    """[metrics] certfile, keyfile, client_cafile, client_auth_required on a real node; Prometheus
+    with `tape config prometheus --ca-file --cert-file --key-file`'s scrape config: up, and the
+    refusals of plain HTTP and of TLS without a client certificate counted (`reason="tls"`)."""
+    certs = tmp_path / "certs"
+    make_certificates(certs, ["rw-1"], ip="127.0.0.1")
+    make_certificates(certs, ["prometheus"])
+    tls = f'certfile = "{certs / "rw-1.pem"}"\nkeyfile = "{certs / "rw-1.key"}"\n' \
+          f'client_cafile = "{certs / "ca.pem"}"\nclient_auth_required = true'
+    cluster = LocalCluster(tmp_path, rewinders=1, sequencers=1, extra=f"[metrics]\n{tls}\n")
+    cluster.metrics_client = ssl.create_default_context(cafile=certs / "ca.pem")
+    cluster.metrics_client.load_cert_chain(certs / "prometheus.pem", certs / "prometheus.key")
+    port = cluster.cfg.node("rw-1").metrics_port
+    prometheus = None
+    try:
+        cluster.start_node("rw-1")  # returns once it answered over mutual TLS
+        with pytest.raises(OSError):  # plain HTTP to it: no answer
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        with pytest.raises(OSError):  # TLS without a client certificate: refused at the handshake
+            urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=5,
+                                   context=ssl.create_default_context(cafile=certs / "ca.pem")).read()
+        files = {"ca_file": str(certs / "ca.pem"), "cert_file": str(certs / "prometheus.pem"),
+                 "key_file": str(certs / "prometheus.key")}
+        status = [*TAPE, "status", "--config", str(cluster.config_path), "--json"]
+        assert subprocess.run(status, capture_output=True, text=True).returncode == 2  # TLS, and no CA named
+        flags = ["--ca-file", files["ca_file"], "--cert-file", files["cert_file"], "--key-file", files["key_file"]]
+        shown = json.loads(subprocess.run(status + flags, capture_output=True, text=True).stdout)
+        assert [n["up"] for n in shown["nodes"] if n["node"] == "rw-1"] == [True]  # `tape status` over mutual TLS
+        prometheus = Prometheus(tmp_path / "prometheus", cluster, tls=files)
+        prometheus.wait_scraped(1)
+        refused = prometheus.query('tape_rewinder_metrics_refused_total{reason="tls"}')
+        assert float(refused[0]["value"][1]) >= 2, refused
+    finally:
+        cluster.close()
+        if prometheus:
+            prometheus.close()

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tape.ops.bench.throughput import host_speed
+from tape.ops.verification.certs import make_certificates
 from tape.protocol import moldudp64, replication
 from tape.protocol.linkauth import LinkEnd, LinkKeys, record_digests
 from tape.protocol.messages import SEQUENCED_BLOCK_SIZE, SEQUENCED_SIZE
@@ -69,20 +70,6 @@ def _time_tape_links(frames: list[bytes]) -> tuple[float, float, float]:
     return leader_s, follower_s, overhead
 
 
-def _certificates(directory: Path, names: list[str]) -> None:
-    """A CA and a certificate per node it signs (P-256 ECDSA), as an operator's openssl would make them."""
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-
-    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
-        "-subj", "/CN=tape-ca", "-keyout", "ca.key", "-out", "ca.pem")
-    for name in names:
-        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "2", "-out", f"{name}.pem")
-
-
 def _context(directory: Path, name: str, server: bool) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -126,7 +113,7 @@ def _time_tls(frames: list[bytes]) -> tuple[float, float, float, float]:
     with tempfile.TemporaryDirectory(prefix="tape-bench-tls-") as tmp:
         directory = Path(tmp)
         names = [f"seq-{c}" for c in "bcd"]
-        _certificates(directory, ["seq-a", *names])
+        make_certificates(directory, ["seq-a", *names])
         pairs = [_tls_pair(directory, name) for name in names]
     handshake_s = sum(s for _, _, s in pairs) / len(pairs)
     t0 = time.process_time()

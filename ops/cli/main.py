@@ -169,6 +169,11 @@ def _node(cfg, name: str, role: str):
         print(f"tape: node {name} is a {node.role}, not a {role}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
     _check_keys_held(cfg, name, role)
+    try:
+        cfg.metrics_tls
+    except OSError as e:  # (ssl.SSLError is one): a certificate or key that cannot be read or used
+        print(f"tape: node {name}: [metrics] TLS files: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
     if not interfaces.is_local(node.host):
         raise interfaces.InterfaceError(f"node {name}: host {node.host} is not an address of this host (have: "
                                    f"{', '.join(a for addrs in interfaces.local_ipv4().values() for a in addrs)}): "
@@ -200,7 +205,8 @@ def _run_node(make) -> int:
         logging.getLogger("tape").warning("C speed-ups off (%s): built without a C compiler, or TAPE_PURE set; "
                                           "the same functions run in Python, slower", ", ".join(gone))
     node = runtime.node
-    metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.metrics, node.metrics_address)
+    metrics.serve(node.metrics_port, runtime.METRICS_PREFIX, node.name, runtime.metrics, node.metrics_address,
+                  runtime.cfg.metrics_tls)
     tune_memory()
     return runtime.run()
 
@@ -347,10 +353,15 @@ def _config_default(args) -> int:
 
         return units(args.file, sys.stdout)
     if args.action == "prometheus":
-        from tape.ops.cli.scrape_config import scrape_config
+        from tape.ops.cli.scrape_config import ScrapeTlsError, scrape_config
 
         args.config = args.file
-        sys.stdout.write(scrape_config(_config(args)))
+        try:
+            sys.stdout.write(scrape_config(_config(args), tls={"ca_file": args.ca_file, "cert_file": args.cert_file,
+                                                               "key_file": args.key_file}))
+        except ScrapeTlsError as e:
+            print(f"tape: {e}", file=sys.stderr)
+            return EXIT_CONFIG
         return 0
     keys = None if args.no_keys else keys_file(Path(args.keys), args.clients) if args.keys else new_keys(args.clients)
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else None
@@ -506,9 +517,9 @@ def _add_sim(sub) -> None:
 
 
 def _status(args) -> int:
-    from tape.ops.cli.status import main
+    from tape.ops.cli.status import client_tls, main
 
-    return main(_config(args), args.json, args.watch)
+    return main(_config(args), args.json, args.watch, client_tls(args.ca_file, args.cert_file, args.key_file))
 
 
 def _add_status(sub) -> None:
@@ -520,6 +531,7 @@ def _add_status(sub) -> None:
     p.add_argument("--config", default=None, help="cluster TOML file (default: the embedded loopback cluster)")
     p.add_argument("--json", action="store_true", help="print it as JSON (for scripts)")
     p.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    _add_scraper_tls(p, "where the config has [metrics] certfile")
     p.set_defaults(func=_status)
 
 
@@ -639,6 +651,14 @@ def _add_onramp(sub) -> None:
     p.set_defaults(func=_onramp)
 
 
+def _add_scraper_tls(p, when: str) -> None:
+    """--ca-file, --cert-file, --key-file: what a scraper of TLS metrics endpoints presents."""
+    for flag, what in (("--ca-file", "the CA of the nodes' metrics certificates"),
+                       ("--cert-file", "the scraper's own certificate, where the nodes ask for one"),
+                       ("--key-file", "its key")):
+        p.add_argument(flag, default=None, metavar="FILE", help=f"{when}: {what}")
+
+
 def _add_config(sub) -> None:
     p = sub.add_parser("config", help="print a cluster config, or check one on this host",
                        description="Print a cluster config as TOML, to copy and edit: the default topology on "
@@ -673,6 +693,7 @@ def _add_config(sub) -> None:
                    help="take the cluster's keys from FILE (JSON: stream, cluster, clients), made there owner-only "
                    "if it does not exist: keep it on the build machine, to write the host files again (a new "
                    "node, a rotation: docs/security.md)")
+    _add_scraper_tls(p, "prometheus, where the config has [metrics] certfile (paths on the Prometheus host)")
     p.add_argument("--no-keys", action="store_true",
                    help="leave every link unauthenticated (default: fresh random keys; docs/security.md)")
     p.set_defaults(func=_config_default)

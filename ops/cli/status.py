@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -38,20 +39,31 @@ FIELDS = {
 }
 
 
-def _scrape(node) -> dict[str, float] | None:
+def client_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """The context to scrape endpoints that serve TLS (`[metrics] certfile`) with: their CA, and
+    a certificate of ours where they ask for one; None without a CA (plain HTTP)."""
+    if not ca_file:
+        return None
+    context = ssl.create_default_context(cafile=ca_file)
+    if cert_file:
+        context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+def _scrape(node, tls: ssl.SSLContext | None) -> dict[str, float] | None:
+    url = f"{'https' if tls else 'http'}://{node.metrics_address}:{node.metrics_port}/metrics"
     try:
-        text = urllib.request.urlopen(f"http://{node.metrics_address}:{node.metrics_port}/metrics",
-                                      timeout=FETCH_TIMEOUT_S).read().decode()
+        text = urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S, context=tls).read().decode()
     except OSError:
         return None
     return parse_metrics(text)
 
 
-def collect(cfg) -> dict:
+def collect(cfg, tls: ssl.SSLContext | None = None) -> dict:
     """{"nodes": [one dict a node], "problems": [...]}: the cluster as its endpoints say."""
     nodes = [n for n in cfg.nodes if n.metrics_port]
     with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
-        scraped = dict(zip((n.name for n in nodes), pool.map(_scrape, nodes)))
+        scraped = dict(zip((n.name for n in nodes), pool.map(lambda n: _scrape(n, tls), nodes)))
     rows, problems = [], []
     for n in nodes:
         m = scraped[n.name]
@@ -95,15 +107,19 @@ def table(status: dict) -> Table:
     return t
 
 
-def main(cfg, as_json: bool, watch: float | None) -> int:
+def main(cfg, as_json: bool, watch: float | None, tls: ssl.SSLContext | None = None) -> int:
     console = Console()
+    if cfg.certfile and tls is None:
+        console.print("tape status: the nodes serve metrics over TLS ([metrics] certfile): name their CA (--ca-file), "
+                      "and where they ask for one a certificate (--cert-file, --key-file)")
+        return 2
     if as_json:
-        status = collect(cfg)
+        status = collect(cfg, tls)
         print(json.dumps(status, indent=1))
         return 1 if status["problems"] else 0
     with Live(console=console, auto_refresh=False) as live:
         while True:
-            status = collect(cfg)
+            status = collect(cfg, tls)
             problems = "\n".join(f"[red]problem:[/red] {p}" for p in status["problems"]) or "cluster ok"
             live.update(_grid(table(status), problems), refresh=True)
             if not watch:

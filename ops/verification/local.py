@@ -53,6 +53,7 @@ class LocalCluster:
         self.logs: dict[str, Path] = {}
         self.started: dict[str, tuple] = {}  # name -> (args, wait_metrics, env): what restart() repeats
         self.let_go: set[str] = set()  # stopped or killed here: their exits are expected
+        self.metrics_client = None  # an ssl.SSLContext where the nodes serve metrics over TLS ([metrics])
         self.planted: tuple[str, ...] = ()  # patterns of the log lines a planted fault causes (verdict.log_problems)
 
     def start(
@@ -125,19 +126,21 @@ class LocalCluster:
         return TAPE + args + ["--config", str(self.config_path)]
 
     def fetch(self, name: str, port: int, timeout: float) -> bytes:
-        return self.fetch_url("127.0.0.1", port, timeout)
+        return self.fetch_url("127.0.0.1", port, timeout, self.metrics_client)
 
     @staticmethod
-    def fetch_url(host: str, port: int, timeout: float) -> bytes:
-        """The node's metrics; a 429 (its endpoint's budget, runtime/metrics_server.py) waits and asks again."""
+    def fetch_url(host: str, port: int, timeout: float, tls=None) -> bytes:
+        """The node's metrics (over https with `tls`, an ssl.SSLContext); a 429 (its endpoint's
+        budget, runtime/metrics_server.py) waits and asks again."""
+        url = f"{'https' if tls else 'http'}://{host}:{port}/metrics"
         for _ in range(METRICS_RETRIES):
             try:
-                return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout).read()
+                return urllib.request.urlopen(url, timeout=timeout, context=tls).read()
             except urllib.error.HTTPError as e:
                 if e.code != 429:
                     raise
             time.sleep(1 / METRICS_SCRAPES_PER_S)
-        return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout).read()
+        return urllib.request.urlopen(url, timeout=timeout, context=tls).read()
 
     def journal_dir(self, node: str) -> Path:
         return Path(self.cfg.node(node).data) / "journal"
