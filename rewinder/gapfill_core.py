@@ -30,6 +30,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from tape.protocol import moldudp64
+from tape.protocol.budgets import PerHost, TokenBucket
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import (
     GAP_PARKED_MAX,
@@ -63,20 +64,6 @@ class Refuse:
     reason: str  # counted in `dropped`
 
 
-class TokenBucket:
-    def __init__(self, rate_per_s: float, burst: float, now: float):
-        self.rate, self.burst = rate_per_s, burst
-        self.tokens, self.at = burst, now
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens < 1.0:
-            return False
-        self.tokens -= 1.0
-        return True
-
-
 class GapFillCore:
     def __init__(self, session: bytes, max_packet: int, keys: StreamKeys | None = None,
                  rate_per_s: float = GAPFILL_HOST_RATE, burst: float = GAPFILL_HOST_BURST,
@@ -85,10 +72,8 @@ class GapFillCore:
         self.session = session
         self.max_packet = max_packet  # the stream's packet size: no answer is larger
         self.keys = keys
-        self.rate = rate_per_s
-        self.burst = burst
         self.max_peers = max_peers
-        self._buckets: OrderedDict = OrderedDict()  # host -> TokenBucket, least recently asking first
+        self._hosts = PerHost(rate_per_s, burst, max_peers)
         self._nonces: OrderedDict = OrderedDict()  # (host, port) -> its last signed request's nonce
         self._total = TokenBucket(total_rate_per_s, total_burst, 0.0)
         self.park_s = park_s  # how long a request for seqs not yet known committed waits (0: refused)
@@ -172,11 +157,4 @@ class GapFillCore:
         return Refuse(reason)
 
     def _take_token(self, host, now: float) -> bool:
-        bucket = self._buckets.get(host)
-        if bucket is None:
-            if len(self._buckets) >= self.max_peers:
-                self._buckets.popitem(last=False)
-            bucket = self._buckets[host] = TokenBucket(self.rate, self.burst, now)
-        else:
-            self._buckets.move_to_end(host)
-        return bucket.take(now)
+        return self._hosts.take(host, now)

@@ -9,7 +9,8 @@ a second (a burst of as many), each further one a 429 that costs no collection, 
 collection walks every metric under the GIL. With TLS (`[metrics]`), each connection's handshake
 runs in its own thread within the read timeout, so a silent or failing one holds one slot a
 while and never the accepting thread; a scraper without the client certificate asked for is
-refused there. Counted in `refused` by reason."""
+refused there, and at most METRICS_HANDSHAKES_PER_S are begun a second (rate_limited beyond).
+Counted in `refused` by reason."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import REGISTRY, make_wsgi_app
 
-from tape.runtime.tuning import METRICS_CONNECTIONS, METRICS_READ_TIMEOUT_S, METRICS_SCRAPES_PER_S
+from tape.protocol.budgets import TokenBucket
+from tape.runtime.tuning import (
+    METRICS_CONNECTIONS,
+    METRICS_HANDSHAKES_PER_S,
+    METRICS_READ_TIMEOUT_S,
+    METRICS_SCRAPES_PER_S,
+)
 
 
 class _Handler(WSGIRequestHandler):
@@ -30,6 +37,9 @@ class _Handler(WSGIRequestHandler):
     def setup(self) -> None:
         super().setup()  # (the timeout set: it bounds the handshake too)
         if isinstance(self.connection, ssl.SSLSocket):
+            if not self.server.handshakes.take():  # a handshake costs the host more than a 429 does
+                self.server.refused["rate_limited"] += 1
+                raise ConnectionAbortedError("too many TLS handshakes")
             try:
                 self.connection.do_handshake()
             except (OSError, ValueError):  # ssl.SSLError is an OSError: no TLS, no certificate, a bad one
@@ -38,6 +48,17 @@ class _Handler(WSGIRequestHandler):
 
     def log_message(self, *args) -> None:
         pass  # (counted instead: a flood must not become a flood of log lines)
+
+
+class _SharedBucket:
+    """A TokenBucket of `rate` a second (a burst of as many) that the request threads share."""
+
+    def __init__(self, rate: float, clock):
+        self.clock, self.bucket, self.lock = clock, TokenBucket(rate, rate, clock()), threading.Lock()
+
+    def take(self) -> bool:
+        with self.lock:
+            return self.bucket.take(self.clock())
 
 
 class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
@@ -50,28 +71,19 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         self.clock = clock
         self.slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
         self.refused = {"busy": 0, "rate_limited": 0, "tls": 0}
-        self.tokens, self.at = float(METRICS_SCRAPES_PER_S), clock()
-        self.lock = threading.Lock()
+        now = lambda: self.clock()  # noqa: E731 (read when taken: a test moves it)
+        self.scrapes = _SharedBucket(METRICS_SCRAPES_PER_S, now)
+        self.handshakes = _SharedBucket(METRICS_HANDSHAKES_PER_S, now)
         collect = make_wsgi_app(REGISTRY)
 
         def app(environ, start_response):
-            if not self._take_token():
+            if not self.scrapes.take():
                 self.refused["rate_limited"] += 1
                 start_response("429 Too Many Requests", [("Content-Type", "text/plain"), ("Retry-After", "1")])
                 return [b"too many scrapes\n"]
             return collect(environ, start_response)
 
         self.set_app(app)
-
-    def _take_token(self) -> bool:
-        with self.lock:
-            now = self.clock()
-            self.tokens = min(METRICS_SCRAPES_PER_S, self.tokens + (now - self.at) * METRICS_SCRAPES_PER_S)
-            self.at = now
-            if self.tokens < 1:
-                return False
-            self.tokens -= 1
-            return True
 
     def process_request(self, request, client_address) -> None:
         if not self.slots.acquire(blocking=False):

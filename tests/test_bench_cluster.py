@@ -251,3 +251,17 @@ def test_bench_links_carries_every_frame_through_both_link_layers_and_prices_eac
     assert "TLS 1.3 handshake" in out.stdout and out.stdout.count("listener tag") >= 2
     for scheme in ("keyed hash", "Ed25519"):
         assert scheme in out.stdout
+
+
+def test_bench_metrics_flood_floods_a_stand_in_then_the_leader_and_the_leader_holds():
+    """Both runs pass with one term, the flood ran in each, and the leader's endpoint refused some
+    of it (its bounds at work); the latency figures are for docs/performance.md, not asserted."""
+    from tape.ops.bench.metrics_flood import bench_metrics_flood
+
+    result = bench_metrics_flood(3000, 3.0)
+    for name, run in result["runs"].items():
+        assert run["verdict"] == "pass" and len(run["terms"]) == 1, (name, run["checks"])
+        assert run["flood"]["scrapes"] > 0
+    refused = result["runs"]["metrics-flood"]["metrics_refused"]
+    assert refused["rate_limited"] + refused["busy"] > 0
+    assert not result["runs"]["metrics-flood-control"]["metrics_refused"]  # (the leader was not the target)

@@ -12,7 +12,7 @@ from conftest import wait_for
 
 from tape.ops.verification.certs import make_certificates
 from tape.runtime import metrics_server
-from tape.runtime.tuning import METRICS_CONNECTIONS, METRICS_SCRAPES_PER_S
+from tape.runtime.tuning import METRICS_CONNECTIONS, METRICS_HANDSHAKES_PER_S, METRICS_SCRAPES_PER_S
 
 
 @pytest.fixture
@@ -83,5 +83,29 @@ def test_with_tls_a_silent_connection_holds_its_own_thread_never_the_accepting_o
         wait_for(lambda: server.refused["tls"] == 1, "the silent handshake counted")
     finally:
         silent.close()  # (first: a server whose accept() waited on its handshake would never shut down)
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.process  # (openssl makes the certificates)
+def test_with_tls_handshakes_beyond_the_budget_are_refused_before_they_cost_the_host_one(tmp_path):
+    make_certificates(tmp_path, ["node"], ip="127.0.0.1")
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tmp_path / "node.pem", tmp_path / "node.key")
+    server = metrics_server.start("127.0.0.1", 0, clock=lambda: 1000.0, tls=tls)  # time stands still
+    client = ssl.create_default_context(cafile=tmp_path / "ca.pem")
+    url = f"https://127.0.0.1:{server.server_address[1]}/metrics"
+    try:
+        statuses = []
+        for _ in range(METRICS_HANDSHAKES_PER_S + 1):
+            try:
+                statuses.append(urllib.request.urlopen(url, timeout=5, context=client).status)
+            except urllib.error.HTTPError as e:
+                statuses.append(e.code)
+            except OSError:
+                statuses.append("closed")
+        assert statuses[-1] == "closed" and "closed" not in statuses[:-1]  # the one beyond: no handshake
+        assert server.refused["rate_limited"] >= 1 and server.refused["tls"] == 0
+    finally:
         server.shutdown()
         server.server_close()

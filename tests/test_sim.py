@@ -352,7 +352,7 @@ def test_the_simulator_catches_a_replica_that_ignores_a_rebuild_order(monkeypatc
 def test_the_simulator_catches_gap_fill_budgets_that_never_refill(monkeypatch):
     # A fifth of the seeds' rewinders answer few gap requests (SIM_GAPFILL_BUDGETS): a refused
     # listener asks again later, and gets its answer once its host's budget has refilled.
-    from tape.rewinder.gapfill_core import TokenBucket
+    from tape.protocol.budgets import TokenBucket
 
     def take(self, now):
         if self.tokens < 1.0:

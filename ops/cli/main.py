@@ -77,6 +77,13 @@ def _bench_links(args) -> int:
     return 0
 
 
+def _bench_metrics_flood(args) -> int:
+    from tape.ops.bench.metrics_flood import bench_metrics_flood
+
+    bench_metrics_flood(args.rate, args.duration)
+    return 0
+
+
 def _bench_disk(args) -> int:
     from tape.ops.bench.disk import bench_disk
 
@@ -748,6 +755,30 @@ def _add_bench_roles(bsub) -> None:
     bw.set_defaults(func=_bench_rewinder)
 
 
+def _add_bench_security(bsub) -> None:
+    """What authentication and the endpoints' bounds cost: links, metrics-flood."""
+    bl = bsub.add_parser("links", help="what authenticating the links and the stream costs, each way we could",
+                         description="CPU per message, on one core, of a leader writing append frames to three "
+                                     "followers through Tape's link records and through TLS 1.3 (mutual, a P-256 "
+                                     "certificate per node, ssl over memory BIOs), and of a stream packet's "
+                                     "authentication: the keyed-hash seal of today and an Ed25519 signature "
+                                     "(openssl speed); with the cores each takes at --rate.")
+    bl.add_argument("--rate", type=float, default=250_000, help="messages a second the cores are given for "
+                    "(default 250000)")
+    bl.add_argument("--batch", type=int, default=500, help="messages an append frame (default 500)")
+    bl.add_argument("--batches", type=int, default=2000, help="append frames timed (default 2000)")
+    bl.add_argument("--packets", type=int, default=5000, help="stream packets timed at each size (default 5000)")
+    bl.set_defaults(func=_bench_links)
+    bm = bsub.add_parser("metrics-flood", help="a stranger flooding the leader's metrics endpoint, against a control",
+                         description="Two tape up runs: a flooder (8 scrapers as fast as they go, 256 silent "
+                                     "connections held) at a stand-in metrics endpoint outside the cluster, then at "
+                                     "the leader's; prints each run's terms and inbound-to-applied p50/p99, their "
+                                     "ratio, and what the leader's endpoint refused.")
+    bm.add_argument("--rate", type=float, default=20_000, help="trades per second (default 20000)")
+    bm.add_argument("--duration", type=float, default=15.0, help="seconds of load a run (default 15)")
+    bm.set_defaults(func=_bench_metrics_flood)
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="measure throughput", description="Benchmarks (figures, not pass/fail).")
     bsub = bench.add_subparsers(dest="bench_command", metavar="TARGET", required=True)
@@ -796,18 +827,7 @@ def _add_bench(sub) -> None:
                     "(default 12: ~80 batches a second)")
     bd.add_argument("--dir", default=None, help="where to write (default the system's temporary directory)")
     bd.set_defaults(func=_bench_disk)
-    bl = bsub.add_parser("links", help="what authenticating the links and the stream costs, each way we could",
-                         description="CPU per message, on one core, of a leader writing append frames to three "
-                                     "followers through Tape's link records and through TLS 1.3 (mutual, a P-256 "
-                                     "certificate per node, ssl over memory BIOs), and of a stream packet's "
-                                     "authentication: the keyed-hash seal of today and an Ed25519 signature "
-                                     "(openssl speed); with the cores each takes at --rate.")
-    bl.add_argument("--rate", type=float, default=250_000, help="messages a second the cores are given for "
-                    "(default 250000)")
-    bl.add_argument("--batch", type=int, default=500, help="messages an append frame (default 500)")
-    bl.add_argument("--batches", type=int, default=2000, help="append frames timed (default 2000)")
-    bl.add_argument("--packets", type=int, default=5000, help="stream packets timed at each size (default 5000)")
-    bl.set_defaults(func=_bench_links)
+    _add_bench_security(bsub)
     bk = bsub.add_parser("spark", help="audit and analytics time over a generated journal",
                          description="Write a journal of --messages generated trades and its delivered alerts, then "
                                      "time in Spark: a count, the Parquet export, the audit (zero findings asserted) "

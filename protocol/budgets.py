@@ -1,0 +1,47 @@
+"""Budgets for what strangers may make a node do: token buckets, one or one a host. Pure: the
+caller passes the time.
+
+`PerHost` keeps a bucket for each of at most `max_hosts` sender hosts (the least recently seen
+forgotten first, so a flood of forged sources costs bounded memory and, forgotten, starts
+again at a full burst: the shared bucket beside it bounds the total)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class TokenBucket:
+    """`rate_per_s` tokens a second, at most `burst` held; one taken per thing allowed."""
+
+    def __init__(self, rate_per_s: float, burst: float, now: float):
+        self.rate, self.burst = rate_per_s, burst
+        self.tokens, self.at = burst, now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+class PerHost:
+    """A TokenBucket for each sender host, of the `max_hosts` seen most recently."""
+
+    def __init__(self, rate_per_s: float, burst: float, max_hosts: int):
+        self.rate, self.burst, self.max_hosts = rate_per_s, burst, max_hosts
+        self._buckets: OrderedDict = OrderedDict()  # host -> TokenBucket, least recently seen first
+
+    def take(self, host, now: float) -> bool:
+        bucket = self._buckets.get(host)
+        if bucket is None:
+            if len(self._buckets) >= self.max_hosts:
+                self._buckets.popitem(last=False)
+            bucket = self._buckets[host] = TokenBucket(self.rate, self.burst, now)
+        else:
+            self._buckets.move_to_end(host)
+        return bucket.take(now)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
