@@ -45,3 +45,17 @@ class PerHost:
 
     def __len__(self) -> int:
         return len(self._buckets)
+
+
+class StrangerBudget:
+    """Which datagrams from where are worth a MAC check: every one from a configured client's
+    address (`known`: never limited here, so a forger cannot get a client's own address
+    throttled); from any other host, its PerHost bucket's and a bucket all such hosts share."""
+
+    def __init__(self, known: frozenset, rate_per_s: float, total_rate_per_s: float, max_hosts: int):
+        self.known = known
+        self._hosts = PerHost(rate_per_s, rate_per_s, max_hosts)
+        self._total = TokenBucket(total_rate_per_s, total_rate_per_s, 0.0)
+
+    def allow(self, host, now: float) -> bool:
+        return host in self.known or (self._hosts.take(host, now) and self._total.take(now))

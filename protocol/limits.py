@@ -17,6 +17,11 @@ GAPFILL_HOST_RATE, GAPFILL_HOST_BURST = 2_000.0, 400.0
 GAPFILL_TOTAL_RATE, GAPFILL_TOTAL_BURST = 3_000.0, 600.0
 GAP_PARKED_MAX = 1024  # gap-fill requests one rewinder holds at once for the commit point to reach them
 GAPFILL_MAX_HOSTS = 10_000  # hosts whose buckets are remembered (the least recent forgotten first)
+# --- inbound from an address no client is configured at: datagrams a second the leader checks
+# (a MAC each) from one such host and from all of them; beyond, dropped before any check
+STRANGER_INBOUND_RATE = 2_000.0
+STRANGER_INBOUND_TOTAL_RATE = 10_000.0
+STRANGER_MAX_HOSTS = 10_000
 # The emitter's quorum delivery: alerts held awaiting a quorum (a replica that would exceed it is
 # refused until it reconnects), about 100 bytes each.
 MAX_PENDING_ALERTS = 100_000
@@ -126,6 +131,7 @@ def _check() -> None:
     assert CATCHUP_CHUNK <= MAX_BATCH_MESSAGES and FETCH_MAX * messages.SEQUENCED_SIZE <= REPLICATION_FRAME, \
         "catch-up and fetch answers must fit one append frame"
     assert GAPFILL_HOST_RATE <= GAPFILL_TOTAL_RATE and GAPFILL_HOST_BURST <= GAPFILL_TOTAL_BURST
+    assert STRANGER_INBOUND_RATE <= STRANGER_INBOUND_TOTAL_RATE
     assert soupbintcp.FRAME_LEN.size + 1 + 46 <= REPLAY_LOGIN_FRAME <= soupbintcp.MAX_FRAME, "a login must fit"
     assert REPLAY_BEHIND < RECEIVER_MAX_HELD
     assert BACKOFF_RETRY_MS <= MAX_RETRY_MS and BACKOFF_RETRY_MS * 1_000_000 <= BACKOFF_INTERVAL_NS, \

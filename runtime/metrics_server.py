@@ -2,10 +2,12 @@
 not let them take the process's threads, its file descriptors or the GIL its event loop needs.
 
 prometheus-client's own server starts a thread for every connection and waits on a silent one
-for ever. This one, on the same WSGI app: at most METRICS_CONNECTIONS requests at once (more
-are closed at once); a request not read whole within METRICS_READ_TIMEOUT_S is dropped (one
-request a connection, HTTP/1.0: no idle keep-alive); and at most METRICS_SCRAPES_PER_S answers
-a second (a burst of as many), each further one a 429 that costs no collection, since a
+for ever. This one, on the same WSGI app: at most METRICS_ACCEPTS_PER_S connections a second
+are given a thread, and METRICS_CONNECTIONS requests at once (the rest are closed at once,
+unread: a thread and its HTTP parsing under the GIL cost the event loop more than a 429 saves);
+a request not read whole within METRICS_READ_TIMEOUT_S is dropped (one request a connection,
+HTTP/1.0: no idle keep-alive); and at most METRICS_SCRAPES_PER_S answers a second (a burst of
+as many), each further one a 429 that costs no collection, since a
 collection walks every metric under the GIL. With TLS (`[metrics]`), each connection's handshake
 runs in its own thread within the read timeout, so a silent or failing one holds one slot a
 while and never the accepting thread; a scraper without the client certificate asked for is
@@ -24,6 +26,7 @@ from prometheus_client import REGISTRY, make_wsgi_app
 
 from tape.protocol.budgets import TokenBucket
 from tape.runtime.tuning import (
+    METRICS_ACCEPTS_PER_S,
     METRICS_CONNECTIONS,
     METRICS_HANDSHAKES_PER_S,
     METRICS_READ_TIMEOUT_S,
@@ -72,6 +75,7 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         self.slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
         self.refused = {"busy": 0, "rate_limited": 0, "tls": 0}
         now = lambda: self.clock()  # noqa: E731 (read when taken: a test moves it)
+        self.accepts = _SharedBucket(METRICS_ACCEPTS_PER_S, now)
         self.scrapes = _SharedBucket(METRICS_SCRAPES_PER_S, now)
         self.handshakes = _SharedBucket(METRICS_HANDSHAKES_PER_S, now)
         collect = make_wsgi_app(REGISTRY)
@@ -86,6 +90,10 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         self.set_app(app)
 
     def process_request(self, request, client_address) -> None:
+        if not self.accepts.take():  # no thread, no read: a flood of connections costs accept() and close()
+            self.refused["rate_limited"] += 1
+            self.shutdown_request(request)
+            return
         if not self.slots.acquire(blocking=False):
             self.refused["busy"] += 1
             self.shutdown_request(request)

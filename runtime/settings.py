@@ -169,6 +169,21 @@ class Config:
         host = getattr(who, "host", "")
         return who.interface or self.interface or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
 
+    @property
+    def client_addresses(self) -> frozenset:
+        """The addresses the clients send from, where the config names them (an interface given
+        as an IPv4 address, or loopback's): the leader checks each of their datagrams, whatever
+        comes from anywhere else within a budget (protocol/budgets.py StrangerBudget)."""
+        import ipaddress
+
+        found = set()
+        for c in self.clients:
+            try:
+                found.add(str(ipaddress.IPv4Address(self.interface_of(c))))
+            except ValueError:  # an interface name (eth0): its address is the client host's to know
+                continue
+        return frozenset(found)
+
     def node(self, name: str) -> NodeSettings:
         for n in self.nodes:
             if n.name == name:

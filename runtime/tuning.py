@@ -35,6 +35,7 @@ HANDSHAKE_TIMEOUT_S = 2.0  # a peer that sends no hello in this time is dropped
 METRICS_CONNECTIONS = 8
 METRICS_READ_TIMEOUT_S = 2.0
 METRICS_SCRAPES_PER_S = 50
+METRICS_ACCEPTS_PER_S = 2 * METRICS_SCRAPES_PER_S  # connections given a thread: beyond, closed unread
 METRICS_HANDSHAKES_PER_S = 50  # with TLS: each costs an ECDHE and a signature, so a stranger's are budgeted too
 CONNECT_TIMEOUT_S = 2.0  # a connection and its handshake, where the caller has no tighter limit
 

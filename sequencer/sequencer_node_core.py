@@ -48,9 +48,16 @@ from typing import Hashable
 from tape.protocol import messages as M
 from tape.protocol import replication as rep
 from tape.protocol.actions import Close, Send, checked_after
+from tape.protocol.budgets import StrangerBudget
 from tape.protocol.election import LEADER, Cause, Lead, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
-from tape.protocol.limits import MAX_BATCH_MESSAGES, PACE_FROM_MESSAGES
+from tape.protocol.limits import (
+    MAX_BATCH_MESSAGES,
+    PACE_FROM_MESSAGES,
+    STRANGER_INBOUND_RATE,
+    STRANGER_INBOUND_TOTAL_RATE,
+    STRANGER_MAX_HOSTS,
+)
 from tape.protocol.stamping import messages_per_packet
 from tape.protocol.streamauth import StreamKeys
 from tape.protocol.voter_node import Dial, ReadJournal, Reject, VoterNode
@@ -78,6 +85,7 @@ class LeaderSettings:
     stream_keys: StreamKeys | None
     pace_from: int = PACE_FROM_MESSAGES
     max_batch: int = MAX_BATCH_MESSAGES  # a batch is stamped once this many are pending: one append frame
+    client_hosts: frozenset = frozenset()  # the configured clients' addresses: never budgeted before the MAC
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,8 @@ class SequencerNode:
         self.stamp_due: int | None = None  # the outstanding Stamp
         self._woken: set[Hashable] = set()  # followers' links to catch up once the batch in hand is journaled
         self.not_leader_drops = 0
+        self.strangers = StrangerBudget(settings.client_hosts, STRANGER_INBOUND_RATE, STRANGER_INBOUND_TOTAL_RATE,
+                                        STRANGER_MAX_HOSTS)
         self.terms_led = 0
         self.totals = Totals()
         self.published_seq = 0  # highest seq this process published, in any term
@@ -318,6 +328,10 @@ class SequencerNode:
             return []
         out, cap = [], self.settings.max_batch
         for data, source in datagrams:
+            host = source[0] if isinstance(source, tuple) else source  # (host, port) from a socket
+            if not self.strangers.allow(host, now / 1e9):  # before any MAC is checked
+                out.append(Dropped("stranger_budget", len(data)))
+                continue
             reason = c.on_inbound(data, now, source)
             if reason is not None and reason != "duplicate":
                 out.append(Dropped(reason, len(data)))

@@ -66,7 +66,7 @@ class Sequencer(NodeProcess):
         settings = sn.LeaderSettings(
             cfg.session_bytes, {c.name.encode().ljust(10): c.key for c in cfg.clients}, cfg.max_packet,
             cfg.tick_ms * 1_000_000, cfg.heartbeat_ms * 1_000_000, cfg.batch_interval_ms * 1_000_000,
-            cfg.leader_heartbeat_ms * 1_000_000, cfg.stream_auth)
+            cfg.leader_heartbeat_ms * 1_000_000, cfg.stream_auth, client_hosts=cfg.client_addresses)
         self.journal, self.voter, self.journal_repaired = open_checked(
             lambda: cfg.open_journal(node), Path(node.data),
             lambda journal: VoterShell(cfg, node, journal, can_lead=True, on_action=self._on_election,

@@ -166,6 +166,22 @@ def test_a_batch_goes_to_live_followers_before_the_own_journal_and_out_once_a_ma
     assert isinstance(ack(shell, conns[R2], 4, now=t + MS)[-1], sn.Publish)
 
 
+def test_datagrams_from_an_address_no_client_is_at_are_checked_within_a_budget_a_clients_never():
+    from tape.protocol.limits import STRANGER_INBOUND_RATE
+
+    shell = Shell(settings=dataclasses.replace(SETTINGS, client_hosts=frozenset({"10.0.0.7"})))
+    elect(shell)
+    t, n, per_host = shell.elected_at, shell.node, int(STRANGER_INBOUND_RATE)
+    junk = moldudp64.encode_packet(b"mallory".ljust(10), 1, [b"x" * 20])  # names no client: checked, refused
+    done = shell.event(n.on_inbound, [(junk, ("10.6.6.6", 9))] * (per_host + 5), True, shell.wall, now=t)
+    reasons = [a.reason for a in done if isinstance(a, sn.Dropped)]
+    assert reasons == ["unknown_client"] * per_host + ["stranger_budget"] * 5  # a burst, then nothing checked
+    done = shell.event(n.on_inbound, [(junk, ("10.0.0.7", 9))] * (per_host + 5), True, shell.wall, now=t)
+    assert {a.reason for a in done if isinstance(a, sn.Dropped)} == {"unknown_client"}  # a client's address: all
+    done = shell.event(n.on_inbound, [(junk, ("10.6.6.6", 9))], True, shell.wall, now=t + 10**9)
+    assert [a.reason for a in done if isinstance(a, sn.Dropped)] == ["unknown_client"]  # refilled a second later
+
+
 def test_the_batch_cap_stamps_within_one_drain():
     shell = Shell(settings=dataclasses.replace(SETTINGS, max_batch=5))
     elect(shell)

@@ -282,7 +282,8 @@ class SimVoter:
         if self.can_lead:
             settings = LeaderSettings(SESSION, {wire(c): None for c in CLIENTS}, default_of(Config, "max_packet"),
                                       self.sim.tick_ns, HEARTBEAT_NS, self.sim.batch_interval_ns, LEADER_BEAT_NS,
-                                      VOTER_STREAM_KEYS, pace_from=PACE_FROM, max_batch=self.sim.max_batch)
+                                      VOTER_STREAM_KEYS, pace_from=PACE_FROM, max_batch=self.sim.max_batch,
+                                      client_hosts=frozenset(address(c)[0] for c in CLIENTS))
             self.node = SequencerNode(endpoint, settings, [wire(v) for v in VOTERS if v != self.name])
         else:
             self.node = RewinderNode(endpoint, SESSION, default_of(Config, "max_packet"), VOTER_STREAM_KEYS,
