@@ -17,12 +17,13 @@ class TokenBucket:
         self.rate, self.burst = rate_per_s, burst
         self.tokens, self.at = burst, now
 
-    def take(self, now: float) -> bool:
+    def take(self, now: float, n: float = 1.0) -> bool:
+        """`n` tokens if there are as many (at most `burst` ever are), else none."""
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens < 1.0:
+        if self.tokens < n:
             return False
-        self.tokens -= 1.0
+        self.tokens -= n
         return True
 
 

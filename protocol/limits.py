@@ -83,6 +83,12 @@ PEER_SLOTS_PER_HOST = 64
 STRANGER_SLOTS = 128
 STRANGER_SLOTS_PER_HOST = 8
 REPLAY_CHUNK = 1_000  # committed messages per replay write
+# Messages a second a rewinder replays over all its sessions, and a burst of a chunk for each of
+# a few: replay shares the loop that acknowledges appends, so however many read from seq 1,
+# appends come first (issue 63). A session the budget holds back is served again in turn.
+REPLAY_RATE = 200_000.0
+REPLAY_BURST = 8 * REPLAY_CHUNK
+REPLAY_BUDGET_RETRY_NS = 5_000_000  # a session held back by the budget asks it again this soon
 REPLAY_LOGIN_FRAME = 1024  # largest frame a replay server accepts before the login
 REPLAY_LOGIN_TIMEOUT_S = 5.0
 REPLAY_IDLE_TIMEOUT_S = 15.0  # a replay client silent this long is gone (SoupBinTCP: it heartbeats every second)
@@ -134,6 +140,7 @@ def _check() -> None:
     assert STRANGER_INBOUND_RATE <= STRANGER_INBOUND_TOTAL_RATE
     assert soupbintcp.FRAME_LEN.size + 1 + 46 <= REPLAY_LOGIN_FRAME <= soupbintcp.MAX_FRAME, "a login must fit"
     assert REPLAY_BEHIND < RECEIVER_MAX_HELD
+    assert REPLAY_CHUNK <= REPLAY_BURST, "a whole chunk must fit the replay budget"
     assert BACKOFF_RETRY_MS <= MAX_RETRY_MS and BACKOFF_RETRY_MS * 1_000_000 <= BACKOFF_INTERVAL_NS, \
         "a client paused by one back-off sends again before the next may come"
 

@@ -27,12 +27,16 @@ from typing import Hashable
 
 from tape.protocol import soupbintcp as soup
 from tape.protocol.actions import Close, Send
+from tape.protocol.budgets import TokenBucket
 from tape.protocol.errors import ProtocolError
 from tape.protocol.limits import (
+    REPLAY_BUDGET_RETRY_NS,
+    REPLAY_BURST,
     REPLAY_HEARTBEAT_NS,
     REPLAY_IDLE_TIMEOUT_S,
     REPLAY_LOGIN_FRAME,
     REPLAY_LOGIN_TIMEOUT_S,
+    REPLAY_RATE,
     REPLAY_WRITE_TIMEOUT_S,
 )
 from tape.protocol.stamping import PacketBuilder
@@ -97,6 +101,7 @@ class Replay:
         self.sent_at = now  # the last frame this server sent: a heartbeat a second after it
         self.writing = False  # a ReplayRecords not yet drained
         self.write_deadline = 0  # while writing: the client must have taken the chunk by then
+        self.wants = False  # its next chunk waits its turn in the replay budget
 
 
 class RewinderNode:
@@ -111,7 +116,9 @@ class RewinderNode:
         self.max_packet = max_packet
         self.sealed = stream_keys is not None  # the log's packets are sealed ranges
         self.gapfill = GapFillCore(session, max_packet, stream_keys, park_s=park_ns / 1e9, **(budgets or {}))
-        self.replays: dict[Hashable, Replay] = {}
+        self.replays: dict[Hashable, Replay] = {}  # in the order they are next served (the last served last)
+        self.replay_budget = TokenBucket(REPLAY_RATE, REPLAY_BURST, 0.0)
+        self.replay_held_back = 0  # chunks the budget deferred
         self.replay_sessions = 0
         self.replay_idle_closed = 0
         self.replay_stalled_closed = 0
@@ -150,7 +157,7 @@ class RewinderNode:
             elif r.seq is not None and not r.writing and r.sent_at + REPLAY_HEARTBEAT_NS <= now:
                 r.sent_at = now
                 out.append(Send(conn, soup.heartbeat()))
-        return out
+        return out + self._serve(now)
 
     def next_deadline(self, now: int) -> int:
         due = [self.voter.next_deadline(now)]
@@ -159,7 +166,7 @@ class RewinderNode:
             if r.writing:
                 due.append(r.write_deadline)
             if r.seq is not None and not r.writing:
-                due.append(r.sent_at + REPLAY_HEARTBEAT_NS)
+                due.append(now + REPLAY_BUDGET_RETRY_NS if r.wants else r.sent_at + REPLAY_HEARTBEAT_NS)
         return min(due)
 
     # VoterNode's own events, and what a commit they bring leads to.
@@ -183,9 +190,9 @@ class RewinderNode:
         out = list(actions)
         for answer, addr in self.gapfill.due(self.commit_seq, now / 1e9):
             out += self._answer(answer, addr)
-        for conn, r in self.replays.items():
-            out += self._next_chunk(conn, r, now)
-        return out
+        for r in self.replays.values():
+            r.wants = r.seq is not None
+        return out + self._serve(now)
 
     # --- gap fill --------------------------------------------------------------------------
 
@@ -240,26 +247,36 @@ class RewinderNode:
         login = replay_core.on_login(payload, self.session, self.commit_seq)
         if isinstance(login, replay_core.Reject):
             return [Send(conn, soup.login_rejected(login.reason))] + self._close(conn)
-        r.seq, r.deadline, r.sent_at = login.seq, now + IDLE_NS, now
+        r.seq, r.deadline, r.sent_at, r.wants = login.seq, now + IDLE_NS, now, True
         self.replay_sessions += 1
-        return [Send(conn, soup.login_accepted(self.session, login.seq))] + self._next_chunk(conn, r, now)
+        return [Send(conn, soup.login_accepted(self.session, login.seq))] + self._serve(now)
 
-    def _next_chunk(self, conn: Hashable, r: Replay, now: int) -> list:
-        if r.seq is None or r.writing:
-            return []
-        chunk = replay_core.next_chunk(r.seq, self.commit_seq)
-        if chunk is None:
-            return []
-        r.writing, r.write_deadline = True, now + WRITE_NS
-        return [ReplayRecords(conn, *chunk)]
+    def _serve(self, now: int) -> list:
+        """The next chunk of each session that wants one, in turn (the one served longest ago
+        first), while the replay budget has it; the rest wait (REPLAY_BUDGET_RETRY_NS)."""
+        out = []
+        for conn, r in list(self.replays.items()):
+            if not r.wants or r.writing:
+                continue
+            chunk = replay_core.next_chunk(r.seq, self.commit_seq)
+            if chunk is None:
+                r.wants = False  # caught up: a commit wakes it
+                continue
+            if not self.replay_budget.take(now / 1e9, chunk[1]):
+                self.replay_held_back += 1
+                break  # none behind it goes first
+            self.replays[conn] = self.replays.pop(conn)  # served: last in turn
+            r.wants, r.writing, r.write_deadline = False, True, now + WRITE_NS
+            out.append(ReplayRecords(conn, *chunk))
+        return out
 
     def on_replayed(self, sent: ReplayRecords, now: int) -> list:
         r = self.replays.get(sent.conn)
         if r is None:
             return []  # (closed meanwhile)
-        r.writing, r.seq, r.sent_at = False, sent.first + sent.count, now
+        r.writing, r.seq, r.sent_at, r.wants = False, sent.first + sent.count, now, True
         self.replayed += sent.count
-        return self._next_chunk(sent.conn, r, now)
+        return self._serve(now)
 
     def _close(self, conn: Hashable, reason: Reject | None = None, detail: str = "") -> list:
         del self.replays[conn]

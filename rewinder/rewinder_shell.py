@@ -73,6 +73,8 @@ class Rewinder(NodeProcess):
         yield "replay_stalled_closed", "counter", "replay sessions closed: the client stopped reading", \
             n.replay_stalled_closed
         yield "replay_messages", "counter", "messages sent over TCP replay", n.replayed
+        yield "replay_held_back", "counter", "replay chunks that waited their turn in the replay budget", \
+            n.replay_held_back
         yield "bad_frames", "counter", "malformed TCP frames (connection closed)", self.voter.bad_frames
         yield "refused", "counter", "peers' messages that contradict this node's log, by reason", \
             dict(self.voter.refused)

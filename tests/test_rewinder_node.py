@@ -8,7 +8,7 @@ from tape.protocol import moldudp64
 from tape.protocol import replication as rep
 from tape.protocol import soupbintcp as soup
 from tape.protocol.actions import Close, Send
-from tape.protocol.limits import REPLAY_CHUNK, REPLAY_HEARTBEAT_NS
+from tape.protocol.limits import REPLAY_BUDGET_RETRY_NS, REPLAY_BURST, REPLAY_CHUNK, REPLAY_HEARTBEAT_NS, REPLAY_RATE
 from tape.protocol.streamauth import StreamKeys
 from tape.protocol.voter_node import Committed, VoterNode
 from tape.rewinder.rewinder_node_core import (
@@ -124,6 +124,29 @@ def test_a_replay_streams_committed_records_in_chunks_each_after_the_last_is_dra
     assert node.on_replayed(out[0], 4) == [] and node.replayed == REPLAY_CHUNK + 10
     out = commit(node, REPLAY_CHUNK + 11, 5, trades(1, REPLAY_CHUNK + 11))  # it follows the log live
     assert out[-1] == ReplayRecords("r", REPLAY_CHUNK + 11, 1)
+
+
+def test_replays_share_a_budget_in_turn_so_that_many_from_seq_1_never_outrun_it():
+    sessions, chunks = 20, 4
+    node = rewinder(trades(chunks * REPLAY_CHUNK))
+    commit(node, chunks * REPLAY_CHUNK)
+    served = []
+    for k in range(sessions):  # all at once: the burst serves the first few, the rest wait their turn
+        node.on_replay_connected(k, 0)
+        served += [a for a in node.on_data(k, login(1), 0) if isinstance(a, ReplayRecords)]
+    assert [a.conn for a in served] == list(range(REPLAY_BURST // REPLAY_CHUNK)) and node.replay_held_back > 0
+    t, sent = 0, len(served) * REPLAY_CHUNK
+    while sent < sessions * chunks * REPLAY_CHUNK:
+        t += REPLAY_BUDGET_RETRY_NS
+        done, served = served, []
+        for a in done:  # every client drains at once: only the budget holds the pace
+            served += [b for b in node.on_replayed(a, t) if isinstance(b, ReplayRecords)]
+        served += [b for b in node.on_timer(t) if isinstance(b, ReplayRecords)]
+        sent += sum(a.count for a in served)
+        assert sent <= REPLAY_BURST + REPLAY_RATE * t / 1e9  # never ahead of the budget
+        assert t < 10**9, "the replays stalled"
+    assert node.replayed + sum(a.count for a in served) == sessions * chunks * REPLAY_CHUNK
+    assert sessions * chunks * REPLAY_CHUNK / REPLAY_RATE <= t / 1e9 + REPLAY_BURST / REPLAY_RATE  # (its pace)
 
 
 def test_a_caught_up_replay_heartbeats_and_a_silent_client_is_closed():
