@@ -34,6 +34,7 @@ from tape.protocol.limits import (
     REPLAY_BURST,
     REPLAY_HEARTBEAT_NS,
     REPLAY_IDLE_TIMEOUT_S,
+    REPLAY_LISTENER,
     REPLAY_LOGIN_FRAME,
     REPLAY_LOGIN_TIMEOUT_S,
     REPLAY_RATE,
@@ -94,7 +95,8 @@ class DroppedRequest:
 class Replay:
     """One replay session: before its login, then streaming from `seq`."""
 
-    def __init__(self, now: int):
+    def __init__(self, now: int, budgeted: bool):
+        self.budgeted = budgeted  # a listener's: its chunks come out of the replay budget
         self.frames = soup.FrameDecoder(max_frame=REPLAY_LOGIN_FRAME)
         self.seq: int | None = None  # None: no login yet
         self.deadline = now + LOGIN_NS  # the login's, then the client's silence
@@ -221,8 +223,10 @@ class RewinderNode:
 
     # --- replay ------------------------------------------------------------------------------
 
-    def on_replay_connected(self, conn: Hashable, now: int) -> list:
-        self.replays[conn] = Replay(now)
+    def on_replay_connected(self, conn: Hashable, now: int, peer: bytes | None = None) -> list:
+        """`peer`: the class its link's key proved (REPLAY_LISTENER: budgeted); None without keys,
+        where no session can be told from another and none is budgeted."""
+        self.replays[conn] = Replay(now, budgeted=peer == REPLAY_LISTENER)
         return []
 
     def _replay_data(self, conn: Hashable, data: bytes, now: int) -> list:
@@ -253,18 +257,20 @@ class RewinderNode:
 
     def _serve(self, now: int) -> list:
         """The next chunk of each session that wants one, in turn (the one served longest ago
-        first), while the replay budget has it; the rest wait (REPLAY_BUDGET_RETRY_NS)."""
-        out = []
+        first): a listener's while the replay budget has it (the listeners behind one it could
+        not serve wait too, REPLAY_BUDGET_RETRY_NS), a replica's always."""
+        out, starved = [], False
         for conn, r in list(self.replays.items()):
-            if not r.wants or r.writing:
+            if not r.wants or r.writing or (starved and r.budgeted):
                 continue
             chunk = replay_core.next_chunk(r.seq, self.commit_seq)
             if chunk is None:
                 r.wants = False  # caught up: a commit wakes it
                 continue
-            if not self.replay_budget.take(now / 1e9, chunk[1]):
+            if r.budgeted and not self.replay_budget.take(now / 1e9, chunk[1]):
                 self.replay_held_back += 1
-                break  # none behind it goes first
+                starved = True
+                continue
             self.replays[conn] = self.replays.pop(conn)  # served: last in turn
             r.wants, r.writing, r.write_deadline = False, True, now + WRITE_NS
             out.append(ReplayRecords(conn, *chunk))

@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from pathlib import Path
 
 from tape.protocol import soupbintcp as soup
 from tape.rewinder.rewinder_node_core import DroppedRequest, ReadGap, ReplayRecords, RewinderNode, SendDatagram
+from tape.runtime import links
 from tape.runtime.loss import LossInjector
 from tape.runtime.process import NodeProcess
 from tape.runtime.ratelimited_log import RateLimitedLog
@@ -85,7 +87,7 @@ class Rewinder(NodeProcess):
         voters = [v for v in self.cfg.voters if v.name != self.node.name]
         repl = await self.serve_links(self.voter.serve, self.voter.link_keys, self.node.host,
                                       self.node.replication_port, voters)
-        replay = await self.serve_links(self._on_replay, self.cfg.replay_link, self.node.host,
+        replay = await self.serve_links(self._on_replay, self.cfg.replay_served, self.node.host,
                                         self.node.replay_port, self.cfg.by_role("replica"))
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop = asyncio.get_running_loop()
@@ -139,7 +141,7 @@ class Rewinder(NodeProcess):
 
     async def _on_replay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.voter.adopt(writer)
-        self.voter.event(writer, self.node_core.on_replay_connected, writer)
+        self.voter.event(writer, partial(self.node_core.on_replay_connected, peer=links.peer_of(writer)), writer)
         await self.voter.read(writer, reader, writer)
 
     def _replay(self, a: ReplayRecords) -> None:

@@ -160,6 +160,18 @@ class Config:
         return LinkKeys(keys) if keys else None
 
     @property
+    def replay_served(self):
+        """A rewinder's LinkKeys for its replay port: a session's key names its class, MEMBER (the
+        stream key: a replica) or LISTENER (the listener key: a client or a reader outside the
+        cluster, whose sessions share the replay budget); None without either key."""
+        from tape.protocol.limits import REPLAY_LISTENER, REPLAY_MEMBER
+        from tape.protocol.linkauth import LinkKeys
+
+        peers = {REPLAY_MEMBER: self.stream_keys, REPLAY_LISTENER: self.listener_keys}
+        peers = {name: keys for name, keys in peers.items() if keys}
+        return LinkKeys(peers=peers) if peers else None
+
+    @property
     def session_bytes(self) -> bytes:
         return moldudp64.session_bytes(self.session)
 

@@ -256,7 +256,7 @@ def test_bench_links_carries_every_frame_through_both_link_layers_and_prices_eac
 def test_bench_metrics_flood_floods_a_stand_in_then_the_leader_and_the_leader_holds():
     """Both runs pass with one term, the flood ran in each, and the leader's endpoint refused some
     of it (its bounds at work); the latency figures are for docs/performance.md, not asserted."""
-    from tape.ops.bench.metrics_flood import bench_metrics_flood
+    from tape.ops.bench.floods import bench_metrics_flood
 
     result = bench_metrics_flood(3000, 3.0)
     for name, run in result["runs"].items():
@@ -265,3 +265,18 @@ def test_bench_metrics_flood_floods_a_stand_in_then_the_leader_and_the_leader_ho
     refused = result["runs"]["metrics-flood"]["metrics_refused"]
     assert refused["rate_limited"] + refused["busy"] > 0
     assert not result["runs"]["metrics-flood-control"]["metrics_refused"]  # (the leader was not the target)
+
+
+def test_bench_replays_reads_the_log_at_a_rewinder_within_the_listeners_budget():
+    """64 readers with the listener key from seq 1: both runs pass with one term, the readers got
+    the log, and no faster than the replay budget lets them (its chunks held back, counted)."""
+    from tape.ops.bench.floods import bench_replays
+    from tape.protocol.limits import REPLAY_BURST, REPLAY_RATE
+
+    duration = 3.0
+    result = bench_replays(3000, duration, sessions=64)
+    for name, run in result["runs"].items():
+        assert run["verdict"] == "pass" and len(run["terms"]) == 1, (name, run["checks"])
+    replays = result["runs"]["64 replays"]["replays"]
+    assert 0 < replays["messages"] <= REPLAY_BURST + REPLAY_RATE * (duration + 10)  # (start-up and slack included)
+    assert replays["held_back"] > 0

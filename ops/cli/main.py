@@ -78,9 +78,16 @@ def _bench_links(args) -> int:
 
 
 def _bench_metrics_flood(args) -> int:
-    from tape.ops.bench.metrics_flood import bench_metrics_flood
+    from tape.ops.bench.floods import bench_metrics_flood
 
     bench_metrics_flood(args.rate, args.duration)
+    return 0
+
+
+def _bench_replays(args) -> int:
+    from tape.ops.bench.floods import bench_replays
+
+    bench_replays(args.rate, args.duration, args.sessions)
     return 0
 
 
@@ -777,6 +784,15 @@ def _add_bench_security(bsub) -> None:
     bm.add_argument("--rate", type=float, default=20_000, help="trades per second (default 20000)")
     bm.add_argument("--duration", type=float, default=15.0, help="seconds of load a run (default 15)")
     bm.set_defaults(func=_bench_metrics_flood)
+    br = bsub.add_parser("replays", help="many readers replaying from seq 1 at a rewinder, against a quiet run",
+                         description="Two tape up runs: quiet, then with --sessions readers logged in to rw-1's "
+                                     "replay port from seq 1 for the whole load (reading all they get, "
+                                     "heartbeating); prints each run's terms and inbound-to-applied p50/p99, their "
+                                     "ratio, the messages replayed and the chunks the replay budget held back.")
+    br.add_argument("--rate", type=float, default=100_000, help="trades per second (default 100000)")
+    br.add_argument("--duration", type=float, default=15.0, help="seconds of load a run (default 15)")
+    br.add_argument("--sessions", type=int, default=64, help="replay sessions (default 64)")
+    br.set_defaults(func=_bench_replays)
 
 
 def _add_bench(sub) -> None:
