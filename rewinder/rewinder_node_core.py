@@ -95,8 +95,9 @@ class DroppedRequest:
 class Replay:
     """One replay session: before its login, then streaming from `seq`."""
 
-    def __init__(self, now: int, budgeted: bool):
+    def __init__(self, now: int, budgeted: bool, users: dict[bytes, bytes] | None):
         self.budgeted = budgeted  # a listener's: its chunks come out of the replay budget
+        self.users = users  # a standard client's: the logins it may give (else its link proved it)
         self.frames = soup.FrameDecoder(max_frame=REPLAY_LOGIN_FRAME)
         self.seq: int | None = None  # None: no login yet
         self.deadline = now + LOGIN_NS  # the login's, then the client's silence
@@ -223,10 +224,12 @@ class RewinderNode:
 
     # --- replay ------------------------------------------------------------------------------
 
-    def on_replay_connected(self, conn: Hashable, now: int, peer: bytes | None = None) -> list:
+    def on_replay_connected(self, conn: Hashable, now: int, peer: bytes | None = None,
+                            users: dict[bytes, bytes] | None = None) -> list:
         """`peer`: the class its link's key proved (REPLAY_LISTENER: budgeted); None without keys,
-        where no session can be told from another and none is budgeted."""
-        self.replays[conn] = Replay(now, budgeted=peer == REPLAY_LISTENER)
+        where no session can be told from another and none is budgeted. `users`: a standard
+        SoupBinTCP client's connection (the soup_port, budgeted), whose login must be one of them."""
+        self.replays[conn] = Replay(now, peer == REPLAY_LISTENER or users is not None, users)
         return []
 
     def _replay_data(self, conn: Hashable, data: bytes, now: int) -> list:
@@ -248,7 +251,7 @@ class RewinderNode:
             return self._close(conn, Reject.BAD_FRAME, str(e))
 
     def _login(self, conn: Hashable, r: Replay, payload: bytes, now: int) -> list:
-        login = replay_core.on_login(payload, self.session, self.commit_seq)
+        login = replay_core.on_login(payload, self.session, self.commit_seq, r.users)
         if isinstance(login, replay_core.Reject):
             return [Send(conn, soup.login_rejected(login.reason))] + self._close(conn)
         r.seq, r.deadline, r.sent_at, r.wants = login.seq, now + IDLE_NS, now, True

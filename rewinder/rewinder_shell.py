@@ -89,25 +89,30 @@ class Rewinder(NodeProcess):
                                       self.node.replication_port, voters)
         replay = await self.serve_links(self._on_replay, self.cfg.replay_served, self.node.host,
                                         self.node.replay_port, self.cfg.by_role("replica"))
+        servers = [repl, replay]
+        if self.node.soup_port:  # standard SoupBinTCP: TLS, or plain where the operator trusts the network
+            servers.append(await self.serve_links(self._on_soup, None, self.node.host, self.node.soup_port,
+                                                  tls=self.cfg.soup_tls))
         self.gap_sock, granted = udp_socket(self.node.host, self.node.gapfill_port)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.gap_sock, self._on_gap_requests)
         ticker = self.spawn(self.voter.ticks())  # the node's timer, the drills' flag, the free space
         log.info(
-            "%s at seq %d: replication :%d, gap fill :%d (rcvbuf %d), replay :%d",
+            "%s at seq %d: replication :%d, gap fill :%d (rcvbuf %d), replay :%d, standard SoupBinTCP %s",
             self.node.name,
             self.journal.last_seq,
             self.node.replication_port,
             self.node.gapfill_port,
             granted,
             self.node.replay_port,
+            f":{self.node.soup_port} ({'TLS' if self.cfg.soup_tls else 'plain'})" if self.node.soup_port else "off",
         )
         await self.stop.wait()
         ticker.cancel()
         self.voter.close()
         loop.remove_reader(self.gap_sock)
-        repl.close()
-        replay.close()
+        for server in servers:
+            server.close()
         self.journal.close()
         log.info("%s stopped at seq %d", self.node.name, self.journal.last_seq)
 
@@ -142,6 +147,12 @@ class Rewinder(NodeProcess):
     async def _on_replay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.voter.adopt(writer)
         self.voter.event(writer, partial(self.node_core.on_replay_connected, peer=links.peer_of(writer)), writer)
+        await self.voter.read(writer, reader, writer)
+
+    async def _on_soup(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A standard SoupBinTCP client (the soup_port): its login checked against [replay.users]."""
+        self.voter.adopt(writer)
+        self.voter.event(writer, partial(self.node_core.on_replay_connected, users=self.cfg.replay_users), writer)
         await self.voter.read(writer, reader, writer)
 
     def _replay(self, a: ReplayRecords) -> None:

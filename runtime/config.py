@@ -134,6 +134,7 @@ def parse(doc: dict, base: Path | None = None) -> Config:
     _parse_audit(cfg, _get(doc, "audit", dict, "", {}))
     _parse_keys(cfg, _get(doc, "keys", dict, "", {}))
     _parse_metrics(cfg, _get(doc, "metrics", dict, "", {}), base)
+    _parse_replay(cfg, _get(doc, "replay", dict, "", {}), base)
     if cfg.stream_keys and cfg.max_packet < MIN_PACKET + SEQUENCED_BLOCK_SIZE:
         raise ConfigError(f"stream.max_packet: {cfg.max_packet} holds no message and its seal")
     names = set()
@@ -146,6 +147,7 @@ def parse(doc: dict, base: Path | None = None) -> Config:
     if not cfg.by_role("sequencer"):
         raise ConfigError("node: at least one node with role = \"sequencer\" is needed")
     _check_link_pairs(cfg)
+    _check_soup_ports(cfg)
     for i, c in enumerate(_get(doc, "client", list, "", [])):
         cfg.clients.append(_parse_client(c, f"client[{i}]."))
     if not cfg.clients:
@@ -212,6 +214,31 @@ def _parse_audit(cfg: Config, audit: dict) -> None:
         raise ConfigError("audit.book_ttl_s / audit.orphan_ttl_s: must be positive")
     if not 0 <= cfg.books_expected <= MAX_BOOKS_EXPECTED:
         raise ConfigError(f"audit.books_expected: must be from 0 to {MAX_BOOKS_EXPECTED:,}")
+
+
+def _parse_replay(cfg: Config, replay: dict, base: Path | None) -> None:
+    _only_known(replay, "replay", "replay.")
+    for key in ("certfile", "keyfile"):
+        path = _get(replay, key, str, "replay.", "")
+        setattr(cfg, f"replay_{key}", str(base / path) if path and base is not None and not Path(path).is_absolute()
+                else path)
+    cfg.replay_plain = _get(replay, "plain", bool, "replay.", False)
+    for user, password in _get(replay, "users", dict, "replay.", {}).items():
+        if not (isinstance(password, str) and 0 < len(user) <= 6 and len(password) <= 10
+                and (user + password).isascii() and user.strip() == user and password.strip() == password):
+            raise ConfigError(f"replay.users.{user[:6]!r}: a SoupBinTCP login is a username of 1-6 and a password of "
+                              f"at most 10 ASCII characters, neither padded with spaces")
+        cfg.replay_users[user.encode()] = password.encode()
+
+
+def _check_soup_ports(cfg: Config) -> None:
+    """A soup_port is TLS with a certificate, or plain where the operator says so; with logins."""
+    served = [n.name for n in cfg.nodes if n.soup_port]
+    if served and not (cfg.replay_certfile or cfg.replay_plain):
+        raise ConfigError(f"replay.certfile: {served[0]}'s soup_port serves SoupBinTCP over TLS: name its "
+                          f"certificate, or set replay.plain = true on a network you trust")
+    if served and not cfg.replay_users:
+        raise ConfigError(f"replay.users: {served[0]}'s soup_port checks every login: name at least one")
 
 
 def _parse_metrics(cfg: Config, metrics: dict, base: Path | None) -> None:
@@ -282,6 +309,7 @@ def _parse_node(n: dict, where: str, base: Path | None) -> NodeSettings:
     elif role == "rewinder":
         node.gapfill_port = _port(n, "gapfill_port", where, required=True)
         node.replay_port = _port(n, "replay_port", where, required=True)
+        node.soup_port = _port(n, "soup_port", where)
     elif role == "emitter":
         _parse_emitter(node, n, where)
     return node

@@ -107,14 +107,16 @@ async def read_each(reader, on_data: Callable[[bytes], None]) -> None:
         reader.hand_to(None)
 
 
-async def start_server(client_connected, host: str, port: int) -> asyncio.Server:
-    """asyncio.start_server, each connection read by a LinkReader."""
+async def start_server(client_connected, host: str, port: int, tls=None) -> asyncio.Server:
+    """asyncio.start_server, each connection read by a LinkReader; `tls`: an ssl.SSLContext (its
+    handshake within HANDSHAKE_TIMEOUT_S)."""
     loop = asyncio.get_running_loop()
 
     def factory():
         return asyncio.StreamReaderProtocol(LinkReader(loop=loop), client_connected, loop=loop)
 
-    return await loop.create_server(factory, host, port)
+    timeout = HANDSHAKE_TIMEOUT_S if tls is not None else None
+    return await loop.create_server(factory, host, port, ssl=tls, ssl_handshake_timeout=timeout)
 
 
 async def _open_connection(host: str, port: int):

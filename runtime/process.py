@@ -56,11 +56,12 @@ class NodeProcess:
         `keys` (runtime/links.py)."""
         return await links.connect(host, port, keys, self.link_refused, timeout, peer)
 
-    async def serve_links(self, handler, keys, host: str, port: int, peers=()) -> asyncio.Server:
+    async def serve_links(self, handler, keys, host: str, port: int, peers=(), tls=None) -> asyncio.Server:
         """A TCP server that hands `handler` only authenticated connections (runtime/links.py);
-        `peers`: the nodes that connect to it, whose addresses have slots of their own."""
+        `peers`: the nodes that connect to it, whose addresses have slots of their own. `tls`
+        (without keys): an ssl.SSLContext, each handshake done before `handler` is called."""
         addresses = frozenset(n.host for n in peers if n.host not in ("", "0.0.0.0"))
-        return await links.start_server(links.serving(handler, keys, self.link_refused, addresses), host, port)
+        return await links.start_server(links.serving(handler, keys, self.link_refused, addresses), host, port, tls)
 
     def metrics(self):
         """The role's report and what every node reports."""

@@ -28,6 +28,7 @@ class NodeSettings:
     replication_port: int = 0
     gapfill_port: int = 0
     replay_port: int = 0
+    soup_port: int = 0  # rewinder: standard SoupBinTCP replay ([replay]): TLS, or plain where marked trusted
     metrics_port: int = 0
     metrics_host: str = ""  # the metrics endpoint's address, e.g. a management network's ("": host)
     alert_port: int = 0
@@ -80,6 +81,11 @@ class Config:
     snapshot_every: int = 100_000
     snapshot_ms: int = 1000
     books_expected: int = 0  # books a replica's table is sized and its memory written for at start
+    # [replay]: the standard SoupBinTCP port (soup_port)
+    replay_certfile: str = ""
+    replay_keyfile: str = ""
+    replay_plain: bool = False
+    replay_users: dict[bytes, bytes] = field(default_factory=dict)  # username -> password, as a login pads them
     # [metrics]: TLS on every metrics endpoint of this file's nodes, as prometheus-client's own server takes it
     certfile: str = ""  # "": plain HTTP
     keyfile: str = ""
@@ -103,6 +109,18 @@ class Config:
         if self.stream_keys:
             return StreamKeys(self.stream_keys, self.seal, self.listener_keys)
         return ListenerKeys(self.listener_keys) if self.listener_keys else None
+
+    @property
+    def soup_tls(self):
+        """The soup_port's ssl.SSLContext (TLS 1.2 or later), None where it serves plain."""
+        if not self.replay_certfile:
+            return None
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.replay_certfile, self.replay_keyfile or None)
+        return context
 
     @property
     def metrics_tls(self):
@@ -277,6 +295,12 @@ KEYS: dict[str, dict[str, str]] = {
         "snapshot_ms": "... or this often, whichever comes first",
         "books_expected": "the open books a replica's table is sized and its memory written for at start (0: grow)",
     },
+    "replay": {
+        "certfile": "the soup_port's TLS certificate (PEM, with its chain)",
+        "keyfile": "its private key (PEM; default: in certfile)",
+        "plain": "serve the soup_port without TLS: only on a network you trust",
+        "users": "a table of SoupBinTCP logins, username = password (at most 6 and 10 ASCII characters)",
+    },
     "metrics": {
         "certfile": "the metrics endpoints' TLS certificate (PEM, with its chain): HTTPS instead of HTTP",
         "keyfile": "its private key (PEM; default: in certfile)",
@@ -307,6 +331,9 @@ KEYS: dict[str, dict[str, str]] = {
         "inbound_port": "sequencer: the clients' inbound port (required)",
         "gapfill_port": "rewinder: the gap-fill request port, UDP (required)",
         "replay_port": "rewinder: the SoupBinTCP replay port (required)",
+        "soup_port": "rewinder: a port of standard SoupBinTCP 4.0 replay for clients written elsewhere: TLS "
+                     "([replay] certfile), or plain where [replay] plain marks the network trusted; logins checked "
+                     "against [replay.users] (0: none)",
         "alert_port": "emitter: the replicas' alert port (required)",
         "sinks": "emitter: where alerts go, a list of jsonl, webhook, stdout",
         "webhook_url": "emitter: the webhook sink's http(s) URL",

@@ -19,7 +19,7 @@ from rich.table import Table
 from tape.runtime import interfaces
 from tape.runtime.config import ConfigError, load
 
-PORTS = ("inbound_port", "replication_port", "gapfill_port", "replay_port", "alert_port", "metrics_port")
+PORTS = ("inbound_port", "replication_port", "gapfill_port", "replay_port", "soup_port", "alert_port", "metrics_port")
 FEW_DISTINCT_BYTES = 16  # a random 32-byte key has ~28 distinct bytes; fewer than this looks typed by hand
 
 

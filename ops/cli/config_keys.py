@@ -6,12 +6,13 @@ from __future__ import annotations
 from tape.runtime.settings import KEYS, ClientSettings, Config, NodeSettings, default_of
 
 SCHEMA_OF = {"node": NodeSettings, "client": ClientSettings}  # every other section fills Config
+FIELD_OF = {"replay": "replay_{}"}  # a section whose keys fill Config's fields of another name
 
 
 def _default(section: str, key: str) -> str:
     if section == "keys" or "(required)" in KEYS[section][key]:
         return "—"
-    value = default_of(SCHEMA_OF.get(section, Config), key)
+    value = default_of(SCHEMA_OF.get(section, Config), FIELD_OF.get(section, "{}").format(key))
     return "—" if value in ("", [], None) else f"`{value!r}`".replace("'", '"')
 
 

@@ -183,11 +183,12 @@ def _node(cfg, name: str, role: str):
         print(f"tape: node {name} is a {node.role}, not a {role}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
     _check_keys_held(cfg, name, role)
-    try:
-        cfg.metrics_tls
-    except OSError as e:  # (ssl.SSLError is one): a certificate or key that cannot be read or used
-        print(f"tape: node {name}: [metrics] TLS files: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG) from None
+    for table, tls in (("metrics", lambda: cfg.metrics_tls), ("replay", lambda: node.soup_port and cfg.soup_tls)):
+        try:
+            tls()
+        except OSError as e:  # (ssl.SSLError is one): a certificate or key that cannot be read or used
+            print(f"tape: node {name}: [{table}] TLS files: {e}", file=sys.stderr)
+            raise SystemExit(EXIT_CONFIG) from None
     if not interfaces.is_local(node.host):
         raise interfaces.InterfaceError(f"node {name}: host {node.host} is not an address of this host (have: "
                                    f"{', '.join(a for addrs in interfaces.local_ipv4().values() for a in addrs)}): "
