@@ -200,6 +200,21 @@ class Config:
         return who.interface or self.interface or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
 
     @property
+    def stream_sources(self) -> tuple:
+        """The addresses the sequencers send the stream from (their multicast interfaces), which a
+        listener joins the group from alone (source-specific); () where one of them is named by an
+        interface name, whose address only its own host knows: then the group from any source."""
+        import ipaddress
+
+        sources = []
+        for n in self.by_role("sequencer"):
+            try:
+                sources.append(str(ipaddress.IPv4Address(self.interface_of(n))))
+            except ValueError:
+                return ()
+        return tuple(sorted(set(sources)))
+
+    @property
     def client_addresses(self) -> frozenset:
         """The addresses the clients send from, where the config names them (an interface given
         as an IPv4 address, or loopback's): the leader checks each of their datagrams, whatever

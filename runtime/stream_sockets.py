@@ -41,7 +41,8 @@ class StreamSockets:
     def start(self) -> tuple[str, int]:
         """Open both and read them; the address answers come back to (which a signed request names)."""
         loop = asyncio.get_running_loop()
-        self.mcast, self.rcvbuf = multicast_receiver(self.cfg.group, self.cfg.port, self.interface)
+        self.mcast, self.rcvbuf = multicast_receiver(self.cfg.group, self.cfg.port, self.interface,
+                                                     sources=self.cfg.stream_sources)
         # Bound to the multicast interface's address: the source address rewinders see.
         self.req, _ = udp_socket(self.interface)
         loop.add_reader(self.mcast, self._drain, self.mcast)

@@ -29,18 +29,40 @@ def set_rcvbuf(sock: socket.socket, size: int = RECEIVE_BUFFER) -> int:
 
 
 def multicast_receiver(
-    group: str, port: int, interface: str = "127.0.0.1", rcvbuf: int = RECEIVE_BUFFER
+    group: str, port: int, interface: str = "127.0.0.1", rcvbuf: int = RECEIVE_BUFFER, sources: tuple = ()
 ) -> tuple[socket.socket, int]:
     """A non-blocking socket joined to `group:port` on `interface`; returns
-    (socket, granted receive buffer bytes)."""
+    (socket, granted receive buffer bytes). With `sources` (IPv4 addresses), joined to the group
+    from those senders only (source-specific multicast: the kernel drops what any other host
+    sends to the group before this process sees it), where the kernel can; else from any."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     granted = set_rcvbuf(sock, rcvbuf)
     sock.bind((group, port))
-    mreq = struct.pack("4s4s", socket.inet_aton(group), socket.inet_aton(interface))
-    sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+    if not (sources and _join_sources(sock, group, interface, sources)):
+        mreq = struct.pack("4s4s", socket.inet_aton(group), socket.inet_aton(interface))
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
     sock.setblocking(False)
     return sock, granted
+
+
+def _join_sources(sock: socket.socket, group: str, interface: str, sources: tuple) -> bool:
+    """Join (source, group) for each source: True, or False with none joined (no kernel support)."""
+    joined = []
+    for source in sources:  # struct ip_mreq_source: the group, the interface, the source
+        mreq = socket.inet_aton(group) + socket.inet_aton(interface) + socket.inet_aton(source)
+        try:
+            sock.setsockopt(socket.IPPROTO_IP, IP_ADD_SOURCE_MEMBERSHIP, mreq)
+        except OSError:
+            for done in joined:
+                sock.setsockopt(socket.IPPROTO_IP, IP_DROP_SOURCE_MEMBERSHIP, done)
+            return False
+        joined.append(mreq)
+    return True
+
+
+IP_ADD_SOURCE_MEMBERSHIP = getattr(socket, "IP_ADD_SOURCE_MEMBERSHIP", 39)  # Linux's, where Python names none
+IP_DROP_SOURCE_MEMBERSHIP = getattr(socket, "IP_DROP_SOURCE_MEMBERSHIP", 40)
 
 
 def multicast_sender(interface: str = "127.0.0.1", ttl: int = 1, loop: bool = True) -> socket.socket:
