@@ -118,7 +118,7 @@ def to_columns(rows: list) -> dict:
         "type": [names.get(r[t], "unknown") for r in rows],
         "stamp_ns": [r[h + M.STAMP] for r in rows],
         "origin": [text(r[h + M.ORIGIN]) for r in rows],
-        "client_seq": [r[h + M.CLIENT_SEQ] for r in rows],
+        "client_seq": [r[h + M.CLIENT_SEQ] if r[t] != M.AUTH else None for r in rows],  # a seal's: its listener tag
         "order_id": [r[o] if tr else None for r, tr in zip(rows, trade)],
         "purchase_id": [r[p] if r[t] == M.PURCHASE else None for r in rows],
         "shares": [r[s] if tr else None for r, tr in zip(rows, trade)],

@@ -87,11 +87,11 @@ REPLAY_CHUNK = 1_000  # committed messages per replay write
 # each of a few: replay shares the loop that acknowledges appends, so however many read from seq 1,
 # appends come first (issue 63). A session the budget holds back is served again in turn.
 REPLAY_RATE = 100_000.0
+REPLAY_BURST = 8 * REPLAY_CHUNK
+REPLAY_BUDGET_RETRY_NS = 5_000_000  # a session held back by the budget asks it again this soon
 # Who a replay session is, by the key it logged in with: the stream key's holders (replicas: never
 # budgeted, they must outrun the live stream to catch up) or the listener key's (budgeted).
 REPLAY_MEMBER, REPLAY_LISTENER = b"member", b"listener"
-REPLAY_BURST = 8 * REPLAY_CHUNK
-REPLAY_BUDGET_RETRY_NS = 5_000_000  # a session held back by the budget asks it again this soon
 REPLAY_LOGIN_FRAME = 1024  # largest frame a replay server accepts before the login
 REPLAY_LOGIN_TIMEOUT_S = 5.0
 REPLAY_IDLE_TIMEOUT_S = 15.0  # a replay client silent this long is gone (SoupBinTCP: it heartbeats every second)

@@ -243,7 +243,8 @@ def to_dict(msg: tuple) -> dict:
         out.update(order_id=msg[ORDER_ID], shares=msg[SHARES], client=_text(msg[CLIENT]), stock=_text(msg[STOCK]))
     elif kind == TERM_START:
         out.update(term=msg[TERM], leader=_text(msg[LEADER]))
-    out.update(stamp_ns=msg[STAMP], origin=_text(msg[ORIGIN]), client_seq=msg[CLIENT_SEQ])
+    # (A seal's last field is its listener tag, no client seq: docs/protocol.md.)
+    out.update(stamp_ns=msg[STAMP], origin=_text(msg[ORIGIN]), client_seq=msg[CLIENT_SEQ] if kind != AUTH else None)
     return out
 
 

@@ -23,8 +23,9 @@ config names (`[stream] seal`); listeners check either, so a log sealed
 both ways verifies whole.
 
 The tag is computed over the packet's bytes (MoldUDP64 header and every
-block) with the tag field zeroed; the listener tag with both zeroed. A packet sealed so is exactly one *range*:
-the entries from its first seq through the seal. Whoever sends that range
+block) with the tag field zeroed, the listener tag with both tags zeroed. A
+packet sealed so is exactly one *range*: the entries from its first seq
+through the seal. Whoever sends that range
 again (a rewinder's gap fill, from its journal) sends the same bytes, so
 the tag verifies whatever the path; a packet that is not one whole sealed
 range, or whose tag does not verify, changes nothing. Every counted block

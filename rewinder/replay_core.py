@@ -3,8 +3,9 @@
 A replay session starts with a login naming a session (blank: this one) and
 the seq to start from (0: from the newest committed message on). The server
 accepts it or rejects it (on the standard port, a username and password
-that are not the config's: not authorized), then streams committed messages only, at most
-REPLAY_CHUNK per write, and heartbeats when there is nothing to send.
+that are not the config's: not authorized), then streams committed
+messages only, at most REPLAY_CHUNK per write, and heartbeats when there is
+nothing to send.
 """
 
 from __future__ import annotations

@@ -763,6 +763,11 @@ def _add_bench_roles(bsub) -> None:
     bw.set_defaults(func=_bench_rewinder)
 
 
+def _add_run_length(p, rate: float) -> None:
+    p.add_argument("--rate", type=float, default=rate, help=f"trades per second (default {rate:.0f})")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds of load a run (default 15)")
+
+
 def _add_bench_security(bsub) -> None:
     """What authentication and the endpoints' bounds cost: links, metrics-flood."""
     bl = bsub.add_parser("links", help="what authenticating the links and the stream costs, each way we could",
@@ -782,16 +787,14 @@ def _add_bench_security(bsub) -> None:
                                      "connections held) at a stand-in metrics endpoint outside the cluster, then at "
                                      "the leader's; prints each run's terms and inbound-to-applied p50/p99, their "
                                      "ratio, and what the leader's endpoint refused.")
-    bm.add_argument("--rate", type=float, default=20_000, help="trades per second (default 20000)")
-    bm.add_argument("--duration", type=float, default=15.0, help="seconds of load a run (default 15)")
+    _add_run_length(bm, 20_000)
     bm.set_defaults(func=_bench_metrics_flood)
     br = bsub.add_parser("replays", help="many readers replaying from seq 1 at a rewinder, against a quiet run",
                          description="Two tape up runs: quiet, then with --sessions readers logged in to rw-1's "
                                      "replay port from seq 1 for the whole load (reading all they get, "
                                      "heartbeating); prints each run's terms and inbound-to-applied p50/p99, their "
                                      "ratio, the messages replayed and the chunks the replay budget held back.")
-    br.add_argument("--rate", type=float, default=100_000, help="trades per second (default 100000)")
-    br.add_argument("--duration", type=float, default=15.0, help="seconds of load a run (default 15)")
+    _add_run_length(br, 100_000)
     br.add_argument("--sessions", type=int, default=64, help="replay sessions (default 64)")
     br.set_defaults(func=_bench_replays)
 

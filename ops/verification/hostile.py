@@ -104,12 +104,13 @@ def forged_stream_packet(cluster: LocalCluster, rng: random.Random) -> str:
 def client_keys_seal_the_stream(cluster: LocalCluster, rng: random.Random) -> str:
     """A client's host seals forged trades with the listener key, its seal naming the stream key's
     id (on the wire in every seal): the replicas check it with the stream key, which it lacks."""
-    seq = _commit_seq(cluster) + 3
-    listener_key, stream_key = cluster.cfg.listener_keys[0], cluster.cfg.stream_keys[0]
-    _, packet = StreamKeys([listener_key]).seal_packet(cluster.cfg.session_bytes, seq, _forged_trades(seq, 10),
+    seq, cfg = _commit_seq(cluster) + 3, cluster.cfg
+    listener_key = cfg.listener_keys[0] if cfg.listener_keys else os.urandom(32)  # (a cluster without keys)
+    stream_id = key_id(cfg.stream_keys[0]) if cfg.stream_keys else os.urandom(8)
+    _, packet = StreamKeys([listener_key]).seal_packet(cfg.session_bytes, seq, _forged_trades(seq, 10),
                                                        time.time_ns(), moldudp64.session_bytes("seq-a"))
     at = len(packet) - M.SEQUENCED_SIZE + SEAL_KEY_ID_AT
-    _to_group(cluster, [packet[:at] + key_id(stream_key) + packet[at + 8:]])
+    _to_group(cluster, [packet[:at] + stream_id + packet[at + 8:]])
     return f"forged trades at seq {seq:,} sealed with a client's listener key, naming the stream key, to the group"
 
 
