@@ -44,9 +44,6 @@ class PerHost:
             self._buckets.move_to_end(host)
         return bucket.take(now)
 
-    def __len__(self) -> int:
-        return len(self._buckets)
-
 
 class StrangerBudget:
     """Which datagrams from where are worth a MAC check: every one from a configured client's

@@ -2,7 +2,7 @@
 endpoint) and `tape bench replays` (many readers replaying the log from seq 1 at a rewinder).
 
 metrics-flood: two `tape up` runs at one rate, in one sitting. In both, a flooder process scrapes as fast as
-FLOOD_THREADS threads can and holds IDLE_CONNECTIONS silent connections open (reopened as they
+FLOOD_THREADS threads can and holds up to IDLE_CONNECTIONS silent connections open (reopened as they
 are dropped), for the whole load: in the control run against a stand-in metrics server outside
 the cluster (the same bounded server, a process of its own), in the attack run against the
 leader's metrics port. The attacker's CPU on these cores counts in both, so what differs is what
@@ -39,7 +39,7 @@ from tape.protocol.linkauth import LinkKeys
 from tape.runtime.udp import free_port
 
 FLOOD_THREADS = 8  # scrapers as fast as they go (issue 63's measurement)
-IDLE_CONNECTIONS = 256  # silent connections held open at once
+IDLE_CONNECTIONS = 256  # silent connections it tries to hold open at once (the listen backlog lets fewer in)
 SCRAPE_TIMEOUT_S = 2.0
 STOP_WAIT_S = 5.0
 REPLAY_SESSIONS = 64  # readers from seq 1 at once (issue 63)

@@ -783,10 +783,10 @@ def _add_bench_security(bsub) -> None:
     bl.add_argument("--packets", type=int, default=5000, help="stream packets timed at each size (default 5000)")
     bl.set_defaults(func=_bench_links)
     bm = bsub.add_parser("metrics-flood", help="a stranger flooding the leader's metrics endpoint, against a control",
-                         description="Two tape up runs: a flooder (8 scrapers as fast as they go, 256 silent "
-                                     "connections held) at a stand-in metrics endpoint outside the cluster, then at "
-                                     "the leader's; prints each run's terms and inbound-to-applied p50/p99, their "
-                                     "ratio, and what the leader's endpoint refused.")
+                         description="Two tape up runs: a flooder (8 scrapers as fast as they go, up to 256 "
+                                     "silent connections held) at a stand-in metrics endpoint outside the "
+                                     "cluster, then at the leader's; prints each run's terms and inbound-to-applied "
+                                     "p50/p99, their ratio, and what the leader's endpoint refused.")
     _add_run_length(bm, 20_000)
     bm.set_defaults(func=_bench_metrics_flood)
     br = bsub.add_parser("replays", help="many readers replaying from seq 1 at a rewinder, against a quiet run",
