@@ -134,8 +134,17 @@ AS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not AS_ROOT, reason="needs root (network namespaces, a tmpfs mount)")
 
 
+@pytest.fixture(scope="session")
+def _font_cache():
+    """matplotlib asks fc-list once a machine, when it first builds its font cache: that is the
+    machine's set-up, not a test starting a process, so it happens before the guard below."""
+    if FAST_TIER:
+        with contextlib.suppress(ImportError):
+            import matplotlib.font_manager  # noqa: F401
+
+
 @pytest.fixture(autouse=True)
-def _no_process_in_the_fast_tier(monkeypatch):
+def _no_process_in_the_fast_tier(monkeypatch, _font_cache):
     """In the fast tier no test starts a process: one that tries is missing its `process` marker."""
     if not FAST_TIER:
         return
