@@ -259,12 +259,12 @@ def test_bench_metrics_flood_floods_a_stand_in_then_the_leader_and_the_leader_ho
     from tape.ops.bench.floods import bench_metrics_flood
 
     result = bench_metrics_flood(3000, 3.0)
-    for name, run in result["runs"].items():
+    for name, (run,) in result["runs"].items():
         assert run["verdict"] == "pass" and len(run["terms"]) == 1, (name, run["checks"])
         assert run["flood"]["scrapes"] > 0
-    refused = result["runs"]["metrics-flood"]["metrics_refused"]
+    refused = result["runs"]["metrics-flood"][0]["metrics_refused"]
     assert refused["rate_limited"] + refused["busy"] > 0
-    assert not result["runs"]["metrics-flood-control"]["metrics_refused"]  # (the leader was not the target)
+    assert not result["runs"]["metrics-flood-control"][0]["metrics_refused"]  # (the leader was not the target)
 
 
 def test_bench_replays_reads_the_log_at_a_rewinder_within_the_listeners_budget():
@@ -275,8 +275,8 @@ def test_bench_replays_reads_the_log_at_a_rewinder_within_the_listeners_budget()
 
     duration = 3.0
     result = bench_replays(3000, duration, sessions=64)
-    for name, run in result["runs"].items():
+    for name, (run,) in result["runs"].items():
         assert run["verdict"] == "pass" and len(run["terms"]) == 1, (name, run["checks"])
-    replays = result["runs"]["64 replays"]["replays"]
+    replays = result["runs"]["64 replays"][0]["replays"]
     assert 0 < replays["messages"] <= REPLAY_BURST + REPLAY_RATE * (duration + 10)  # (start-up and slack included)
     assert replays["held_back"] > 0

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import selectors
 import socket
+import statistics
 import threading
 import time
 import urllib.request
@@ -198,44 +199,66 @@ class MetricsFlood(Drill):
         return {"the flood ran": (scrapes > 0, f"{scrapes:,} scrapes")}
 
 
-def bench_metrics_flood(rate: float, duration: float, seed: int = 1) -> dict:
-    runs = _runs(rate, duration, seed, {d.name: d for d in (MetricsFlood(at, duration, int(rate * duration))
-                                                              for at in (False, True))})
+def bench_metrics_flood(rate: float, duration: float, pairs: int = 1, seed: int = 1) -> dict:
+    arms = {"metrics-flood-control": lambda: MetricsFlood(False, duration, int(rate * duration)),
+            "metrics-flood": lambda: MetricsFlood(True, duration, int(rate * duration))}
+    runs = _runs(rate, duration, seed, arms, pairs)
     refused = {name: ", ".join(f"{k} {v:,.0f}" for k, v in r.get("metrics_refused", {}).items()) or "—"
-               for name, r in runs.items()}
-    flood = {name: f"{r['flood']['scrapes']:,} / {r['flood']['silent_connections']:,}" for name, r in runs.items()}
+               for name, r in _each(runs)}
+    flood = {name: f"{r['flood']['scrapes']:,} / {r['flood']['silent_connections']:,}" for name, r in _each(runs)}
     return _compare(f"a metrics flood at {rate:,.0f} msg/s for {duration:g} s", runs,
                     {"scrapes / silent connections sent": flood, "leader's endpoint refused": refused})
 
 
-def bench_replays(rate: float, duration: float, sessions: int = REPLAY_SESSIONS, seed: int = 1) -> dict:
-    runs = _runs(rate, duration, seed, {"quiet": None, f"{sessions} replays": ReplayFlood(sessions, duration)})
-    read = {name: f"{r.get('replays', {}).get('messages', 0):,}" for name, r in runs.items()}
-    held = {name: f"{r.get('replays', {}).get('held_back', 0):,.0f}" for name, r in runs.items()}
+def bench_replays(rate: float, duration: float, sessions: int = REPLAY_SESSIONS, pairs: int = 1,
+                  seed: int = 1) -> dict:
+    runs = _runs(rate, duration, seed, {"quiet": lambda: None,
+                                        f"{sessions} replays": lambda: ReplayFlood(sessions, duration)}, pairs)
+    read = {name: f"{r.get('replays', {}).get('messages', 0):,}" for name, r in _each(runs)}
+    held = {name: f"{r.get('replays', {}).get('held_back', 0):,.0f}" for name, r in _each(runs)}
     return _compare(f"replays from seq 1 at rw-1, {rate:,.0f} msg/s for {duration:g} s", runs,
                     {"messages replayed": read, "chunks held back": held})
 
 
-def _runs(rate: float, duration: float, seed: int, drills: dict) -> dict:
+def _runs(rate: float, duration: float, seed: int, arms: dict, pairs: int) -> dict:
+    """`pairs` sittings of each arm (name -> a fresh drill, or None), alternated so that the host's
+    slow and fast minutes fall on both: name -> [report, ...]."""
     from tape.ops.verification.up import run_up
 
     quiet = Console(file=open(os.devnull, "w"))
-    return {name: run_up(rate, duration, 0.0, None, seed, drill=drill, console=quiet) for name, drill in drills.items()}
+    runs: dict[str, list] = {name: [] for name in arms}
+    for _ in range(pairs):
+        for name, drill in arms.items():
+            runs[name].append(run_up(rate, duration, 0.0, None, seed, drill=drill(), console=quiet))
+    return runs
+
+
+def _each(runs: dict):
+    """(row name, report) for every run, a row each: `name` alone, or `name #k` after the first pair."""
+    for name, reports in runs.items():
+        for k, report in enumerate(reports):
+            yield (name if len(reports) == 1 else f"{name} #{k + 1}"), report
+
+
+def _p99(report: dict) -> float:
+    return report["latency_ms"].get("p99") or 0.0
 
 
 def _compare(title: str, runs: dict, columns: dict) -> dict:
-    """Print each run's verdict, terms, p50/p99 and `columns` (name -> {run: text}); the p99 of the
-    last over the first's."""
+    """Print each run's verdict, terms, p50/p99 and `columns` (row name -> text); the median p99 of
+    the last arm over the first's (a single run's p99 varies ~25% here: docs/performance.md)."""
     table = Table(title=title)
     for column in ("run", "verdict", "terms", "inbound→applied p50 / p99 ms", *columns):
         table.add_column(column)
-    for name, r in runs.items():
+    for name, r in _each(runs):
         lat = r["latency_ms"]
         table.add_row(name, r["verdict"], str(len(r.get("terms", []))),
-                      f"{lat.get('p50') or 0:.1f} / {lat.get('p99') or 0:.1f}", *(c[name] for c in columns.values()))
+                      f"{lat.get('p50') or 0:.1f} / {_p99(r):.1f}", *(c[name] for c in columns.values()))
     console = Console()
     console.print(table)
-    first, last = (r["latency_ms"].get("p99") or 0 for r in (next(iter(runs.values())), list(runs.values())[-1]))
+    arms = list(runs.values())
+    first, last = (statistics.median(_p99(r) for r in reports) for reports in (arms[0], arms[-1]))
     ratio = last / max(first, 1e-9)
-    console.print(f"p99 of the last run / p99 of the first: {ratio:.2f}")
+    console.print(f"median p99 of the last arm / of the first ({len(arms[0])} runs each): "
+                  f"{last:.1f} / {first:.1f} ms = {ratio:.2f}")
     return {"runs": runs, "p99_ratio": ratio}

@@ -80,14 +80,14 @@ def _bench_links(args) -> int:
 def _bench_metrics_flood(args) -> int:
     from tape.ops.bench.floods import bench_metrics_flood
 
-    bench_metrics_flood(args.rate, args.duration)
+    bench_metrics_flood(args.rate, args.duration, args.pairs)
     return 0
 
 
 def _bench_replays(args) -> int:
     from tape.ops.bench.floods import bench_replays
 
-    bench_replays(args.rate, args.duration, args.sessions)
+    bench_replays(args.rate, args.duration, args.sessions, args.pairs)
     return 0
 
 
@@ -768,6 +768,11 @@ def _add_run_length(p, rate: float) -> None:
     p.add_argument("--duration", type=float, default=15.0, help="seconds of load a run (default 15)")
 
 
+def _add_pairs(p) -> None:
+    p.add_argument("--pairs", type=int, default=1, help="sittings of both runs, alternated; the ratio is of "
+                   "their median p99s (default 1)")
+
+
 def _add_bench_security(bsub) -> None:
     """What authentication and the endpoints' bounds cost: links, metrics-flood."""
     bl = bsub.add_parser("links", help="what authenticating the links and the stream costs, each way we could",
@@ -788,6 +793,7 @@ def _add_bench_security(bsub) -> None:
                                      "cluster, then at the leader's; prints each run's terms and inbound-to-applied "
                                      "p50/p99, their ratio, and what the leader's endpoint refused.")
     _add_run_length(bm, 20_000)
+    _add_pairs(bm)
     bm.set_defaults(func=_bench_metrics_flood)
     br = bsub.add_parser("replays", help="many readers replaying from seq 1 at a rewinder, against a quiet run",
                          description="Two tape up runs: quiet, then with --sessions readers logged in to rw-1's "
@@ -796,6 +802,7 @@ def _add_bench_security(bsub) -> None:
                                      "ratio, the messages replayed and the chunks the replay budget held back.")
     _add_run_length(br, 100_000)
     br.add_argument("--sessions", type=int, default=64, help="replay sessions (default 64)")
+    _add_pairs(br)
     br.set_defaults(func=_bench_replays)
 
 
