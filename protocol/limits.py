@@ -44,6 +44,10 @@ RECORD_AFTER_NS = 20_000_000
 # (docs/performance.md); a replica keeps ~0.1 s more alerts meanwhile.
 ACK_EVERY_NS = 100_000_000
 
+# A voter writes its commit point beside its journal for the journal's readers (protocol/commit_mark.py)
+# at most this often: a streaming reader of the directory lags the log by up to this much more.
+COMMIT_MARK_EVERY_NS = 50_000_000
+
 # --- the leader's batches ----------------------------------------------------------------
 # A batch is one journal append and one replication frame: the leader cuts a drain
 # into batches of at most this many messages.

@@ -31,6 +31,8 @@ Its own actions, in the order the shell carries them out:
     Refused                        a peer contradicted this node's state: count, log
     Committed(seq), Voted, LeaderGone, Fetched, Stalled, Recovered, SpaceLow, SpaceBack
                                    for the shell's waiters, logs and metrics
+    MarkCommitted(seq)             the journal's commit mark, from the process's node core
+                                   (its commit point: a leader's is its own), which keeps `commit_mark`
 """
 
 from __future__ import annotations
@@ -41,14 +43,15 @@ from typing import Hashable
 
 from tape.protocol import replication as rep
 from tape.protocol.actions import Close, Send, checked_after
+from tape.protocol.commit_mark import CommitMark, MarkCommitted
 from tape.protocol.election import Cause, Lead, Persist, Refused, RequestVotes, Rng, StepDown
 from tape.protocol.errors import InvariantViolation, ProtocolError
 from tape.protocol.limits import FETCH_MAX, FETCH_READ_TIMEOUT_NS, STALL_SHARE
 from tape.protocol.voter import AppendRecords, Truncate, VoterCore
 
-__all__ = ["AppendRecords", "Cause", "Close", "Committed", "Dial", "Fetched", "Lead", "LeaderGone", "Persist",
-           "ReadJournal", "Recovered", "Refused", "Reject", "Reload", "RequestVotes", "Resume", "Send", "SpaceBack",
-           "SpaceLow", "Stalled", "StepDown", "SyncJournal", "Truncate", "Voted", "VoterNode"]
+__all__ = ["AppendRecords", "Cause", "Close", "Committed", "Dial", "Fetched", "Lead", "LeaderGone", "MarkCommitted",
+           "Persist", "ReadJournal", "Recovered", "Refused", "Reject", "Reload", "RequestVotes", "Resume", "Send",
+           "SpaceBack", "SpaceLow", "Stalled", "StepDown", "SyncJournal", "Truncate", "Voted", "VoterNode"]
 # The longest wait between election ticks, a share of the stall threshold (election_ms x
 # STALL_SHARE: 50 ms by default, so 20 ms): only a process that did not run for the rest counts a stall.
 TICK_SHARE_OF_STALL = 0.4
@@ -194,10 +197,12 @@ class Dialed:
 class VoterNode:
     def __init__(self, name: bytes, voters: list[bytes], can_lead: bool, rng: Rng, election_ns: int,
                  term: int, voted_for: bytes | None, log_floor: tuple[int, int], found: bool, records, now: int,
-                 *, free_space: FreeSpace):
+                 *, free_space: FreeSpace, marked: int = 0):
         """`election_ns`: the shortest election timeout (the longest is twice it); `found`: the
-        election state was on disk (else it is recovered from the other voters first)."""
+        election state was on disk (else it is recovered from the other voters first); `marked`:
+        the journal's commit mark (protocol/commit_mark.py), which the process's node core keeps."""
         self.name = name
+        self.commit_mark = CommitMark(marked)
         self.free_space = free_space
         self.others = [v for v in voters if v != name]
         self.election_ns = election_ns
@@ -300,6 +305,10 @@ class VoterNode:
         if self.election.stalls != stalls:
             out.append(Stalled(self.election.held_ns - held + self.election.stall_ns, self.election.held_ns - held))
         return out
+
+    def on_stop(self, now: int) -> list:
+        """The process stops (a node core that wraps this one says so with its commit point)."""
+        return self.commit_mark.on_stop(self.core.commit_seq)
 
     def next_deadline(self, now: int) -> int:
         """At the election's deadline, a connection's, the next greeting round, and at least every

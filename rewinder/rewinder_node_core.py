@@ -148,7 +148,7 @@ class RewinderNode:
         return self._after(self.voter.on_closed(conn, now, by_peer), now)
 
     def on_timer(self, now: int) -> list:
-        out = self._after(self.voter.on_timer(now), now)
+        out = self._after(self.voter.on_timer(now), now) + self.voter.commit_mark.on_tick(self.commit_seq, now)
         for conn, r in list(self.replays.items()):
             if r.writing and r.write_deadline <= now:
                 self.replay_stalled_closed += 1
@@ -161,6 +161,10 @@ class RewinderNode:
                 r.sent_at = now
                 out.append(Send(conn, soup.heartbeat()))
         return out + self._serve(now)
+
+    def on_stop(self, now: int) -> list:
+        """The process stops: the journal's commit mark where the commit point is."""
+        return self.voter.commit_mark.on_stop(self.commit_seq)
 
     def next_deadline(self, now: int) -> int:
         due = [self.voter.next_deadline(now)]

@@ -127,7 +127,8 @@ class VoterShell:
         rng = random.Random(zlib.crc32(node.name.encode()))
         self.endpoint = vn.VoterNode(node.wire_name, [v.wire_name for v in cfg.voters], can_lead, rng,
                                      cfg.election_ms * 1_000_000, state.term, state.voted_for, state.log_floor,
-                                     state.found, journal.read(), time.monotonic_ns(), free_space=FREE_SPACE)
+                                     state.found, journal.read(), time.monotonic_ns(), free_space=FREE_SPACE,
+                                     marked=journal.commit_mark())
         self.node_core = wrap(self.endpoint) if wrap else self.endpoint
         self.on_other = on_other or (lambda action: [])
         self.core = self.endpoint.core
@@ -210,6 +211,7 @@ class VoterShell:
             vn.Close: self._close,
             vn.Dial: self._dial,
             vn.Committed: lambda a: None,  # (what waited for it is the node core's to answer)
+            vn.MarkCommitted: lambda a: self.journal.mark_committed(a.seq),
             vn.Refused: self._refused,
             vn.Lead: self.on_action, vn.StepDown: self.on_action, vn.RequestVotes: self.on_action,
             vn.Voted: lambda a: log.info("voted for %s in term %d", a.candidate.decode(errors="replace").strip(),
@@ -397,8 +399,10 @@ class VoterShell:
         return self._writers.get(conn)
 
     def close(self) -> None:
+        """Before the journal closes: its commit mark where the node's commit point is."""
         for task in list(self._dialling):
             task.cancel()
+        self.act(self.node_core.on_stop(time.monotonic_ns()))
 
 
 def _resolve(future: asyncio.Future) -> None:

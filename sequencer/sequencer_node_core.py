@@ -266,7 +266,7 @@ class SequencerNode:
         return self._lose(conn, now)
 
     def on_timer(self, now: int) -> list:
-        out = self._after(self.voter.on_timer(now))
+        out = self._after(self.voter.on_timer(now)) + self.voter.commit_mark.on_tick(self.commit_seq, now)
         if self.leader is None:
             return out
         for conn, link in list(self.links.items()):
@@ -277,6 +277,10 @@ class SequencerNode:
         if self.stamp_due is None and not self._starting and self.leader.timer_due_ns(not self.ending) <= now:
             out.append(self._stamp_at(now))  # a time tick or a heartbeat
         return out
+
+    def on_stop(self, now: int) -> list:
+        """The process stops: the journal's commit mark where the commit point is."""
+        return self.voter.commit_mark.on_stop(self.commit_seq)
 
     def next_deadline(self, now: int) -> int:
         """The endpoint's, and while leading: a tick or heartbeat (unless a Stamp is outstanding,

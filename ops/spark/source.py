@@ -72,6 +72,11 @@ class TapeDataSource(DataSource):
     def reader(self, schema):
         return TapeReader(self.options)
 
+    def streamReader(self, schema):
+        from tape.ops.spark.stream import JournalStreamReader
+
+        return JournalStreamReader(self.options)
+
 
 class TapeReader(DataSourceReader):
     def __init__(self, options):
@@ -99,44 +104,67 @@ class TapeReader(DataSourceReader):
         return out or [self.segments[-1]]
 
     def read(self, partition: SegmentPartition):
-        import pyarrow as pa
+        hi = self.to_seq if self.to_seq is not None else 2**64
+        return read_segment(self.uri, partition.path, partition.first_seq, partition.sealed, self.from_seq, hi,
+                            self.skip)
 
-        from tape.protocol import journal as fmt
-        from tape.protocol import journal_columns as columns
 
-        filesystem, _ = journal_fs(self.uri)
-        name = partition.path
-        lo, hi = self.from_seq, self.to_seq if self.to_seq is not None else 2**64
-        arrow_schema = _arrow_schema()
-        with filesystem.open_input_stream(partition.path) as f:
-            header = f.read(fmt.SEGMENT_HEADER_SIZE)
+def read_segment(uri: str, path: str, first_seq: int, sealed: bool, lo: int, hi: int, skip: bool,
+                 offset: int | None = None):
+    """Arrow batches of the segment's records from seq `lo` through `hi` (as far as the file goes),
+    reading from its start, or from `offset`, the offset of seq `lo`'s record (the streaming source's
+    guess: every record has one size); a corrupt record fails the read, or with `skip` becomes a row
+    of type "corrupt"."""
+    import pyarrow as pa
+
+    from tape.protocol import journal as fmt
+    from tape.protocol import journal_columns as columns
+
+    filesystem, _ = journal_fs(uri)
+    arrow_schema = _arrow_schema()
+    with filesystem.open_input_file(path) as f:
+        header = f.read(fmt.SEGMENT_HEADER_SIZE)
+        try:
+            _, first = fmt.decode_segment_header(header)
+        except fmt.FormatError as e:
+            raise ValueError(f"{path}: not a Tape segment ({e})") from None
+        if first != first_seq:
+            raise ValueError(f"{path}: header says first seq {first}, the file name {first_seq}")
+        expect, base, buf = first, fmt.SEGMENT_HEADER_SIZE, b""
+        if offset is not None and _holds(f, offset, lo):
+            expect, base = lo, offset
+        f.seek(base)
+        while expect <= hi:
+            chunk = f.read(READ_CHUNK)
+            at_eof = not chunk
+            buf = buf + chunk if buf else chunk
             try:
-                _, first = fmt.decode_segment_header(header)
-            except fmt.FormatError as e:
-                raise ValueError(f"{name}: not a Tape segment ({e})") from None
-            if first != partition.first_seq:
-                raise ValueError(f"{name}: header says first seq {first}, the file name {partition.first_seq}")
-            expect, base, buf = first, fmt.SEGMENT_HEADER_SIZE, b""
-            while expect <= hi:
-                chunk = f.read(READ_CHUNK)
-                at_eof = not chunk
-                buf = buf + chunk if buf else chunk
-                try:
-                    res = columns.decode_chunk(buf, base, expect, self.skip, final=at_eof and partition.sealed)
-                except columns.CorruptRecord as e:
-                    raise ValueError(f"corrupt journal record in {name} at offset {e.offset} (seq {e.expected_seq} "
-                                     f"expected): {e.problem}; option corrupt = skip reads past it") from None
-                rows = res.rows
-                if rows and (rows[0][2] < lo or rows[-1][2] > hi):
-                    rows = [r for r in rows if lo <= r[2] <= hi]
-                if rows:
-                    yield _batch(pa, arrow_schema, columns.to_columns(rows), name)
-                if res.corrupt:
-                    yield _corrupt_batch(pa, arrow_schema, [c.describe(name) for c in res.corrupt],
-                                         [c.expected_seq for c in res.corrupt])
-                expect, base, buf = res.next_seq, base + res.consumed, buf[res.consumed:]
-                if at_eof:
-                    return
+                res = columns.decode_chunk(buf, base, expect, skip, final=at_eof and sealed)
+            except columns.CorruptRecord as e:
+                raise ValueError(f"corrupt journal record in {path} at offset {e.offset} (seq {e.expected_seq} "
+                                 f"expected): {e.problem}; option corrupt = skip reads past it") from None
+            rows = res.rows
+            if rows and (rows[0][2] < lo or rows[-1][2] > hi):
+                rows = [r for r in rows if lo <= r[2] <= hi]
+            if rows:
+                yield _batch(pa, arrow_schema, columns.to_columns(rows), path)
+            if res.corrupt:
+                yield _corrupt_batch(pa, arrow_schema, [c.describe(path) for c in res.corrupt],
+                                     [c.expected_seq for c in res.corrupt])
+            expect, base, buf = res.next_seq, base + res.consumed, buf[res.consumed:]
+            if at_eof:
+                return
+
+
+def _holds(f, offset: int, seq: int) -> bool:
+    """Whether a whole, sound record of `seq` starts at `offset` (else the segment is read from its start)."""
+    from tape.protocol import journal_columns as columns
+
+    f.seek(offset)
+    try:
+        return len(columns.decode_chunk(f.read(columns.RECORD_SIZE), offset, seq, False, False).rows) == 1
+    except columns.CorruptRecord:
+        return False
 
 
 def _arrow_schema():

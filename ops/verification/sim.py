@@ -54,6 +54,7 @@ from tape.protocol.streamauth import ListenerKeys, StreamKeys
 from tape.protocol.voter_node import (
     AppendRecords,
     Dial,
+    MarkCommitted,
     ReadJournal,
     Reload,
     Resume,
@@ -278,7 +279,7 @@ class SimVoter:
         rng = random.Random(self.sim.rng.random())
         endpoint = VoterNode(self.wire, [wire(v) for v in VOTERS], self.can_lead, rng, ELECTION_NS, state.term,
                              state.voted_for, state.log_floor, state.found, self.records(), self.sim.now,
-                             free_space=FREE_SPACE)
+                             free_space=FREE_SPACE, marked=self.journal.commit_mark())
         if self.can_lead:
             settings = LeaderSettings(SESSION, {wire(c): None for c in CLIENTS}, default_of(Config, "max_packet"),
                                       self.sim.tick_ns, HEARTBEAT_NS, self.sim.batch_interval_ns, LEADER_BEAT_NS,
@@ -330,6 +331,9 @@ class SimVoter:
             self.write()
             self.votes.save(a.term, a.voted_for, a.log_floor)
         elif isinstance(a, Truncate):
+            if a.after_seq < self.journal.commit_mark():  # (a journal cut for damage refills behind it: not this)
+                raise Violation(f"{self.name} cut its journal after seq {a.after_seq}, below its commit mark "
+                                f"{self.journal.commit_mark()}")
             self.journal.truncate_after(a.after_seq)
             del self.log[a.after_seq:]
         elif isinstance(a, ReadJournal):
@@ -344,6 +348,10 @@ class SimVoter:
             self.sim.hang_up(self.name, a.conn)
         elif isinstance(a, Dial):
             self.sim.dial(self.name, a.conn, name_of(a.peer))
+        elif isinstance(a, MarkCommitted):
+            if a.seq > self.commit_seq:
+                raise Violation(f"{self.name} marked seq {a.seq} committed, its commit point {self.commit_seq}")
+            self.journal.mark_committed(a.seq)
         elif isinstance(a, Refused):  # the simulated peers are honest: this is a broken rule
             raise Violation(f"{self.name} refused: {a.detail}")
         elif isinstance(a, (SpaceLow, SpaceBack)):

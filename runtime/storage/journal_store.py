@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tape.protocol import journal as fmt
+from tape.protocol.commit_mark import COMMIT_MARK_FILE, decode_mark, encode_mark
 from tape.protocol.messages import SEQUENCED_SIZE
 from tape.runtime.ratelimited_log import RateLimitedLog
 from tape.runtime.storage import preallocate
@@ -136,6 +137,7 @@ class Journal:
         self.fsync_max_seconds = 0.0
         self.slow_fsyncs = 0
         self._slow_log = RateLimitedLog(log, SLOW_FSYNC_LOG_S)
+        self._mark_log = RateLimitedLog(log)
         self.bytes_written = 0
         if not readonly:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -457,6 +459,26 @@ class Journal:
         if self._fd is not None:
             self._fsync()
             self._close_tail()
+
+    # --- the commit mark (protocol/commit_mark.py): for readers of the directory --------
+
+    def commit_mark(self) -> int:
+        """The seq in the directory's commit mark (0: none, or not one)."""
+        try:
+            return decode_mark((self.dir / COMMIT_MARK_FILE).read_bytes()) or 0
+        except FileNotFoundError:
+            return 0
+
+    def mark_committed(self, seq: int) -> None:
+        """Replace the mark whole (a reader sees the old or the new one); not synced: after a
+        crash an older mark only makes a reader wait for the next one. A mark that cannot be
+        written (a full disk) is logged and left: readers wait, the log goes on."""
+        tmp = self.dir / (COMMIT_MARK_FILE + ".tmp")
+        try:
+            tmp.write_bytes(encode_mark(seq))
+            os.replace(tmp, self.dir / COMMIT_MARK_FILE)
+        except OSError as e:
+            self._mark_log.warn("mark", "cannot write the commit mark in %s: %s", self.dir, e)
 
     def __enter__(self):
         return self
