@@ -21,7 +21,6 @@ from conftest import connect, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tape.ops.verification.linkclient import LinkSocket
 from tape.ops.verification.local import LocalCluster
 from tape.protocol import alertlink
 from tape.replicas import sinks
@@ -30,6 +29,7 @@ from tape.replicas.emitter_node_core import keep_newest
 from tape.replicas.emitter_shell import Emitter
 from tape.replicas.sinks import JsonLinesSink, WebhookSink
 from tape.runtime.config import default_toml, load
+from tape.runtime.linkclient import LinkSocket
 
 
 class Endpoint:

@@ -11,11 +11,11 @@ import psutil
 import pytest
 from conftest import connect, wait_for
 
-from tape.ops.verification.linkclient import LinkSocket
 from tape.ops.verification.local import LocalCluster
 from tape.protocol import alertlink
 from tape.protocol import soupbintcp as soup
 from tape.protocol.limits import REPLAY_IDLE_TIMEOUT_S, STRANGER_SLOTS, STRANGER_SLOTS_PER_HOST
+from tape.runtime.linkclient import LinkSocket
 
 pytestmark = pytest.mark.process
 

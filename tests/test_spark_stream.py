@@ -142,3 +142,42 @@ def _committed_through(checkpoint: Path) -> int:
     if not done:
         return 0
     return json.loads((checkpoint / "offsets" / str(max(done))).read_text().splitlines()[-1])["seq"]
+
+
+def test_a_stream_over_a_rewinders_replay_port_holds_the_journals_rows(spark, tmp_path):
+    """With the cluster's keys (the listener key, as any listener): the committed log, each record
+    once, as a journal stream reads it, but for the term a replayed message does not carry."""
+    from tape.ops.verification.local import LocalCluster
+
+    cluster = LocalCluster(tmp_path)
+    assert cluster.cfg.listener_keys  # (keys by default)
+    committed = 'tape_rewinder_commit_seq{node="rw-1"}'
+    query = None
+    try:
+        cluster.start_all()
+        first_client, second_client = (c.name for c in cluster.cfg.clients)  # (a client's seqs are sequenced once)
+        cluster.start("load", "load", "--rate", "2000", "--messages", "3000", "--client", first_client).wait(timeout=60)
+        wait_for(lambda: cluster.metrics("rw-1").get(committed, 0) >= 3000, "rw-1 to hold the load committed")
+        query = (spark.readStream.format("tape").option("config", str(cluster.config_path))
+                 .option("rewinder", "rw-1").option("maxRecordsPerTrigger", 1000).load()
+                 .writeStream.format("memory").queryName("replayed").start())
+        query.processAllAvailable()
+        first = len(seqs_of(spark, "replayed"))
+        more = cluster.start("load", "load", "--rate", "2000", "--messages", "2000", "--client", second_client)
+        more.wait(timeout=60)
+        wait_for(lambda: cluster.metrics("rw-1").get(committed, 0) >= first + 2000, "the second load committed")
+        query.processAllAvailable()
+        n = len(seqs_of(spark, "replayed"))
+        assert first >= 3000 and n >= first + 2000 and seqs_of(spark, "replayed") == list(range(1, n + 1))
+        rows = {r["seq"]: r.asDict() for r in spark.sql("SELECT * FROM replayed").collect()}
+    finally:
+        if query is not None:
+            query.stop()
+        cluster.close()
+    Journal(cluster.journal_dir("rw-1"), readonly=True).close()
+    journal = {r["seq"]: r.asDict() for r in spark.read.format("tape").option("toSeq", n)
+               .load(str(cluster.journal_dir("rw-1"))).collect()}
+    for seq, row in rows.items():
+        expected = journal[seq]
+        assert row["term"] == (expected["term"] if row["type"] == "term_start" else None)
+        assert {k: v for k, v in row.items() if k != "term"} == {k: v for k, v in expected.items() if k != "term"}

@@ -12,11 +12,11 @@ import pytest
 from conftest import connect, until, wait_for
 
 from tape.ops.cli.journal_tool import digest as journal_digest
-from tape.ops.verification.linkclient import LinkSocket
 from tape.ops.verification.local import LocalCluster as Cluster
 from tape.protocol import moldudp64
 from tape.protocol import soupbintcp as soup
 from tape.protocol.linkauth import LinkKeys
+from tape.runtime.linkclient import LinkSocket
 from tape.runtime.storage.journal_store import Journal
 
 pytestmark = pytest.mark.process

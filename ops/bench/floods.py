@@ -32,11 +32,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tape.ops.verification.drill import Drill
-from tape.ops.verification.linkclient import LinkSocket
 from tape.ops.verification.local import LocalCluster
 from tape.protocol import messages as M
 from tape.protocol import soupbintcp as soup
 from tape.protocol.linkauth import LinkKeys
+from tape.runtime.linkclient import LinkSocket
 from tape.runtime.udp import free_port
 
 FLOOD_THREADS = 8  # scrapers as fast as they go (issue 63's measurement)

@@ -73,6 +73,11 @@ class TapeDataSource(DataSource):
         return TapeReader(self.options)
 
     def streamReader(self, schema):
+        """Over a journal directory (load(PATH)), or a rewinder's replay port (option "rewinder")."""
+        if self.options.get("rewinder"):
+            from tape.ops.spark.replay_stream import ReplayStreamReader
+
+            return ReplayStreamReader(self.options)
         from tape.ops.spark.stream import JournalStreamReader
 
         return JournalStreamReader(self.options)

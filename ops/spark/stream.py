@@ -56,17 +56,10 @@ class JournalStreamReader(DataSourceStreamReader):
         return {"seq": self.from_seq - 1}
 
     def getDefaultReadLimit(self):
-        from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
-
-        return ReadAllAvailable() if self.max_records is None else ReadMaxRows(self.max_records)
+        return read_limit(self.max_records)
 
     def latestOffset(self, start: dict, limit) -> dict:
-        from pyspark.sql.streaming.datasource import ReadMaxRows
-
-        end = max(start["seq"], self.committed())
-        if isinstance(limit, ReadMaxRows):
-            end = min(end, start["seq"] + limit.max_rows)
-        return {"seq": end}
+        return {"seq": within_limit(start["seq"], self.committed(), limit)}
 
     def reportLatestOffset(self) -> dict:
         return {"seq": self.committed()}
@@ -90,6 +83,22 @@ class JournalStreamReader(DataSourceStreamReader):
 
     def commit(self, end: dict) -> None:
         pass  # (nothing held: the journal is the source's own log)
+
+
+def read_limit(max_records: int | None):
+    """maxRecordsPerTrigger as Spark's read limit."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+    return ReadAllAvailable() if max_records is None else ReadMaxRows(max_records)
+
+
+def within_limit(start: int, available: int, limit) -> int:
+    """The end of the next micro-batch: what is available after `start`, within `limit` (Spark's:
+    ReadAllAvailable for a Trigger.AvailableNow query, whatever the option says)."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    end = max(start, available)
+    return min(end, start + limit.max_rows) if isinstance(limit, ReadMaxRows) else end
 
 
 def committed_seq(uri: str, use_mark: bool = True) -> int:

@@ -22,7 +22,6 @@ import socket
 import time
 from dataclasses import dataclass
 
-from tape.ops.verification.linkclient import LinkSocket
 from tape.ops.verification.local import LocalCluster
 from tape.protocol import alertlink, moldudp64
 from tape.protocol import messages as M
@@ -31,6 +30,7 @@ from tape.protocol.errors import ProtocolError
 from tape.protocol.stamping import PacketBuilder
 from tape.protocol.streamauth import SEAL_KEY_ID_AT, StreamKeys, key_id
 from tape.replicas.audit_core import Alert
+from tape.runtime.linkclient import LinkSocket
 
 FORGED_TERM = 1000  # the term forged votes and appends claim: no node may ever take it
 GAPFILL_FLOOD = 2_000  # requests to each rewinder
