@@ -12,9 +12,9 @@ endpoint refused (runtime/metrics_server.py).
 
 replays: a quiet `tape up` run, then one in which REPLAY_SESSIONS readers log in to rw-1's replay
 port from seq 1 (with the listener key, as clients and readers outside the cluster do) for the
-whole load, read
-everything they are sent and heartbeat: commit latency p99 of each, and what the replay budget
-held back (rewinder/rewinder_node_core.py).
+whole load, read everything they are sent and heartbeat, at the lowest CPU priority (nice 19: on
+a LAN they are other hosts): commit latency p99 of each, and what the replay budget held back
+(rewinder/rewinder_node_core.py).
 """
 
 from __future__ import annotations
@@ -97,7 +97,10 @@ def _stand_in(port: int) -> None:
 
 def _read_replays(port: int, keys, sessions: int, seconds: float, counts) -> None:
     """`sessions` replay logins from seq 1 to 127.0.0.1:port, read and heartbeat for `seconds`;
-    `counts[0]`: the bytes of SoupBinTCP sequenced frames read (as it goes)."""
+    `counts[0]`: the bytes of SoupBinTCP sequenced frames read (as it goes). At the lowest priority:
+    readers have hosts of their own, and here their decoding would otherwise take the cluster's
+    cores, which is not what the rewinder's serving costs."""
+    os.nice(19)
     deadline, sel = time.monotonic() + seconds, selectors.DefaultSelector()
     for _ in range(sessions):
         link = LinkSocket(socket.create_connection(("127.0.0.1", port), timeout=SCRAPE_TIMEOUT_S), keys)
