@@ -304,6 +304,16 @@ def _analytics(args) -> int:
                parse_conf(args.conf), args.skip_corrupt)
 
 
+def _watch(args) -> int:
+    from tape.ops.spark.source import parse_conf
+    from tape.ops.spark.watch import run
+
+    if bool(args.journal) == bool(args.rewinder):
+        raise SystemExit("tape watch: give --journal PATH, or --rewinder NODE (with --config)")
+    cfg = _config(args)
+    return run(args, int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9), args.master, parse_conf(args.conf))
+
+
 def _replay(args) -> int:
     from tape.ops.spark.audit_job import replay
 
@@ -595,6 +605,27 @@ def _add_analytics(sub) -> None:
     p.add_argument("--out", required=True, help="directory for analytics.json, the plots and index.html")
     _spark_options(p)
     p.set_defaults(func=_analytics)
+
+
+def _add_watch(sub) -> None:
+    p = sub.add_parser("watch", help="the stream live in Spark: volume windows, alerts and rejects",
+                       description="Continuous Spark queries over the committed stream, in windows of the "
+                                   "sequencer's stamps (a replay gives the windows of the live run): volume and "
+                                   "trade count per stock and client, the most active, alerts (overfilled books) "
+                                   "and rejects. Shown live in the terminal; each closed window and each finding "
+                                   "written once as Parquet under --out, with the checkpoints that let a watch "
+                                   "started again go on where it stopped.")
+    _cluster_options(p, drop=False)
+    p.add_argument("--journal", default=None, help="a journal directory a voter is writing (or has written)")
+    p.add_argument("--rewinder", default=None, help="or a rewinder's replay port: its node name in --config")
+    p.add_argument("--out", required=True, help="directory for windows/, findings/ (Parquet) and checkpoints/")
+    p.add_argument("--from-seq", type=int, default=1, help="the first seq, for a new --out (default 1)")
+    p.add_argument("--follow", action="store_true", help="keep following the log (else stop once caught up)")
+    p.add_argument("--window", default="10 seconds", help='window length, in Spark\'s words (default "10 seconds")')
+    p.add_argument("--top", type=int, default=10, help="stocks and clients shown (default 10)")
+    p.add_argument("--max-records", type=int, default=None, help="records a micro-batch at most (default: all)")
+    _spark_options(p, skip_corrupt=False)
+    p.set_defaults(func=_watch)
 
 
 def _add_replay(sub) -> None:
@@ -900,6 +931,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_audit(sub)
     _add_analytics(sub)
+    _add_watch(sub)
     _add_replay(sub)
     _add_node(sub)
     _add_load(sub)
