@@ -20,7 +20,8 @@ constraints:
 	mv constraints.new constraints.txt; rm -rf /tmp/tape-constraints
 
 # Java (for PySpark), tshark (the independent MoldUDP64 decoder the tests use), nftables and
-# ethtool (loss and a forwarder on the LAN tests' links), Prometheus and promtool (the alert rules).
+# ethtool (loss and a forwarder on the LAN tests' links), tmux (tape watch's live view, read as a
+# person sees it), Prometheus and promtool (the alert rules).
 sysdeps:
 	@command -v java >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -41,6 +42,11 @@ sysdeps:
 	    echo "installing ethtool (the LAN tests' forwarder needs checksums computed in software)"; \
 	    $(APT_GET) update >/dev/null && $(APT_GET) install ethtool >/dev/null || echo "ethtool unavailable: the LAN slow-links drill will be skipped"; \
 	  else echo "ethtool not found: the LAN slow-links drill will be skipped (apt-get install ethtool)"; fi; }
+	@command -v tmux >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing tmux (the tests read tape watch's live view in a real terminal)"; \
+	    $(APT_GET) update >/dev/null && $(APT_GET) install tmux >/dev/null || echo "tmux unavailable: its test will be skipped"; \
+	  else echo "tmux not found: the live view's test will be skipped (apt-get install tmux)"; fi; }
 	@command -v promtool >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing prometheus (the tests check the alert rules with promtool and scrape a cluster)"; \

@@ -301,7 +301,7 @@ def _analytics(args) -> int:
 
     cfg = _config(args)
     return run(args.journal, args.out, int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9), args.master,
-               parse_conf(args.conf), args.skip_corrupt)
+               parse_conf(args.conf), args.skip_corrupt, args.window)
 
 
 def _watch(args) -> int:
@@ -602,9 +602,16 @@ def _add_analytics(sub) -> None:
                                    "plots and index.html in --out.")
     _cluster_options(p, drop=False)
     p.add_argument("--journal", required=True, help="journal directory or URI, or a `tape journal export` directory")
-    p.add_argument("--out", required=True, help="directory for analytics.json, the plots and index.html")
+    p.add_argument("--out", required=True, help="directory for analytics.json, the plots, index.html and windows/ "
+                   "(the volume windows, Parquet, as `tape watch` writes them)")
+    _add_window(p)
     _spark_options(p)
     p.set_defaults(func=_analytics)
+
+
+def _add_window(p) -> None:
+    p.add_argument("--window", default="10 seconds", help='volume windows\' length, in Spark\'s words (default "10 '
+                   'seconds")')
 
 
 def _add_watch(sub) -> None:
@@ -621,7 +628,7 @@ def _add_watch(sub) -> None:
     p.add_argument("--out", required=True, help="directory for windows/, findings/ (Parquet) and checkpoints/")
     p.add_argument("--from-seq", type=int, default=1, help="the first seq, for a new --out (default 1)")
     p.add_argument("--follow", action="store_true", help="keep following the log (else stop once caught up)")
-    p.add_argument("--window", default="10 seconds", help='window length, in Spark\'s words (default "10 seconds")')
+    _add_window(p)
     p.add_argument("--top", type=int, default=10, help="stocks and clients shown (default 10)")
     p.add_argument("--max-records", type=int, default=None, help="records a micro-batch at most (default: all)")
     _spark_options(p, skip_corrupt=False)

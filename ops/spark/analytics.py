@@ -22,12 +22,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tape.ops.spark.live import DEFAULT_WINDOW, volume_windows
+
 FILL_BUCKETS = [0.0, 0.25, 0.5, 0.75, 1.0, 1.0000001, 1.25, 1.5, 2.0, float("inf")]
 FILL_LABELS = ["0-25%", "25-50%", "50-75%", "75-<100%", "100% (exact)", "100-125%", "125-150%", "150-200%", ">200%"]
 
 
 def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corrupt: bool = False,
-            progress=None) -> dict:
+            progress=None, windows_out: str | None = None, window: str = DEFAULT_WINDOW) -> dict:
+    """The report; with `windows_out`, the volume windows too, as Parquet there (`tape watch`'s)."""
     from pyspark.sql import functions as F
 
     from tape.ops.spark.source import journal_df
@@ -54,6 +57,9 @@ def compute(spark, journal: str, book_ttl_ns: int, orphan_ttl_ns: int, skip_corr
             .orderBy("second").collect()]
     phase("stamp gaps")
     gaps = _stamp_gaps(msgs)
+    if windows_out is not None:
+        phase(f"volume windows of {window}")
+        volume_windows(msgs, window).write.mode("overwrite").parquet(windows_out)
     df.unpersist()
     seconds = max(1, len(rate))
     return {
@@ -306,7 +312,7 @@ def write_html(out: Path, r: dict, plots: list[tuple[str, str]]) -> Path:
 
 
 def run(journal: str, out: str, book_ttl_ns: int, orphan_ttl_ns: int, master: str, conf: dict,
-        skip_corrupt: bool) -> int:
+        skip_corrupt: bool, window: str = DEFAULT_WINDOW) -> int:
     from tape.ops.spark.source import SparkProgress, session
 
     console = Console()
@@ -318,7 +324,8 @@ def run(journal: str, out: str, book_ttl_ns: int, orphan_ttl_ns: int, master: st
         spark = session(master, "tape-analytics", conf)
     try:
         with SparkProgress(spark, err, "reading the journal") as progress:
-            report = compute(spark, journal, book_ttl_ns, orphan_ttl_ns, skip_corrupt, progress)
+            report = compute(spark, journal, book_ttl_ns, orphan_ttl_ns, skip_corrupt, progress,
+                             str(out_dir / "windows"), window)
     finally:
         spark.stop()
     report["seconds"] = round(time.monotonic() - t0, 1)

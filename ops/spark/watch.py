@@ -56,8 +56,9 @@ class View:
 
     def render(self, source: str, position: dict) -> Group:
         with self.lock:
-            parts = [Text(f"{source}   read through seq {position.get('read', 0):,}, committed "
-                          f"{position.get('committed', 0):,}   {position.get('state', '')}", style="bold")]
+            parts = [Text(f"tape watch: {source}", style="bold"),
+                     Text(f"read through seq {position.get('read', 0):,}, committed {position.get('committed', 0):,}"
+                          f"   {position.get('state', '')}", style="bold")]
             if self.window is None:
                 parts.append(Text("no window closed yet"))
                 return Group(*parts)

@@ -1,0 +1,84 @@
+"""`tape watch` (ops/spark/watch.py, issue 64): continuous queries over the stream, their windows
+equal to the batch analytics', their alerts the emitter's, a watch started again going on where it
+stopped, and the live view as a person sees it in a terminal."""
+
+import json
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TAPE, wait_for
+from test_spark_stream import recut
+
+pytestmark = [pytest.mark.spark, pytest.mark.process]
+WINDOW = "1 second"
+
+
+def watch(journal: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(TAPE + ["watch", "--journal", str(journal), "--out", str(out), "--window", WINDOW, *extra],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_watched_windows_are_the_batch_analytics_windows_and_its_alerts_the_emitters(spark, run_dir, tmp_path):
+    """Watched in two goes (the log committed half way, then whole): every closed window once,
+    equal to `tape analytics`' windows of the whole journal; every alert the emitter delivered."""
+    journal = recut(run_dir / "journal" / "seq-a", tmp_path / "j")
+    n = journal.last_seq
+    journal.mark_committed(n // 2)
+    out = tmp_path / "watch"
+    first = watch(tmp_path / "j", out)
+    assert "most active stocks" in first.stdout and f"committed {n // 2:,}" in first.stdout
+    journal.mark_committed(n)
+    watch(tmp_path / "j", out)
+    analytics = tmp_path / "analytics"
+    done = subprocess.run(TAPE + ["analytics", "--journal", str(tmp_path / "j"), "--out", str(analytics),
+                                  "--window", WINDOW], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    columns = ["window_start", "window_end", "stock", "client", "requests", "requested_shares", "purchases",
+               "purchased_shares"]
+    watched = [tuple(r) for r in spark.read.parquet(str(out / "windows")).select(*columns).collect()]
+    batch = [tuple(r) for r in spark.read.parquet(str(analytics / "windows")).select(*columns).collect()]
+    last_stamp = max(r[1] for r in batch)
+    closed = sorted(r for r in batch if r[1] < last_stamp)  # (the last window is still open to a stream)
+    assert len(watched) == len(set(watched)) and sorted(watched) == closed and len(closed) > 5
+
+    alerts = spark.read.parquet(str(out / "findings")).where("kind = 'alert'")
+    found = sorted(tuple(r) for r in alerts.select("seq", "purchase_seq", "purchase_id", "order_id", "requested",
+                                                   "cumulative").collect())
+    delivered = [json.loads(line) for line in (run_dir / "alerts.jsonl").read_text().splitlines()]
+    assert found == sorted((a["emit_seq"], a["purchase_seq"], a["purchase_id"], a["order_id"], a["requested"],
+                            a["cumulative"]) for a in delivered)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (make sysdeps installs it)")
+def test_the_live_view_in_a_terminal_shows_the_most_active_stocks_as_the_log_grows(run_dir, tmp_path):
+    """In a real terminal (tmux): a window of stocks and clients appears, and the seq read goes on
+    rising as the log's commit mark does; ^C ends it."""
+    journal = recut(run_dir / "journal" / "seq-a", tmp_path / "j")
+    n = journal.last_seq
+    journal.mark_committed(n // 2)
+    session = f"tape-watch-{time.monotonic_ns()}"
+    command = shlex.join(TAPE + ["watch", "--journal", str(tmp_path / "j"), "--out", str(tmp_path / "out"),
+                               "--window", WINDOW, "--follow"])
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "50", command], check=True)
+    screen = lambda: subprocess.run(["tmux", "capture-pane", "-p", "-J", "-t", session],  # noqa: E731
+                                    capture_output=True, text=True).stdout
+    try:
+        wait_for(lambda: "most active stocks" in screen() and f"committed {n // 2:,}" in screen(), timeout=120,
+                 what="the first windows on the screen")
+        assert "purchased shares" in screen() and any(s in screen() for s in ("AAPL", "GOOG", "MSFT"))
+        journal.mark_committed(n)
+        wait_for(lambda: f"read through seq {n:,}" in screen(), timeout=60, what="the screen at the log's end")
+        subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)
+        wait_for(lambda: "windows and findings:" in screen() or subprocess.run(
+            ["tmux", "has-session", "-t", session], capture_output=True).returncode != 0, timeout=60,
+            what="the watch to end on ^C")
+    finally:
+        print(screen())  # (what the terminal showed last, for a failure's report)
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
