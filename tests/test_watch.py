@@ -82,3 +82,46 @@ def test_the_live_view_in_a_terminal_shows_the_most_active_stocks_as_the_log_gro
     finally:
         print(screen())  # (what the terminal showed last, for a failure's report)
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_the_live_audit_follows_the_log_and_reports_a_deleted_and_a_forged_alert(run_dir, tmp_path):
+    """`tape audit --follow`: alerts delivered ahead of the committed log are pending, not findings;
+    once it has read the whole log nothing is found; then a delivered alert deleted from the
+    emitter's file and a forged one appended are reported, each by its id."""
+    journal = recut(run_dir / "journal" / "seq-a", tmp_path / "j")
+    n = journal.last_seq
+    journal.mark_committed(n // 2)
+    alerts = tmp_path / "alerts.jsonl"
+    lines = (run_dir / "alerts.jsonl").read_text().splitlines(keepends=True)
+    alerts.write_text("".join(lines))
+    report = tmp_path / "report.json"
+    proc = subprocess.Popen(TAPE + ["audit", "--follow", "--journal", str(tmp_path / "j"), "--alerts", str(alerts),
+                                    "--out", str(tmp_path / "audit"), "--report", str(report)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+    def said():
+        return json.loads(report.read_text()) if report.exists() else {}
+
+    def counts():
+        return {k: said().get(k, {}).get("count") for k in ("missing", "duplicate", "unexpected", "mismatched")}
+
+    try:
+        wait_for(lambda: said().get("read_through_seq") == n // 2, timeout=120, what="the audit at the mark")
+        assert said()["findings"] == 0 and 0 < said()["expected"] < said()["delivered"] == len(lines)
+        journal.mark_committed(n)
+        wait_for(lambda: said().get("read_through_seq") == n, timeout=60, what="the audit at the log's end")
+        assert said()["findings"] == 0 and said()["expected"] == said()["delivered"] == len(lines)
+        deleted = json.loads(lines[len(lines) // 2])
+        forged = {**json.loads(lines[1]), "alert_id": "TAPE:999999999", "purchase_seq": 3}
+        alerts.write_text("".join(lines[:len(lines) // 2] + lines[len(lines) // 2 + 1:]) + json.dumps(forged) + "\n")
+        wait_for(lambda: counts() == {"missing": 1, "duplicate": 0, "unexpected": 1, "mismatched": 0}, timeout=30,
+                 what="the deleted and the forged alert found")
+        assert said()["missing"]["first"] == [deleted["alert_id"]]
+        assert said()["unexpected"]["first"] == ["TAPE:999999999"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -288,11 +288,21 @@ def _drill(args) -> int:
 
 
 def _audit(args) -> int:
-    from tape.ops.spark.audit_job import audit
     from tape.ops.spark.source import parse_conf
 
-    return audit(args.journal, args.alerts, _config(args), args.master, args.report, parse_conf(args.conf),
-                 args.skip_corrupt)
+    cfg = _config(args)
+    if args.follow or args.out:  # the live audit: the stream, reconciled as it goes
+        from tape.ops.spark.live_audit import follow
+
+        if not args.out or bool(args.journal) == bool(args.rewinder):
+            raise SystemExit("tape audit --follow: give --out DIR, and --journal PATH or --rewinder NODE")
+        return follow(args, cfg.session, int(cfg.book_ttl_s * 1e9), int(cfg.orphan_ttl_s * 1e9), args.master,
+                      parse_conf(args.conf))
+    from tape.ops.spark.audit_job import audit
+
+    if not args.journal:
+        raise SystemExit("tape audit: --journal PATH is required")
+    return audit(args.journal, args.alerts, cfg, args.master, args.report, parse_conf(args.conf), args.skip_corrupt)
 
 
 def _analytics(args) -> int:
@@ -585,11 +595,21 @@ def _add_audit(sub) -> None:
     p = sub.add_parser("audit", help="reconcile delivered alerts with the journal (Spark)",
                        description="Recompute the expected alerts from the journal in Spark (per order, in seq order, "
                                    "with the replicas' rules) and reconcile them with the delivered alerts: missing, "
-                                   "duplicate, unexpected, mismatched. Exits 1 on any finding.")
+                                   "duplicate, unexpected, mismatched. Exits 1 on any finding. With --follow (or "
+                                   "--out), the live audit: the stream's alerts reconciled continuously with the "
+                                   "emitter's file as both grow, and how far behind the log it is.")
     _cluster_options(p, drop=False)
-    p.add_argument("--journal", required=True, help="journal directory (e.g. runs/demo/journal/seq-a)")
+    p.add_argument("--journal", default=None, help="journal directory (e.g. runs/demo/journal/seq-a)")
     p.add_argument("--alerts", required=True, help="delivered alerts, JSON lines (e.g. runs/demo/alerts.jsonl)")
-    p.add_argument("--report", default=None, help="write the findings as JSON to this file")
+    p.add_argument("--report", default=None, help="write the findings as JSON to this file (live: at every change)")
+    p.add_argument("--follow", action="store_true", help="the live audit: follow the log and the alerts as they "
+                   "grow, reconciling continuously (needs --out)")
+    p.add_argument("--out", default=None, help="the live audit's directory (its checkpoint and orders' state): "
+                   "without --follow, it reads what is committed now, reconciles and stops, and the next run "
+                   "goes on from there")
+    p.add_argument("--rewinder", default=None, help="the live audit over a rewinder's replay port (its node name "
+                   "in --config) instead of --journal")
+    p.add_argument("--max-records", type=int, default=None, help="records a micro-batch at most (live; default: all)")
     _spark_options(p)
     p.set_defaults(func=_audit)
 
