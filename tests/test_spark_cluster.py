@@ -133,3 +133,31 @@ def test_audit_analytics_and_export_on_a_standalone_cluster_whose_workers_lack_t
     page = (out / "index.html").read_text()
     for png in ("rate_per_second.png", "volume_by_stock.png", "fill_ratio.png", "overfill.png", "stamp_gaps.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png in page
+
+
+def test_the_stream_on_a_standalone_cluster_whose_workers_lack_tape(standalone, worker_python, run_dir, spark,
+                                                                    tmp_path):
+    """`tape watch` and the live audit with their executors on the cluster: the windows the local
+    batch gives, and the emitter's alerts, each once."""
+    from tape.ops.spark.live import volume_windows
+
+    journal, alerts = run_dir / "journal" / "seq-a", str(run_dir / "alerts.jsonl")
+    runs = {"watch": ["watch", "--journal", str(journal), "--out", str(tmp_path / "watch"), "--window", "1 second"],
+            "audit": ["audit", "--journal", str(journal), "--alerts", alerts, "--out", str(tmp_path / "audit"),
+                      "--report", str(tmp_path / "audit.json")]}
+    logs = {name: tmp_path / f"{name}.log" for name in runs}
+    commands = {name: on_cluster(standalone, worker_python, logs[name], *args) for name, args in runs.items()}
+    try:
+        batch = volume_windows(spark.read.format("tape").load(str(journal)), "1 second")
+        batch = [tuple(r) for r in batch.collect()]  # (meanwhile, in this process)
+        codes = {name: command.wait(600) for name, command in commands.items()}
+    finally:
+        stop(list(commands.values()))
+    errors = {name: logs[name].with_suffix(".err").read_text() for name in runs}
+    assert codes == {"watch": 0, "audit": 0}, errors
+    last = max(r[1] for r in batch)
+    watched = [tuple(r) for r in spark.read.parquet(str(tmp_path / "watch" / "windows")).drop("batch").collect()]
+    assert sorted(watched) == sorted(r for r in batch if r[1] < last)
+    report = json.loads((tmp_path / "audit.json").read_text())
+    assert report["findings"] == 0 and report["expected"] == report["delivered"] == len(Path(alerts).read_text()
+                                                                                          .splitlines())

@@ -213,6 +213,8 @@ def session(master: str = "local[*]", app: str = "tape", conf: dict | None = Non
     shipped to it as a zip: the workers need Python and pyarrow, not Tape."""
     if master.startswith("local"):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    else:  # the streaming source's planning runs in the cluster's Python on this host, beside the JVM
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [package_zip(), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     import logging
