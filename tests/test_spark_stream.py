@@ -102,7 +102,7 @@ def test_a_killed_query_resumes_from_its_checkpoint_every_record_once(spark, tmp
     script = tmp_path / "follow.py"
     script.write_text(FOLLOWER)
     run, out, checkpoint = tmp_path / "run", tmp_path / "out", tmp_path / "checkpoint"
-    journal = run / "journal" / "rw-1"
+    journal = run / "data" / "rw-1" / "journal"  # (where the node writes it; run/journal/ links it at the end)
     cluster = subprocess.Popen(TAPE + ["up", "--rate", "3000", "--duration", "15", "--out", str(run)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     follow = [sys.executable, str(script), str(journal), str(out), str(checkpoint)]

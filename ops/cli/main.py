@@ -105,6 +105,13 @@ def _bench_spark(args) -> int:
     return 0
 
 
+def _bench_spark_stream(args) -> int:
+    from tape.ops.bench.spark_stream import bench_spark_stream
+
+    bench_spark_stream(args.messages, args.rate, args.duration, args.master)
+    return 0
+
+
 def _bench_rewinder(args) -> int:
     from tape.ops.bench.throughput import bench_rewinder, set_clock
 
@@ -921,6 +928,16 @@ def _add_bench(sub) -> None:
     bk.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
     bk.add_argument("--keep", default=None, help="keep (and reuse) the journal, alerts and Parquet in this directory")
     bk.set_defaults(func=_bench_spark)
+    bs = bsub.add_parser("spark-stream", help="the streaming source's rate, and its lag behind a live run",
+                         description="Records a second the tape streaming source delivers to Spark from a generated "
+                                     "journal, beside the batch source's; then a live tape up at --rate followed by "
+                                     "a streaming query over rw-1's journal: each row's lag from its sequencer stamp "
+                                     "to its micro-batch's Parquet file written, p50/p99/max.")
+    bs.add_argument("--messages", type=int, default=2_000_000, help="messages of the generated journal (default "
+                    "2000000)")
+    _add_run_length(bs, 25_000)
+    bs.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    bs.set_defaults(func=_bench_spark_stream)
 
 
 class _Version(argparse.Action):

@@ -23,7 +23,7 @@ from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 
 from tape.ops.spark.source import journal_fs, list_segments, read_segment
 
-PARTITION_RECORDS = 1_000_000  # a micro-batch's records a Spark task at most (~1 s of one core)
+PARTITION_RECORDS = 250_000  # a micro-batch's records a Spark task at most (~1 s of one core): a catch-up uses them all
 
 
 class SeqRange(InputPartition):

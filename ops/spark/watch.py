@@ -88,8 +88,10 @@ def start_queries(df, out: Path, view: View, window: str, states: OrderStates, f
     come, so they run on a timer even when not following, until caught up (`caught_up`)."""
 
     def windows(batch, batch_id: int) -> None:
+        batch.persist()  # (two actions: one run of the micro-batch)
         batch.write.mode("overwrite").parquet(str(out / "windows" / f"batch={batch_id}"))
         view.on_windows([r.asDict() for r in batch.collect()])
+        batch.unpersist()
 
     def findings(batch, batch_id: int) -> None:
         def write(found: list) -> None:
