@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tape.ops.spark.live import DEFAULT_WINDOW, volume_windows
+from tape.ops.spark.live import DEFAULT_WINDOW, volume_windows, volumes
 
 FILL_BUCKETS = [0.0, 0.25, 0.5, 0.75, 1.0, 1.0000001, 1.25, 1.5, 2.0, float("inf")]
 FILL_LABELS = ["0-25%", "25-50%", "50-75%", "75-<100%", "100% (exact)", "100-125%", "125-150%", "150-200%", ">200%"]
@@ -85,13 +85,7 @@ def _quantiles(row, key) -> list:
 def _volumes(trades, key: str) -> list[dict]:
     from pyspark.sql import functions as F
 
-    is_req, is_pur = F.col("type") == "purchase_request", F.col("type") == "purchase"
-    rows = (trades.groupBy(key)
-            .agg(F.sum(is_req.cast("long")).alias("requests"),
-                 F.sum(F.when(is_req, F.col("shares")).otherwise(0)).alias("requested_shares"),
-                 F.sum(is_pur.cast("long")).alias("purchases"),
-                 F.sum(F.when(is_pur, F.col("shares")).otherwise(0)).alias("purchased_shares"))
-            .orderBy(F.desc("purchased_shares"), key).collect())
+    rows = trades.groupBy(key).agg(*volumes()).orderBy(F.desc("purchased_shares"), key).collect()
     return [r.asDict() for r in rows]
 
 

@@ -41,17 +41,23 @@ def volume_windows(df, window: str = DEFAULT_WINDOW):
     shares. Streaming (closed windows, once each) or batch (every window) alike."""
     from pyspark.sql import functions as F
 
-    is_req, is_pur = F.col("type") == "purchase_request", F.col("type") == "purchase"
     trades = df.where(F.col("type").isin(*TRADE_TYPES))
     if df.isStreaming:
         trades = trades.withWatermark("stamp", "0 seconds")
-    return (trades.groupBy(F.window("stamp", window), "stock", "client")
-            .agg(F.sum(is_req.cast("long")).alias("requests"),
-                 F.sum(F.when(is_req, F.col("shares")).otherwise(0)).alias("requested_shares"),
-                 F.sum(is_pur.cast("long")).alias("purchases"),
-                 F.sum(F.when(is_pur, F.col("shares")).otherwise(0)).alias("purchased_shares"))
+    return (trades.groupBy(F.window("stamp", window), "stock", "client").agg(*volumes())
             .select(F.col("window.start").alias("window_start"), F.col("window.end").alias("window_end"),
                     "stock", "client", *VOLUME_COLUMNS))
+
+
+def volumes() -> list:
+    """The aggregates of VOLUME_COLUMNS over trades (the analytics' totals use them too)."""
+    from pyspark.sql import functions as F
+
+    is_req, is_pur = F.col("type") == "purchase_request", F.col("type") == "purchase"
+    return [F.sum(is_req.cast("long")).alias("requests"),
+            F.sum(F.when(is_req, F.col("shares")).otherwise(0)).alias("requested_shares"),
+            F.sum(is_pur.cast("long")).alias("purchases"),
+            F.sum(F.when(is_pur, F.col("shares")).otherwise(0)).alias("purchased_shares")]
 
 
 class OrderStates:
