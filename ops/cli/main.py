@@ -863,8 +863,9 @@ def _add_bench_security(bsub) -> None:
     br = bsub.add_parser("replays", help="many readers replaying from seq 1 at a rewinder, against a quiet run",
                          description="Two tape up runs: quiet, then with --sessions readers logged in to rw-1's "
                                      "replay port from seq 1 for the whole load (reading all they get, "
-                                     "heartbeating); prints each run's terms and inbound-to-applied p50/p99, their "
-                                     "ratio, the messages replayed and the chunks the replay budget held back.")
+                                     "heartbeating, at nice 19: on a LAN they are other hosts); prints each run's "
+                                     "terms and inbound-to-applied p50/p99, the ratio of the p99s, the messages "
+                                     "replayed and the chunks the replay budget held back.")
     _add_run_length(br, 100_000)
     br.add_argument("--sessions", type=int, default=64, help="replay sessions (default 64)")
     _add_pairs(br)
