@@ -25,7 +25,7 @@ def trades_by_order(stream) -> dict[int, list[Trade]]:
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(streams(), st.sampled_from([30, 200, 10**9]), st.sampled_from([5, 30, 200, 10**9]), st.data())
 def test_per_order_micro_batches_give_the_references_alerts_and_rejects(stream, book_ttl, orphan_ttl, data):
     findings = []

@@ -128,6 +128,10 @@ def test_audit_analytics_and_export_on_a_standalone_cluster_whose_workers_lack_t
         {**local, "findings": 1, "delivered": local["delivered"] - 1, "missing": missing}
     assert without(reconcile(spark, str(exported), alerts, cfg.session, *ttls)) == local
     assert without(json.loads((out / "analytics.json").read_text()), "seconds") == analysed
+    from tape.ops.spark.live import volume_windows  # (tape watch's windows: test_watch compares the two)
+
+    windows = sorted(tuple(r) for r in spark.read.parquet(str(out / "windows")).collect())
+    assert windows == sorted(tuple(r) for r in volume_windows(spark.read.format("tape").load(journal)).collect())
     printed = logs["analytics"].read_text()
     assert "volumes per stock" in printed and "fill ratio per order book" in printed and "WARN" not in printed
     page = (out / "index.html").read_text()

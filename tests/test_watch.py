@@ -7,7 +7,6 @@ import shlex
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from conftest import TAPE, wait_for
@@ -17,33 +16,33 @@ pytestmark = [pytest.mark.spark, pytest.mark.process]
 WINDOW = "1 second"
 
 
-def watch(journal: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(TAPE + ["watch", "--journal", str(journal), "--out", str(out), "--window", WINDOW, *extra],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
 def test_watched_windows_are_the_batch_analytics_windows_and_its_alerts_the_emitters(spark, run_dir, tmp_path):
-    """Watched in two goes (the log committed half way, then whole): every closed window once,
-    equal to `tape analytics`' windows of the whole journal; every alert the emitter delivered."""
-    journal = recut(run_dir / "journal" / "seq-a", tmp_path / "j")
+    """Watched in two goes (the log committed half way, then whole; watch's own queries, in this
+    process): every closed window once, equal to the windows the batch analytics compute over the
+    whole journal (the same function: `tape analytics` writes them); every alert the emitter delivered.
+    (The command itself runs in the terminal test below.)"""
+    from tape.ops.spark.live import OrderStates, stream_df, volume_windows
+    from tape.ops.spark.watch import View, caught_up, start_queries
+
+    journal = recut(run_dir / "journal" / "seq-a", tmp_path / "j", segment_bytes=400_000)
     n = journal.last_seq
-    journal.mark_committed(n // 2)
     out = tmp_path / "watch"
-    first = watch(tmp_path / "j", out)
-    assert "most active stocks" in first.stdout and f"committed {n // 2:,}" in first.stdout
-    journal.mark_committed(n)
-    watch(tmp_path / "j", out)
-    analytics = tmp_path / "analytics"
-    done = subprocess.run(TAPE + ["analytics", "--journal", str(tmp_path / "j"), "--out", str(analytics),
-                                  "--window", WINDOW], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    for mark in (n // 2, n):
+        journal.mark_committed(mark)
+        states = OrderStates(out / "orders", 3600 * 10**9, 10 * 10**9)
+        queries = start_queries(stream_df(spark, str(tmp_path / "j")), out, View(10), WINDOW, states, follow=False)
+        try:
+            wait_for(lambda: all(map(caught_up, queries)), timeout=120, what=f"the watch caught up at seq {mark}")
+        finally:
+            for q in queries:
+                q.stop()
+            states.close()
 
     columns = ["window_start", "window_end", "stock", "client", "requests", "requested_shares", "purchases",
                "purchased_shares"]
     watched = [tuple(r) for r in spark.read.parquet(str(out / "windows")).select(*columns).collect()]
-    batch = [tuple(r) for r in spark.read.parquet(str(analytics / "windows")).select(*columns).collect()]
+    batch = [tuple(r) for r in volume_windows(spark.read.format("tape").load(str(tmp_path / "j")), WINDOW)
+             .select(*columns).collect()]
     last_stamp = max(r[1] for r in batch)
     closed = sorted(r for r in batch if r[1] < last_stamp)  # (the last window is still open to a stream)
     assert len(watched) == len(set(watched)) and sorted(watched) == closed and len(closed) > 5

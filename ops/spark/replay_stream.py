@@ -16,9 +16,9 @@ from __future__ import annotations
 import socket
 import time
 
-from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.datasource import InputPartition
 
-from tape.ops.spark.stream import PARTITION_RECORDS, read_limit, within_limit
+from tape.ops.spark.stream import PARTITION_RECORDS, SeqStreamReader
 from tape.protocol.limits import REPLAY_CLIENT_HEARTBEAT_S
 
 CONNECT_TIMEOUT_S = 10.0
@@ -32,10 +32,11 @@ class ReplayRange(InputPartition):
         self.host, self.port, self.keys, self.lo, self.hi = host, port, keys, lo, hi
 
 
-class ReplayStreamReader(DataSourceStreamReader):
+class ReplayStreamReader(SeqStreamReader):
     def __init__(self, options):
         from tape.runtime import config
 
+        super().__init__(options)
         if not options.get("config") or not options.get("rewinder"):
             raise ValueError('over a rewinder: option("config", FILE) and option("rewinder", NODE) are both needed')
         cfg = config.load(options["config"])
@@ -43,22 +44,6 @@ class ReplayStreamReader(DataSourceStreamReader):
         if node.role != "rewinder":
             raise ValueError(f"{node.name} is a {node.role}, not a rewinder")
         self.host, self.port, self.keys = node.host, node.replay_port, list(cfg.listener_keys) or None
-        self.from_seq = int(options.get("fromSeq", 1))
-        self.max_records = int(options["maxRecordsPerTrigger"]) if options.get("maxRecordsPerTrigger") else None
-        if self.from_seq < 1 or (self.max_records is not None and self.max_records < 1):
-            raise ValueError("fromSeq and maxRecordsPerTrigger must be at least 1")
-
-    def initialOffset(self) -> dict:
-        return {"seq": self.from_seq - 1}
-
-    def getDefaultReadLimit(self):
-        return read_limit(self.max_records)
-
-    def latestOffset(self, start: dict, limit) -> dict:
-        return {"seq": within_limit(start["seq"], self.committed(), limit)}
-
-    def reportLatestOffset(self) -> dict:
-        return {"seq": self.committed()}
 
     def committed(self) -> int:
         with ReplaySession(self.host, self.port, self.keys, 0) as session:
@@ -87,9 +72,6 @@ class ReplayStreamReader(DataSourceStreamReader):
                     rows = []
         if rows:
             yield _batch(pa, schema, columns.to_columns(rows), f"{partition.host}:{partition.port}")
-
-    def commit(self, end: dict) -> None:
-        pass
 
 
 class ReplaySession:

@@ -34,15 +34,48 @@ class SeqRange(InputPartition):
         self.path, self.first_seq, self.sealed, self.lo, self.hi, self.offset = path, first_seq, sealed, lo, hi, offset
 
 
-class JournalStreamReader(DataSourceStreamReader):
+class SeqStreamReader(DataSourceStreamReader):
+    """What both of the source's readers share: offsets {"seq": N}, fromSeq, maxRecordsPerTrigger;
+    a reader says how far the log is committed (`committed`) and how to read a range."""
+
     def __init__(self, options):
-        self.uri = options.get("path")
-        if not self.uri:
-            raise ValueError('spark.readStream.format("tape").load(PATH): PATH (a journal directory) is required')
         self.from_seq = int(options.get("fromSeq", 1))
         self.max_records = int(options["maxRecordsPerTrigger"]) if options.get("maxRecordsPerTrigger") else None
         if self.from_seq < 1 or (self.max_records is not None and self.max_records < 1):
             raise ValueError("fromSeq and maxRecordsPerTrigger must be at least 1")
+
+    def committed(self) -> int:
+        raise NotImplementedError
+
+    def initialOffset(self) -> dict:
+        return {"seq": self.from_seq - 1}
+
+    def getDefaultReadLimit(self):
+        from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+        return ReadAllAvailable() if self.max_records is None else ReadMaxRows(self.max_records)
+
+    def latestOffset(self, start: dict, limit) -> dict:
+        """The end of the next micro-batch: what is committed after `start`, within `limit` (Spark's:
+        ReadAllAvailable for a Trigger.AvailableNow query, whatever the option says)."""
+        from pyspark.sql.streaming.datasource import ReadMaxRows
+
+        end = max(start["seq"], self.committed())
+        return {"seq": min(end, start["seq"] + limit.max_rows) if isinstance(limit, ReadMaxRows) else end}
+
+    def reportLatestOffset(self) -> dict:
+        return {"seq": self.committed()}
+
+    def commit(self, end: dict) -> None:
+        pass  # (nothing held: the log is the source's own, kept by the voters)
+
+
+class JournalStreamReader(SeqStreamReader):
+    def __init__(self, options):
+        super().__init__(options)
+        self.uri = options.get("path")
+        if not self.uri:
+            raise ValueError('spark.readStream.format("tape").load(PATH): PATH (a journal directory) is required')
         mark = options.get("commitMark", "file")
         if mark not in ("file", "ignore"):
             raise ValueError(f'option commitMark = {mark!r}: use "file" (the default) or "ignore"')
@@ -51,18 +84,6 @@ class JournalStreamReader(DataSourceStreamReader):
         if corrupt not in ("fail", "skip"):
             raise ValueError(f'option corrupt = {corrupt!r}: use "fail" (the default) or "skip"')
         self.skip = corrupt == "skip"
-
-    def initialOffset(self) -> dict:
-        return {"seq": self.from_seq - 1}
-
-    def getDefaultReadLimit(self):
-        return read_limit(self.max_records)
-
-    def latestOffset(self, start: dict, limit) -> dict:
-        return {"seq": within_limit(start["seq"], self.committed(), limit)}
-
-    def reportLatestOffset(self) -> dict:
-        return {"seq": self.committed()}
 
     def committed(self) -> int:
         """The last seq that is committed and whole in the journal (0: none yet)."""
@@ -80,25 +101,6 @@ class JournalStreamReader(DataSourceStreamReader):
         if seen < partition.hi:  # (the journal was cut or replaced under the reader: never a silent gap)
             raise ValueError(f"{partition.path} ends at seq {seen}, before seq {partition.hi}, which its node marked "
                              f"committed: its journal was cut or replaced; restart the query when it is whole")
-
-    def commit(self, end: dict) -> None:
-        pass  # (nothing held: the journal is the source's own log)
-
-
-def read_limit(max_records: int | None):
-    """maxRecordsPerTrigger as Spark's read limit."""
-    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
-
-    return ReadAllAvailable() if max_records is None else ReadMaxRows(max_records)
-
-
-def within_limit(start: int, available: int, limit) -> int:
-    """The end of the next micro-batch: what is available after `start`, within `limit` (Spark's:
-    ReadAllAvailable for a Trigger.AvailableNow query, whatever the option says)."""
-    from pyspark.sql.streaming.datasource import ReadMaxRows
-
-    end = max(start, available)
-    return min(end, start + limit.max_rows) if isinstance(limit, ReadMaxRows) else end
 
 
 def committed_seq(uri: str, use_mark: bool = True) -> int:
