@@ -1,5 +1,6 @@
-"""A blocking client of an authenticated link (protocol/linkauth.py), for the attacks and tests
-that talk to a node's TCP port byte by byte: `sendall` and `recv` as on a socket."""
+"""A blocking client of an authenticated link (protocol/linkauth.py), for what talks to a node's
+TCP port from outside the event loop (the Spark replay source, the attacks, tests): `sendall` and
+`recv` as on a socket."""
 
 import os
 import socket
