@@ -209,6 +209,7 @@ class SequencerNode:
         self.strangers = StrangerBudget(settings.client_hosts, STRANGER_INBOUND_RATE, STRANGER_INBOUND_TOTAL_RATE,
                                         STRANGER_MAX_HOSTS)
         self.terms_led = 0
+        self.batches = 0  # stamped, each replicated and journaled as one append (in every term)
         self.totals = Totals()
         self.published_seq = 0  # highest seq this process published, in any term
         self.published_terms: dict[int, list[int]] = {}  # term -> [first, last] seq this process published
@@ -490,6 +491,7 @@ class SequencerNode:
         leader's own fsync, as Raft allows, so the two disk writes overlap), then publish what
         commits (on_journaled)."""
         c = self.leader
+        self.batches += 1
         send, wake = self.followers.live_for(batch.first_seq, batch.last_seq, c.commit_seq, now)
         self._woken.update(self.joined[f] for f in wake)
         out = []

@@ -126,6 +126,7 @@ class Sequencer(NodeProcess):
         yield "elections", "counter", "elections this node started (after a won pre-vote)", e.elections
         yield "leader_changes", "counter", "times the leader this node knows changed", e.leader_changes
         yield "terms_led", "counter", "terms this node led", n.terms_led
+        yield "batches", "counter", "batches this node stamped, each one append to every voter", n.batches
         yield "step_downs", "counter", "times this node stopped leading, by reason", self.step_downs
         yield "refused", "counter", "peers' messages that contradict this node's log, by reason", \
             dict(self.voter.refused)

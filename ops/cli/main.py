@@ -98,6 +98,12 @@ def _bench_disk(args) -> int:
     return 0
 
 
+def _bench_batch_cost(args) -> int:
+    from tape.ops.bench.batch_cost import bench_batch_cost
+
+    return 0 if bench_batch_cost(args.rate, args.window, args.out) else 1
+
+
 def _bench_spark(args) -> int:
     from tape.ops.bench.throughput import bench_spark
 
@@ -920,6 +926,16 @@ def _add_bench(sub) -> None:
                     "(default 12: ~80 batches a second)")
     bd.add_argument("--dir", default=None, help="where to write (default the system's temporary directory)")
     bd.set_defaults(func=_bench_disk)
+    bb = bsub.add_parser("batch-cost", help="what one batch costs each process: CPU, wake-ups, system calls, hashes, "
+                         "allocations",
+                         description="Run the tape up topology at --rate; once the load sends, count with perf over "
+                                     "--window seconds each process's CPU time, system calls by kind, wake-ups and "
+                                     "preemptions, then over another window with probes its hashes and allocations; "
+                                     "print each a batch (the leader's batches in the window). Needs root and perf.")
+    bb.add_argument("--rate", type=float, default=2000, help="trades per second (default 2000)")
+    bb.add_argument("--window", type=float, default=5.0, help="seconds each count lasts (default 5)")
+    bb.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    bb.set_defaults(func=_bench_batch_cost)
     _add_bench_security(bsub)
     bk = bsub.add_parser("spark", help="audit and analytics time over a generated journal",
                          description="Write a journal of --messages generated trades and its delivered alerts, then "
