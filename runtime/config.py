@@ -4,7 +4,7 @@
     [stream]    group, port, max_packet, seal, heartbeat_ms, tick_ms, batch_interval_ms; interface (one
                 multicast interface for every node and client: only where
                 every host has it, e.g. loopback or a common interface name)
-    [journal]   fsync ("batch" | "never" | ms), segment_mb
+    [journal]   durability ("flush" | "replicated"), flush_ms, fsync ("batch" | "never" | ms), segment_mb
     [timeouts]  client_resend_ms, gap_request_ms, election_ms (minimum election
                 timeout; each wait is drawn from [election_ms, 2 x election_ms]),
                 leader_heartbeat_ms
@@ -72,6 +72,8 @@ MIN_KEY_BYTES = 16
 # (docs/performance.md).
 GENERATED_BATCH_INTERVAL_MS = 10
 MAX_BATCH_INTERVAL_MS = 100  # a message waits at most this for its batch: more is a mistake, not a setting
+MAX_FLUSH_MS = 1000  # durability "replicated": writes wait at most this for the disk
+DURABILITIES = ("flush", "replicated")
 KEY_BYTES = 32  # what `tape config` generates
 
 __all__ = ["ClientSettings", "Config", "ConfigError", "NodeSettings", "default", "default_toml", "load", "parse"]
@@ -190,6 +192,15 @@ def _parse_journal(cfg: Config, journal: dict) -> None:
     if cfg.fsync not in ("batch", "never") and not (isinstance(cfg.fsync, (int, float)) and cfg.fsync >= 0):
         raise ConfigError(f"journal.fsync: {cfg.fsync!r}: use \"batch\", \"never\" or milliseconds")
     cfg.segment_mb = _opt(journal, "segment_mb", int, "journal.")
+    cfg.durability = _opt(journal, "durability", str, "journal.")
+    if cfg.durability not in DURABILITIES:
+        raise ConfigError(f"journal.durability: {cfg.durability!r}: use \"flush\" or \"replicated\"")
+    if cfg.durability == "replicated" and "fsync" in journal:
+        raise ConfigError("journal.fsync: with durability = \"replicated\" the journal flushes in the background "
+                          "(journal.flush_ms): leave fsync out")
+    cfg.flush_ms = _opt(journal, "flush_ms", int, "journal.")
+    if not 1 <= cfg.flush_ms <= MAX_FLUSH_MS:
+        raise ConfigError(f"journal.flush_ms: must be from 1 to {MAX_FLUSH_MS}")
 
 
 def _parse_timeouts(cfg: Config, timeouts: dict) -> None:
@@ -454,7 +465,8 @@ def _unlisted(keys: list[str]) -> str | list[str]:
 
 def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 2, free: bool = False,
                  seed: int | None = None, replicas: int = 0, sequencers: int = 1, keys: dict | None = None,
-                 delivery: str | None = None, hosts: list[str] | None = None, max_packet: int | None = None) -> str:
+                 delivery: str | None = None, hosts: list[str] | None = None, max_packet: int | None = None,
+                 durability: str | None = None) -> str:
     """The embedded default: `sequencers` sequencers (seq-a, and seq-b as the
     standby) and `rewinders` rewinders on loopback. Fixed ports and group, so that separate processes agree; with
     `free`, free ports and a random group (tests, parallel runs). `keys` (from new_keys): every link authenticated.
@@ -463,7 +475,9 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
     "first" on one host, where they share its fate). A key of `keys` that is None is left out.
     `max_packet`: the stream's packet size (default: a jumbo frame's on loopback, where no frame limits a
     datagram and each packet's costs are cut 6x; on a LAN the 1,400 bytes an Ethernet frame holds). Packets
-    of BLAKE3_SEALS_FROM bytes or more are sealed with BLAKE3, smaller ones with BLAKE2b (the faster at each)."""
+    of BLAKE3_SEALS_FROM bytes or more are sealed with BLAKE3, smaller ones with BLAKE2b (the faster at each).
+    `durability`: the journal's (default "replicated" on a LAN, where each voter has a host and power of
+    its own; "flush" on one host, where one power loss takes every voter's memory: docs/failover.md)."""
     if free:
         rng = random.Random(seed)
         group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
@@ -487,7 +501,7 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         'session = "TAPE"',
         f'[stream]\ngroup = "{group}"\nport = {port()}{shared}\nheartbeat_ms = 200\ntick_ms = 1000\n'
         f'batch_interval_ms = {GENERATED_BATCH_INTERVAL_MS}',
-        '[journal]\nfsync = "batch"',
+        f'[journal]\ndurability = "{durability or ("replicated" if hosts else "flush")}"',
     ]
     delivery = delivery or ("quorum" if hosts else "first")
     where = place(hosts, node_names(sequencers, rewinders, replicas, clients)) if hosts else {}

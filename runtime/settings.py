@@ -68,6 +68,8 @@ class Config:
     tick_ms: int = 1000
     batch_interval_ms: int = 0  # pace batches while messages come fast (leader_core.py batch_due_ns); 0: never
     # [journal]
+    durability: str = "flush"  # "flush": committed once a majority has it on disk; "replicated": in memory
+    flush_ms: int = 5  # "replicated": the background flush gathers this long's writes
     fsync: str | float = "batch"
     segment_mb: int = 64
     # [timeouts]
@@ -253,6 +255,7 @@ class Config:
         from tape.runtime.storage.journal_store import Journal
 
         return Journal(Path(node.data) / "journal", self.session_bytes, fsync=self.fsync,
+                       flush_every_s=self.flush_ms / 1000 if self.durability == "replicated" else None,
                        segment_bytes=self.segment_mb << 20)
 
 
@@ -293,6 +296,10 @@ KEYS: dict[str, dict[str, str]] = {
         "batch_interval_ms": "pace batches while messages come fast, at most one this often (0: never)",
     },
     "journal": {
+        "durability": "when a record counts as held: \"flush\" (on a majority's disks: survives any power loss) or "
+                      "\"replicated\" (in a majority's memory, flushed in the background: survives any single "
+                      "process or host, not a majority losing power at once; docs/failover.md)",
+        "flush_ms": "with \"replicated\": the background flush gathers this many milliseconds of writes",
         "fsync": "when a voter flushes its journal: \"batch\" (each batch, before it acknowledges), \"never\", "
                  "or every that many milliseconds",
         "segment_mb": "a journal segment's size before the next one starts, MiB",

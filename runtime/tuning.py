@@ -60,6 +60,7 @@ JOURNAL_CACHED_BYTES = 4 << 20
 SEALED_INDEXES_KEPT = 16
 RESERVE_AHEAD_BYTES = 1 << 20  # disk space reserved past the tail's end for its next appends
 SLOW_FSYNC_S = 0.1  # an fsync longer than this is counted and logged: a disk that stalls the node
+MAX_UNFLUSHED_BYTES = 64 << 20  # durability "replicated": appends wait for the disk beyond this much unflushed
 SLOW_FSYNC_LOG_S = 5.0  # at most one log line of slow fsyncs this often
 # Under 4 MiB free a voter takes no part, before a write is refused; stopped (or refused), it takes
 # part again from 16 MiB. It looks at its free space this often.

@@ -271,6 +271,8 @@ class VoterShell:
         yield "journal_fsync_slow", "counter", f"journal fsyncs longer than {SLOW_FSYNC_S * 1000:.0f} ms", \
             self.journal.slow_fsyncs
         yield "journal_fsync_max_seconds", "gauge", "the longest journal fsync", self.journal.fsync_max_seconds
+        yield "journal_unflushed_bytes", "gauge", "journal bytes written but not yet flushed to disk (durability " \
+            "replicated: the background flush's backlog)", self.journal.unflushed_bytes
 
     def _space_low(self, a: vn.SpaceLow) -> None:
         self.disk_full_events += 1

@@ -25,6 +25,22 @@ def test_default_config_is_a_loopback_cluster(tmp_path):
     assert parse(doc).batch_interval_ms == 0  # a config that does not ask for pacing gets none
 
 
+def test_durability_flush_on_one_host_replicated_on_a_lan(tmp_path):
+    """One host's voters share one power supply: only flushed records survive its loss. A LAN's
+    voters' journals flush in the background."""
+    one = parse(tomllib.loads(default_toml(tmp_path / "one")))
+    assert one.durability == "flush"
+    lan = parse(tomllib.loads(default_toml(tmp_path / "lan", replicas=3, sequencers=2, hosts=HOSTS)))
+    assert lan.durability == "replicated"
+    for cfg, flusher in ((one, False), (lan, True)):
+        journal = cfg.open_journal(cfg.voters[0])
+        assert (journal._flusher is not None) == flusher and (journal.fsync_interval == 0) != flusher
+        journal.close()
+
+
+HOSTS = ["10.9.0.1", "10.9.0.2", "10.9.0.3", "10.9.0.4", "10.9.0.5"]
+
+
 @pytest.mark.parametrize("edit, key", [
     (lambda d: d["stream"].pop("group"), "stream.group: missing"),
     (lambda d: d["stream"].update(group="10.0.0.1"), "stream.group: 10.0.0.1 is not a multicast"),
@@ -36,6 +52,9 @@ def test_default_config_is_a_loopback_cluster(tmp_path):
     (lambda d: d.update(colour="blue"), "colour: unknown key"),
     (lambda d: d.update(session="WAY TOO LONG"), "session:"),
     (lambda d: d["journal"].update(fsync="sometimes"), "journal.fsync"),
+    (lambda d: d["journal"].update(durability="eventually"), "journal.durability: 'eventually'"),
+    (lambda d: d["journal"].update(durability="replicated", fsync="batch"), "journal.fsync: with durability"),
+    (lambda d: d["journal"].update(flush_ms=0), "journal.flush_ms: must be from 1"),
     (lambda d: d["stream"].update(seal="md5"), "stream.seal: 'md5'"),
     (lambda d: d["stream"].update(tick_ms=0), "stream.tick_ms: must be positive"),
     (lambda d: d["stream"].update(heartbeat_ms=-5), "stream.heartbeat_ms: must be positive"),
@@ -66,7 +85,6 @@ def test_missing_and_malformed_files(tmp_path):
 
 # --- one config for every host (issue 14) ----------------------------------------------------
 
-HOSTS = ["10.9.0.1", "10.9.0.2", "10.9.0.3", "10.9.0.4", "10.9.0.5"]
 
 
 def lan(hosts=HOSTS):

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import TAPE, small_disk
+from conftest import TAPE, small_disk, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +18,7 @@ from tape.ops.verification.faults import fill as fill_disk
 from tape.protocol import journal as fmt
 from tape.protocol import messages as msg
 from tape.runtime.storage.diskspace import DiskFull
+from tape.runtime.storage import journal_store
 from tape.runtime.storage.journal_store import LARGEST_FOLIO, Journal, JournalCorruption
 from tape.runtime.tuning import JOURNAL_CACHED_BYTES, RESERVE_AHEAD_BYTES, SEALED_INDEXES_KEPT
 
@@ -198,6 +199,33 @@ def test_fsync_policies(tmp_path):
     assert j.fsyncs == 1  # the first append syncs, then not again within the minute
     with pytest.raises(ValueError):
         Journal(tmp_path / "x", S, fsync="sometimes")
+
+
+def test_background_flush_keeps_appends_off_the_disk(tmp_path):
+    """Durability "replicated": an append returns before any flush; the flusher thread makes the
+    writes durable (here held off by a long interval until close, which flushes and stops it)."""
+    j = fill(tmp_path, 50, flush_every_s=3600)
+    assert j.fsyncs == 0 and j.unflushed_bytes == j.bytes_written > 0
+    j.close()
+    assert j.fsyncs == 1 and j.unflushed_bytes == 0
+    assert seqs(Journal(tmp_path, readonly=True)) == list(range(1, 51))
+
+
+def test_background_flush_catches_up(tmp_path):
+    j = fill(tmp_path, 50, flush_every_s=0.001)
+    wait_for(lambda: j.unflushed_bytes == 0, "the background flush")
+    assert j.fsyncs >= 1
+    j.close()
+
+
+def test_background_flush_too_far_behind_makes_appends_wait(tmp_path, monkeypatch):
+    """A disk that falls MAX_UNFLUSHED_BYTES behind bounds what a power loss can take: the append
+    past it flushes before it returns."""
+    monkeypatch.setattr(journal_store, "MAX_UNFLUSHED_BYTES", 1000)
+    j = fill(tmp_path, 50, flush_every_s=3600)
+    assert j._flusher.waited >= 1 and j.fsyncs >= 1
+    assert j.unflushed_bytes <= 1000 + 10 * (fmt.RECORD_HEADER_SIZE + msg.SEQUENCED_SIZE)  # (at most a batch past)
+    j.close()
 
 
 def test_session_of_a_segment_must_match(tmp_path):

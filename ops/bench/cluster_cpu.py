@@ -58,7 +58,7 @@ def marginal_us(short: dict, long: dict, key: str = "cpu_s", per: float = 1e6) -
 
 
 def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | None,
-                  max_packet: int | None = None) -> list[dict]:
+                  max_packet: int | None = None, durability: str | None = None) -> list[dict]:
     console = Console()
     rows = []
     speed_before = host_speed()
@@ -67,7 +67,7 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
         for rate in rates:
             reports = []
             for seconds in (short_s, long_s):
-                reports.append(_run_keeping_failures(console, rate, seconds, max_packet))
+                reports.append(_run_keeping_failures(console, rate, seconds, max_packet, durability))
                 progress.advance(task)
             short, long = reports
             if "cpu_s" not in short or "cpu_s" not in long:
@@ -75,6 +75,7 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
                 continue
             rows.append({"rate_offered": rate, "rate_achieved": long["rate_msgs_per_s"],
                          "verdict": long["verdict"], "terms": len(long["terms"]), "max_packet": long["max_packet"],
+                         "durability": long.get("durability"),
                          "inbound_to_applied_ms": long["latency_ms"],
                          "stamped_to_published_ms": long.get("commit_ms", {}),
                          "submit_to_sequenced_ms": long["submit_to_sequenced_ms"],
@@ -92,11 +93,13 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
     return rows
 
 
-def _run_keeping_failures(console: Console, rate: float, seconds: float, max_packet: int | None) -> dict:
+def _run_keeping_failures(console: Console, rate: float, seconds: float, max_packet: int | None,
+                          durability: str | None) -> dict:
     """One `tape up` run; a failed verdict keeps the run's files and names the failed checks."""
     root = Path(tempfile.mkdtemp(prefix=f"tape-bench-{rate:.0f}-{seconds:g}s-"))
     quiet = Console(file=open(os.devnull, "w"))
-    report = run_up(rate, seconds, 0.0, str(root), seed=1, console=quiet, max_packet=max_packet)
+    report = run_up(rate, seconds, 0.0, str(root), seed=1, console=quiet, max_packet=max_packet,
+                    durability=durability)
     if report["verdict"] == "pass":
         shutil.rmtree(root, ignore_errors=True)
     else:
@@ -109,6 +112,7 @@ def _run_keeping_failures(console: Console, rate: float, seconds: float, max_pac
 def _table(rows: list[dict], short_s: float, long_s: float, max_packet: int | None,
            speeds: tuple[float, float]) -> Table:
     packets = f", packets of {max_packet:,} bytes" if max_packet else ""
+    packets += f", durability {rows[0]['durability']}" if rows else ""
     table = Table(title=f"tape bench cluster: marginal CPU µs per message ({long_s:g} s run minus {short_s:g} s run"
                         f"{packets})",
                   caption=f"host speed, before / after: {speeds[0] / 1e6:.2f} / {speeds[1] / 1e6:.2f} M msg/s "

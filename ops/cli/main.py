@@ -66,7 +66,8 @@ def _bench_failover(args) -> int:
 def _bench_cluster(args) -> int:
     from tape.ops.bench.cluster_cpu import bench_cluster
 
-    bench_cluster([float(r) for r in args.rates.split(",")], args.short, args.long, args.out, args.max_packet)
+    bench_cluster([float(r) for r in args.rates.split(",")], args.short, args.long, args.out, args.max_packet,
+                  args.durability)
     return 0
 
 
@@ -285,7 +286,7 @@ def _up(args) -> int:
     from tape.ops.verification.up import main
 
     return main(args.rate, args.duration, args.drop, args.out, args.seed, args.delivery, args.lan, args.runs,
-                args.max_packet, args.book_ttl)
+                args.max_packet, args.book_ttl, args.durability)
 
 
 def _sim(args) -> int:
@@ -297,7 +298,7 @@ def _sim(args) -> int:
 def _drill(args) -> int:
     from tape.ops.verification.drill import run
 
-    return run(args.name, args.rate, args.duration, args.loss, args.out, args.seed, args.lan)
+    return run(args.name, args.rate, args.duration, args.loss, args.out, args.seed, args.lan, args.durability)
 
 
 def _audit(args) -> int:
@@ -543,7 +544,15 @@ def _add_up(sub) -> None:
                    help="how long a book stays open, [audit] book_ttl_s (default: the config's, an hour): a run "
                         "longer than it shows the replicas' memory level off once books close as fast as they open")
     _add_max_packet(p)
+    _add_durability(p)
     p.set_defaults(func=_up)
+
+
+def _add_durability(p) -> None:
+    p.add_argument("--durability", choices=("flush", "replicated"), default=None,
+                   help="[journal] durability: \"flush\" (a record is committed once a majority has it on disk) or "
+                        "\"replicated\" (in a majority's memory, flushed in the background); default flush on "
+                        "loopback, where one power loss takes every voter, replicated with --lan (docs/failover.md)")
 
 
 def _add_max_packet(p) -> None:
@@ -601,6 +610,7 @@ def _add_drill(sub) -> None:
     p.add_argument("--seed", type=int, default=1, help="seed of load and loss injection")
     p.add_argument("--lan", action="store_true", help="over five hosts: network namespaces on a bridge, each node "
                    "in its host's namespace (root; docs/runbook.md, Drills on a LAN)")
+    _add_durability(p)
     p.set_defaults(func=_drill)
 
 
@@ -910,6 +920,7 @@ def _add_bench(sub) -> None:
     bc.add_argument("--long", type=float, default=8.0, help="seconds of the long run (default 8)")
     bc.add_argument("--out", default=None, help="write the figures as JSON to this file")
     _add_max_packet(bc)
+    _add_durability(bc)
     bc.set_defaults(func=_bench_cluster)
     bd = bsub.add_parser("disk", help="how long a journal append waits for the disk, journals flushing at once",
                          description="Start --writers processes at once, each appending to its own journal (the real "

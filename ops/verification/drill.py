@@ -624,7 +624,8 @@ def make(name: str, duration: float, trades: int) -> Drill:
     raise SystemExit(f"unknown drill {name!r}: {', '.join(DRILLS)} or all")
 
 
-def run(name: str, rate: float, duration: float, loss: float, out: str | None, seed: int, lan: bool = False) -> int:
+def run(name: str, rate: float, duration: float, loss: float, out: str | None, seed: int, lan: bool = False,
+        durability: str | None = None) -> int:
     from tape.ops.verification.up import run_up
 
     console = Console()
@@ -636,7 +637,8 @@ def run(name: str, rate: float, duration: float, loss: float, out: str | None, s
         drill = make(n, duration, int(rate * duration))
         drop = loss if n in LOSSY else 0.0
         where = str(Path(out) / n) if out and name == "all" else out
-        results[n] = run_up(rate, duration, drop, where, seed, drill=drill, console=console, lan=lan)
+        results[n] = run_up(rate, duration, drop, where, seed, drill=drill, console=console, lan=lan,
+                            durability=durability)
     if name == "all":
         table = Table(title="tape drill all")
         for col in ("drill", "verdict", "failover ms", "rate msg/s", "p99 inbound to applied ms"):

@@ -178,7 +178,7 @@ class LanCluster(LocalCluster):
     over a Lan's hosts, from one config file; the local cluster's controls work unchanged."""
 
     def __init__(self, root: Path, lan: Lan, extra: str = "", delivery: str = "first", webhook: bool = False,
-                 max_packet: int | None = None):
+                 max_packet: int | None = None, durability: str | None = None):
         """`webhook`: the emitter also posts every alert to a receiver (ops/verification/webhook_receiver.py) on
         the LAN's last host, which then has nothing else."""
         self.lan = lan
@@ -188,7 +188,7 @@ class LanCluster(LocalCluster):
         self.config_path = root / "cluster.toml"
         hosts = lan.addresses[:-1] if webhook else lan.addresses
         text = default_toml(root / "data", clients=1, replicas=3, sequencers=2, keys=new_keys(1),
-                            hosts=hosts, delivery=delivery, max_packet=max_packet)
+                            hosts=hosts, delivery=delivery, max_packet=max_packet, durability=durability)
         if webhook:
             self.webhook_url = f"http://{lan.addresses[-1]}:{WEBHOOK_PORT}/alerts"
             text = text.replace('role = "emitter"', f'role = "emitter"\nsinks = ["jsonl", "webhook"]\n'

@@ -41,11 +41,13 @@ def dies_with(parent: int):
 
 class LocalCluster:
     def __init__(self, root: Path, rewinders: int = 2, clients: int = 2, extra: str = "", replicas: int = 0,
-                 sequencers: int = 1, keys: bool = True, delivery: str = "first", max_packet: int | None = None):
+                 sequencers: int = 1, keys: bool = True, delivery: str = "first", max_packet: int | None = None,
+                 durability: str | None = None):
         self.root = root
         self.config_path = root / "cluster.toml"
         text = default_toml(root / "data", rewinders, clients, free=True, replicas=replicas, sequencers=sequencers,
-                            keys=new_keys(clients) if keys else None, delivery=delivery, max_packet=max_packet)
+                            keys=new_keys(clients) if keys else None, delivery=delivery, max_packet=max_packet,
+                            durability=durability)
         text = text.replace("[journal]", extra + "\n[journal]") if extra else text
         self.config_path.write_text(text)
         self.cfg = load(self.config_path)

@@ -50,17 +50,28 @@ WATCH_TICK_S = 0.25
 SENDING_TICK_S = 0.01  # the watch's tick until the load says it sends: when the CPU window opens
 
 
+DURABILITY_SAID = {  # what a run says of its journals (docs/failover.md)
+    "flush": "durability flush: a record is committed once a majority of the voters has it on disk (it survives "
+             "any power loss)",
+    "replicated": "durability replicated: a record is committed once a majority of the voters holds it in memory, "
+                  "flushed in the background (it survives any single process or host, not a power loss of a "
+                  "majority at once: on one host, one power loss takes every voter's memory)",
+}
+
+
 def _m(metrics: dict, name: str, node: str) -> float:
     return metrics.get(f'{name}{{node="{node}"}}', 0.0)
 
 
 def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int, drill=None,
            console: Console | None = None, slack_s: float = SLACK_S, delivery: str = "first",
-           lan: bool = False, max_packet: int | None = None, book_ttl_s: float = Config.book_ttl_s) -> dict:
+           lan: bool = False, max_packet: int | None = None, book_ttl_s: float = Config.book_ttl_s,
+           durability: str | None = None) -> dict:
     """Run the cluster under load (with `drill`'s fault, if any); returns the report. A node that
     exits unbidden, or a load still running `slack_s` after `duration`, aborts the run (verdict fail).
     `lan`: over five hosts (network namespaces, ops/verification/lan.py) instead of one host's loopback.
     `max_packet`: the stream's packet size (`[stream] max_packet`; default: config.default_toml's).
+    `durability`: the journals' (`[journal] durability`; default: config.default_toml's, flush on one host).
     `book_ttl_s`: how long a book stays open (`[audit] book_ttl_s`); the replicas' books are sized
     for the orders open at once (`[audit] books_expected`), those of the whole run if it is shorter.
     A run this host has not the disk or memory for is refused before it starts."""
@@ -74,12 +85,12 @@ def run_up(rate: float, duration: float, drop: float, out: str | None, seed: int
                            bounds_mb={f"each replica's {open_books:,} books (book_ttl_s x orders a second)": books_mb})
     run = (rate, duration, drop, out, seed, drill, console, slack_s, delivery)
     if not lan:
-        return _run(*run, None, extra, max_packet, memory)
+        return _run(*run, None, extra, max_packet, memory, durability)
     from tape.ops.verification.lan import Lan, LanUnavailable
 
     try:
         with Lan(LAN_HOSTS + (1 if getattr(drill, "webhook", False) else 0)) as net:
-            return _run(*run, net, extra, max_packet, memory)
+            return _run(*run, net, extra, max_packet, memory, durability)
     except LanUnavailable as e:
         return _aborted(console or Console(), "the LAN", f"cannot build it here: {e}", drill)
 
@@ -108,7 +119,8 @@ def _memory_available() -> int | None:
     return int(line.split()[1]) * 1024
 
 
-def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra, max_packet, memory) -> dict:
+def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net, extra, max_packet, memory,
+         durability) -> dict:
     console = console or Console()
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="tape-up-"))
     if out and root.exists():
@@ -117,12 +129,12 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
     total = int(rate * duration)
     if net is None:
         cluster = LocalCluster(root, replicas=3, sequencers=len(SEQUENCERS), delivery=delivery, extra=extra,
-                               max_packet=max_packet)
+                               max_packet=max_packet, durability=durability)
     else:
         from tape.ops.verification.lan import LanCluster
 
         cluster = LanCluster(root, net, extra, delivery=delivery, webhook=getattr(drill, "webhook", False),
-                             max_packet=max_packet)
+                             max_packet=max_packet, durability=durability)
     cluster.planted = drill.planted if drill else ()
     what = f"drill [bold]{drill.name}[/bold]" if drill else "[bold]tape up[/bold]"
     where = f"over {len(net.hosts)} hosts ({', '.join(net.addresses)})" if net else "on loopback"
@@ -130,6 +142,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
         console.print(f"{what}: 2 sequencers, 2 rewinders, 3 replicas, emitter {where} on "
                       f"{cluster.cfg.group}:{cluster.cfg.port}; {total:,} trades at {rate:,.0f}/s, "
                       f"{drop:.0%} loss at every receiver; alerts delivered on the {delivery} copy; data in {root}")
+        console.print(DURABILITY_SAID[cluster.cfg.durability])
         try:
             if drill:
                 drill.prepare(cluster)
@@ -170,6 +183,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
     _arrange(cluster, root)
     report["hosts"] = sorted({n.host for n in cluster.cfg.nodes})
     report["max_packet"] = cluster.cfg.max_packet
+    report["durability"] = cluster.cfg.durability
     (root / "report.json").write_text(json.dumps(report, indent=1))
     if out:
         console.print(f"report: {root / 'report.json'}")
@@ -408,8 +422,9 @@ def _arrange(cluster: LocalCluster, root: Path) -> None:
 
 def main(rate: float, duration: float, drop: float, out: str | None, seed: int, delivery: str = "first",
          lan: bool = False, runs: int = 1, max_packet: int | None = None,
-         book_ttl_s: float | None = None) -> int:
-    how = {"delivery": delivery, "lan": lan, "max_packet": max_packet, "book_ttl_s": book_ttl_s or Config.book_ttl_s}
+         book_ttl_s: float | None = None, durability: str | None = None) -> int:
+    how = {"delivery": delivery, "lan": lan, "max_packet": max_packet, "book_ttl_s": book_ttl_s or Config.book_ttl_s,
+           "durability": durability}
     if runs == 1:
         return 0 if run_up(rate, duration, drop, out, seed, **how)["verdict"] == "pass" else 1
     reports = []

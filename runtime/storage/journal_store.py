@@ -11,6 +11,7 @@ import bisect
 import logging
 import mmap
 import os
+import threading
 import time
 from array import array
 from collections import deque
@@ -28,6 +29,7 @@ from tape.runtime.storage.diskspace import DiskFull, no_space
 from tape.runtime.tuning import (
     JOURNAL_CACHED_BYTES,
     JOURNAL_RECENT_RECORDS,
+    MAX_UNFLUSHED_BYTES,
     RESERVE_AHEAD_BYTES,
     SEALED_INDEXES_KEPT,
     SLOW_FSYNC_LOG_S,
@@ -106,6 +108,7 @@ class Journal:
         *,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         fsync: str | int | float = "batch",
+        flush_every_s: float | None = None,
         index_every: int = DEFAULT_INDEX_EVERY,
         recent_records: int = JOURNAL_RECENT_RECORDS,
         readonly: bool = False,
@@ -113,7 +116,7 @@ class Journal:
         self.dir = Path(directory)
         self.session = session
         self.segment_bytes = segment_bytes
-        self.fsync_interval = parse_fsync(fsync)
+        self.fsync_interval = None if flush_every_s is not None else parse_fsync(fsync)
         self.index_every = index_every
         self.readonly = readonly
         self.recovery = Recovery()
@@ -139,9 +142,12 @@ class Journal:
         self._slow_log = RateLimitedLog(log, SLOW_FSYNC_LOG_S)
         self._mark_log = RateLimitedLog(log)
         self.bytes_written = 0
+        self.bytes_flushed = 0  # of bytes_written, what the last fdatasync covered
+        self._fd_lock = threading.RLock()  # the tail's descriptor, between the flusher and what replaces it
         if not readonly:
             self.dir.mkdir(parents=True, exist_ok=True)
         self._open()
+        self._flusher = Flusher(self, flush_every_s) if flush_every_s is not None and not readonly else None
 
     # --- opening and recovery ------------------------------------------------
 
@@ -253,7 +259,9 @@ class Journal:
             if not no_space(e):
                 raise
             raise DiskFull(self.segments[-1].path if self.segments else self.dir, "journal append to") from None
-        if sync:
+        if self._flusher is not None:
+            self._flusher.written()
+        elif sync:
             self.maybe_sync()
 
     def _append(self, records: list, first: int, last: int, last_term: int) -> None:
@@ -344,10 +352,11 @@ class Journal:
 
     def _seal(self, seg: Segment) -> None:
         """Make a finished segment durable and persist its sparse index."""
-        if self._fd is not None:
-            self._fsync()
-            self._give_back(WHOLE_FILE)
-            self._close_tail()
+        with self._fd_lock:
+            if self._fd is not None:
+                self._fsync()
+                self._give_back(WHOLE_FILE)
+                self._close_tail()
         idx = b"".join(fmt.INDEX_ENTRY.pack(s, o) for s, o in zip(seg.idx_seqs, seg.idx_offsets))
         tmp = seg.path.with_suffix(".idx.tmp")
         tmp.write_bytes(idx)
@@ -375,21 +384,27 @@ class Journal:
             self._fsync()
 
     def _fsync(self) -> None:
-        if self._fd is None or not self._dirty:
-            return
-        t0 = time.perf_counter()
-        os.fdatasync(self._fd)
-        took = time.perf_counter() - t0
+        with self._fd_lock:
+            if self._fd is None or not self._dirty:
+                return
+            self._dirty = False  # (before the flush: a write the flush may miss marks it again)
+            written = self.bytes_written
+            t0 = time.perf_counter()
+            os.fdatasync(self._fd)
+            took = time.perf_counter() - t0
+            self.bytes_flushed = written
+            self._synced(took)
+            self._give_back(self.segments[-1].size - JOURNAL_CACHED_BYTES)
+
+    def _synced(self, took: float) -> None:
         self.fsync_seconds += took
         self.fsync_max_seconds = max(self.fsync_max_seconds, took)
         self.fsyncs += 1
         if took > SLOW_FSYNC_S:
             self.slow_fsyncs += 1
-            self._slow_log.warn("slow", "fsync of %s took %.0f ms: everything this node does waited for it",
-                                self.dir, took * 1000)
-        self._dirty = False
+            self._slow_log.warn("slow", "fsync of %s took %.0f ms%s", self.dir, took * 1000,
+                                "" if self._flusher else ": everything this node does waited for it")
         self._last_sync = time.monotonic()
-        self._give_back(self.segments[-1].size - JOURNAL_CACHED_BYTES)
 
     def _give_back(self, below: int) -> None:
         """Drop the tail's synced pages below offset `below` (WHOLE_FILE: all) from the page cache.
@@ -417,6 +432,10 @@ class Journal:
     def truncate_after(self, seq: int) -> None:
         """Remove every record after `seq` (a follower dropping a conflicting,
         uncommitted suffix)."""
+        with self._fd_lock:
+            self._truncate_after(seq)
+
+    def _truncate_after(self, seq: int) -> None:
         if self.readonly:
             raise RuntimeError("journal opened read-only")
         if seq >= self.last_seq:
@@ -456,9 +475,17 @@ class Journal:
         self._open_tail(seg.path)
 
     def close(self) -> None:
-        if self._fd is not None:
-            self._fsync()
-            self._close_tail()
+        if self._flusher is not None:
+            self._flusher.stop()
+        with self._fd_lock:
+            if self._fd is not None:
+                self._fsync()
+                self._close_tail()
+
+    @property
+    def unflushed_bytes(self) -> int:
+        """Written but not yet on the disk (durability "replicated": what the flusher has to do)."""
+        return self.bytes_written - self.bytes_flushed
 
     # --- the commit mark (protocol/commit_mark.py): for readers of the directory --------
 
@@ -612,3 +639,44 @@ def segment_chunks(path: Path, offset: int, expect_seq: int, limit: int | None =
                 raise JournalCorruption(path, base + res.end, expect_seq, res.problem)
             buf = buf[res.end:]
             base += res.end
+
+
+class Flusher:
+    """durability = "replicated": the journal's writes reach the disk from a thread of their own,
+    so that no append waits for the disk and the event loop never blocks on a flush. The first
+    write after a flush wakes it; it lets `every_s` of writes gather (one flush for all: the
+    disk sees a steady trickle, never a burst), then fdatasyncs them (the GIL released). A disk
+    that falls MAX_UNFLUSHED_BYTES behind makes the appends wait for it: what a power loss can
+    take is bounded in bytes as well as in time."""
+
+    def __init__(self, journal: Journal, every_s: float):
+        self.journal, self.every_s = journal, every_s
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self.waited = 0  # appends that waited for the disk (too far behind)
+        self._thread = threading.Thread(target=self._run, name="journal-flusher", daemon=True)
+        self._thread.start()
+
+    def written(self) -> None:
+        """An append made: wake the flusher, or wait for the disk if it is too far behind."""
+        if self.journal.unflushed_bytes > MAX_UNFLUSHED_BYTES:
+            self.waited += 1
+            self.journal._fsync()
+        elif not self._wake.is_set():
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait()
+            self._stopping.wait(self.every_s)
+            self._wake.clear()  # (before the flush: a write meanwhile wakes it again)
+            try:
+                self.journal._fsync()
+            except OSError as e:  # a disk that fails a flush: the process cannot keep its promise
+                log.critical("the journal's background flush failed on %s: %s", self.journal.dir, e)
+                os._exit(4)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join()
