@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from tape.ops.verification.faults import fill as fill_disk
 from tape.protocol import journal as fmt
 from tape.protocol import messages as msg
-from tape.runtime.storage.diskspace import DiskFull
 from tape.runtime.storage import journal_store
+from tape.runtime.storage.diskspace import DiskFull
 from tape.runtime.storage.journal_store import LARGEST_FOLIO, Journal, JournalCorruption
 from tape.runtime.tuning import JOURNAL_CACHED_BYTES, RESERVE_AHEAD_BYTES, SEALED_INDEXES_KEPT
 

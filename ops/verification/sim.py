@@ -9,7 +9,9 @@ frames' bytes inside link records with keys: ordered and never lost, held
 across a partition until it heals, closed when a process dies; datagrams
 (the stream, gap fills, inbound trades, back-offs) are delayed, dropped,
 duplicated and reordered. Voters crash (keeping their log and vote), some in
-the middle of a journal write (torn), lose their disks or a bit of one, find
+the middle of a journal write (torn), lose their disks or a bit of one, or
+(durability "replicated", half the seeds) lose power with what their journal
+had not yet flushed in the background, find
 them full, pause, run slow and are cut off by partitions (both ways or one);
 three replicas crash and resume from their snapshots, lose their disks, or
 have their state corrupted (outvoted on their digest, they rebuild); the
@@ -137,6 +139,12 @@ FREE_DISK = 1 << 30  # a voter's disk has this much free but while a disk-full f
 SLOW_NS = (10 * MS, 150 * MS)  # what a slow host (starved, its disk or link congested) adds to a connection's bytes
 GIVE_UP = 60_000 * MS
 TWO_DISKS_LOST = 0.5  # the chance that a disk loss takes two voters' disks at once
+# Durability "replicated" (half the seeds, by seed: not drawn): a voter's journal flushes in the
+# background at the default interval or at a slow disk's pace, and the first crash of a voter is a
+# power loss of its host a millisecond after its next append (acknowledged, not yet flushed), which
+# takes what was not flushed: a loss of durable state, as many a run as disks lost (one host at a
+# time is what the mode survives: docs/failover.md).
+FLUSH_NS = (default_of(Config, "flush_ms") * MS, 50 * MS)
 SIM_SEGMENT_BYTES = 4096  # a voter's journal segments (the processes' 64 MiB): a run here rolls through several
 # A third of the seeds' replicas catch up over a replay once this many are missing (the processes'
 # REPLAY_BEHIND, 2,000, is more than a run here sequences).
@@ -260,6 +268,19 @@ class SimVoter:
                 f.seek(-1, os.SEEK_CUR)
                 f.write(bytes([byte ^ 1 << self.sim.rng.randrange(8)]))
 
+    @property
+    def unflushed(self) -> int:
+        return len(self.log) - self.flushed
+
+    def lose_unflushed(self) -> None:
+        """Its host lost power (the process is down): what the background flush had not written is
+        gone, the commit mark as it was (not synced: it may be ahead of the journal now)."""
+        with journal_store.Journal(self.dir / "journal", SESSION, segment_bytes=SIM_SEGMENT_BYTES,
+                                   fsync="never") as journal:
+            journal.truncate_after(self.flushed)
+        del self.log[self.flushed:]
+        self.checked = min(self.checked, self.flushed)
+
     def lose_disk(self) -> None:
         """The disk is gone (the process is down): it restarts empty, with no election state."""
         self.log, self.checked = [], 0
@@ -292,6 +313,8 @@ class SimVoter:
         self.core, self.election = self.node.core, self.node.election
         self.torn_write: int | None = None  # a fault: crash (until then) in the middle of the next journal write
         self.wake_at = self.sim.now
+        self.flushed, self.flushed_at = len(self.log), self.sim.now  # entries on the disk (the rest in memory)
+        self.power_loss_at_append: int | None = None  # a fault: its host's power goes after its next append
 
     @property
     def leader(self):
@@ -336,6 +359,7 @@ class SimVoter:
                                 f"{self.journal.commit_mark()}")
             self.journal.truncate_after(a.after_seq)
             del self.log[a.after_seq:]
+            self.flushed = min(self.flushed, a.after_seq)
         elif isinstance(a, ReadJournal):
             return self.node.on_read(a, self.journal.read_batch(a.first, a.count) if a.count else [], now)
         elif isinstance(a, Reload):
@@ -413,6 +437,11 @@ class SimVoter:
             self.tear(records)  # no ack: the process dies mid-write
         self.journal.append(records)
         self.log.extend((term, m) for _, term, m in records)
+        if not self.sim.replicated:  # (durability "flush": on the disk before any ack)
+            self.flushed = len(self.log)
+        elif self.power_loss_at_append is not None:
+            self.sim.at(self.sim.now + MS, self.sim.power_loss, self.name, self.power_loss_at_append)
+            self.power_loss_at_append = None
 
     def tear(self, records: list) -> None:
         """The process dies in the middle of writing `records`: a prefix of them reached the
@@ -437,6 +466,8 @@ class SimVoter:
         """The shell's timer: the node's next deadline as it stood at the last one (a leader's,
         every tick: the shell wakes early when an event brings its deadline nearer)."""
         now = self.sim.now
+        if self.sim.replicated and now - self.flushed_at >= self.sim.flush_ns:  # the background flush
+            self.flushed, self.flushed_at = len(self.log), now
         if now - self.space_checked >= DISK_CHECK_NS:  # the shell's look at its free space
             self.space_checked = now
             self.act(self.node.on_free_space(0 if now < self.full_until else FREE_DISK, now))
@@ -783,6 +814,8 @@ class Sim:
         self.batch_interval_ns = PACED_INTERVAL_NS if seed % 2 else 0  # (not drawn: the other draws stay a seed's)
         self.tick_ns = EXPLORED_TICK_NS if seed % 3 else TICK_NS
         self.max_batch = SIM_MAX_BATCH if seed % 4 == 1 else default_of(LeaderSettings, "max_batch")
+        self.replicated = seed // 2 % 2 == 1  # durability "replicated" (else "flush")
+        self.flush_ns = FLUSH_NS[seed // 4 % 2]
         self.voters = {n: SimVoter(self, n) for n in VOTERS}
         self.listeners = {n: Listener(self, n) for n in CLIENTS}
         self.replicas = {n: Replica(self, n) for n in REPLICAS}
@@ -1029,11 +1062,7 @@ class Sim:
         elif kind == "full":
             self.voters[node].full_until = max(self.voters[node].full_until, until)
         elif kind == "crash" and self.voters[node].up:
-            if self.rng.random() < 0.5:  # in the middle of its next journal write
-                self.voters[node].torn_write = until
-                self.trace.append("  (in the middle of its next journal write)")
-            else:
-                self.crash(node, until)
+            self.crash_fault(node, until)
         elif kind == "slow":
             self.slow[node] = max(self.slow.get(node, 0), until)
         elif kind == "overload":
@@ -1097,6 +1126,28 @@ class Sim:
         self.drop_connections(node)
         v.torn_write = None
         self.at(max(until, self.now + MS), self.recover, node)
+
+    def crash_fault(self, node: str, until: int) -> None:
+        """A voter's process dies: now, or in the middle of its next journal write; or its host's
+        power goes (durability "replicated")."""
+        if self.rng.random() < 0.5:
+            self.voters[node].torn_write = until
+            self.trace.append("  (in the middle of its next journal write)")
+        elif self.replicated and not self.wiped:
+            self.wiped = True
+            self.voters[node].power_loss_at_append = until
+            self.trace.append("  (its host's power, a millisecond after its next journal write)")
+        else:
+            self.crash(node, until)
+
+    def power_loss(self, node: str, until: int) -> None:
+        """Its host loses power: the process dies and its journal keeps what was flushed."""
+        v = self.voters[node]
+        if not v.up:
+            return
+        self.trace.append(f"{self.now / MS:.0f} ms: {node}'s host loses power: {v.unflushed} unflushed entries lost")
+        self.crash(node, until)
+        v.lose_unflushed()
 
     def recover(self, node: str) -> None:
         v = self.voters[node]

@@ -141,8 +141,8 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
     try:
         console.print(f"{what}: 2 sequencers, 2 rewinders, 3 replicas, emitter {where} on "
                       f"{cluster.cfg.group}:{cluster.cfg.port}; {total:,} trades at {rate:,.0f}/s, "
-                      f"{drop:.0%} loss at every receiver; alerts delivered on the {delivery} copy; data in {root}")
-        console.print(DURABILITY_SAID[cluster.cfg.durability])
+                      f"{drop:.0%} loss at every receiver; alerts delivered on the {delivery} copy; data in {root}\n"
+                      f"{DURABILITY_SAID[cluster.cfg.durability]}")
         try:
             if drill:
                 drill.prepare(cluster)
@@ -182,8 +182,7 @@ def _run(rate, duration, drop, out, seed, drill, console, slack_s, delivery, net
             drill.release(cluster)
     _arrange(cluster, root)
     report["hosts"] = sorted({n.host for n in cluster.cfg.nodes})
-    report["max_packet"] = cluster.cfg.max_packet
-    report["durability"] = cluster.cfg.durability
+    report["max_packet"], report["durability"] = cluster.cfg.max_packet, cluster.cfg.durability
     (root / "report.json").write_text(json.dumps(report, indent=1))
     if out:
         console.print(f"report: {root / 'report.json'}")
