@@ -47,6 +47,11 @@ sysdeps:
 	    echo "installing tmux (the tests read tape watch's live view in a real terminal)"; \
 	    $(APT_GET) update >/dev/null && $(APT_GET) install tmux >/dev/null || echo "tmux unavailable: its test will be skipped"; \
 	  else echo "tmux not found: the live view's test will be skipped (apt-get install tmux)"; fi; }
+	@command -v perf >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing perf (tape bench batch-cost counts a batch's system calls, hashes and allocations with it)"; \
+	    $(APT_GET) update >/dev/null && $(APT_GET) install linux-perf >/dev/null || echo "perf unavailable: its bench's test will be skipped"; \
+	  else echo "perf not found: tape bench batch-cost's test will be skipped (apt-get install linux-perf)"; fi; }
 	@command -v promtool >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing prometheus (the tests check the alert rules with promtool and scrape a cluster)"; \

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -15,7 +16,7 @@ import pytest
 from conftest import TAPE, wait_for
 from rich.console import Console
 
-from tape.ops.bench import cluster_cpu
+from tape.ops.bench import batch_cost, cluster_cpu
 from tape.ops.bench.cluster_cpu import PROCESSES, marginal_us
 from tape.ops.verification.local import host_steal_seconds, scheduled_count
 
@@ -85,6 +86,28 @@ def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
     before, after = row["host_encode_msgs_per_s"]  # the host's speed, beside the figures
     printed = " ".join(out.stdout.split())  # (the caption may wrap)
     assert before > 0 and after > 0 and f"{before / 1e6:.2f} / {after / 1e6:.2f} M msg/s encoded" in printed
+
+
+@pytest.mark.skipif(shutil.which("perf") is None or os.geteuid() != 0, reason="needs perf and root (tracepoints)")
+def test_bench_batch_cost_counts_each_processs_share_of_a_batch(tmp_path):
+    """perf's counts of a real cluster at 1,000 msg/s, a batch: every voter flushes its journal
+    (durability "flush"), a replica only its occasional snapshot; every process is woken and makes system calls; the
+    leader hashes (seals, link records) and allocates."""
+    out = subprocess.run(TAPE + ["bench", "batch-cost", "--rate", "1000", "--window", "1",
+                                 "--out", str(tmp_path / "cost.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = json.loads((tmp_path / "cost.json").read_text())
+    kernel = figures["per_batch"]["kernel"]
+    assert figures["windows"]["kernel"]["batches"] > 0 and set(kernel) == set(batch_cost.PROCESSES)
+    voters, replicas = ("leader", "standby", "rw-1", "rw-2"), ("replica-A", "replica-B", "replica-C")
+    assert min(kernel[v]["flush"] for v in voters) > max(kernel[r]["flush"] for r in replicas), kernel
+    assert all(kernel[p]["wake-ups"] > 0 and kernel[p]["system calls"] > 0 and kernel[p]["CPU µs"] > 0
+               for p in batch_cost.PROCESSES), kernel
+    leader = {**figures["per_batch"]["hashes"]["leader"], **figures["per_batch"]["allocations"]["leader"]}
+    assert leader["blake2b"] > 0 and leader["alloc"] > 0, leader
+    assert "all nine" in out.stdout
+    listed = subprocess.run(["perf", "probe", "-l"], capture_output=True, text=True).stdout
+    assert "tape_" not in listed, "the bench removes its probes"
 
 
 def test_a_failed_run_keeps_its_files_and_names_the_failed_checks(tmp_path, monkeypatch):

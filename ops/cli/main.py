@@ -548,6 +548,19 @@ def _add_up(sub) -> None:
     p.set_defaults(func=_up)
 
 
+def _add_bench_batch_cost(bsub) -> None:
+    bb = bsub.add_parser("batch-cost", help="what one batch costs each process: CPU, wake-ups, system calls, hashes, "
+                         "allocations",
+                         description="Run the tape up topology at --rate; once the load sends, count with perf over "
+                                     "--window seconds each process's CPU time, system calls by kind, wake-ups and "
+                                     "preemptions, then over another window with probes its hashes and allocations; "
+                                     "print each a batch (the leader's batches in the window). Needs root and perf.")
+    bb.add_argument("--rate", type=float, default=2000, help="trades per second (default 2000)")
+    bb.add_argument("--window", type=float, default=5.0, help="seconds each count lasts (default 5)")
+    bb.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    bb.set_defaults(func=_bench_batch_cost)
+
+
 def _add_durability(p) -> None:
     p.add_argument("--durability", choices=("flush", "replicated"), default=None,
                    help="[journal] durability: \"flush\" (a record is committed once a majority has it on disk) or "
@@ -937,16 +950,7 @@ def _add_bench(sub) -> None:
                     "(default 12: ~80 batches a second)")
     bd.add_argument("--dir", default=None, help="where to write (default the system's temporary directory)")
     bd.set_defaults(func=_bench_disk)
-    bb = bsub.add_parser("batch-cost", help="what one batch costs each process: CPU, wake-ups, system calls, hashes, "
-                         "allocations",
-                         description="Run the tape up topology at --rate; once the load sends, count with perf over "
-                                     "--window seconds each process's CPU time, system calls by kind, wake-ups and "
-                                     "preemptions, then over another window with probes its hashes and allocations; "
-                                     "print each a batch (the leader's batches in the window). Needs root and perf.")
-    bb.add_argument("--rate", type=float, default=2000, help="trades per second (default 2000)")
-    bb.add_argument("--window", type=float, default=5.0, help="seconds each count lasts (default 5)")
-    bb.add_argument("--out", default=None, help="write the figures as JSON to this file")
-    bb.set_defaults(func=_bench_batch_cost)
+    _add_bench_batch_cost(bsub)
     _add_bench_security(bsub)
     bk = bsub.add_parser("spark", help="audit and analytics time over a generated journal",
                          description="Write a journal of --messages generated trades and its delivered alerts, then "
