@@ -69,7 +69,7 @@ class Config:
     batch_interval_ms: int = 0  # pace batches while messages come fast (leader_core.py batch_due_ns); 0: never
     # [journal]
     durability: str = "flush"  # "flush": committed once a majority has it on disk; "replicated": in memory
-    flush_ms: int = 5  # "replicated": the background flush gathers this long's writes
+    flush_ms: int = 50  # "replicated": the background flush gathers this long's writes
     fsync: str | float = "batch"
     segment_mb: int = 64
     # [timeouts]

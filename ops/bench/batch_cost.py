@@ -189,7 +189,7 @@ class Window:
                 _m(m, "tape_sequencer_messages_published_total", self.leader))
 
 
-def bench_batch_cost(rate: float, window_s: float, out: str | None) -> dict:
+def bench_batch_cost(rate: float, window_s: float, out: str | None, durability: str | None = None) -> dict:
     console = Console(width=max(Console().width, 150))
     if shutil.which("perf") is None:
         console.print("perf is not installed (the Makefile's set-up installs it)")
@@ -199,7 +199,7 @@ def bench_batch_cost(rate: float, window_s: float, out: str | None) -> dict:
     seconds = SETTLE_S + 3 * window_s + 10
     books = orders_in(int(rate * seconds))
     cluster = LocalCluster(root, replicas=len(REPLICAS), sequencers=len(SEQUENCERS),
-                           extra=f"[audit]\nbooks_expected = {books}")
+                           extra=f"[audit]\nbooks_expected = {books}", durability=durability)
     hashes, allocations = probes()
     windows = {}
     try:
@@ -223,7 +223,8 @@ def bench_batch_cost(rate: float, window_s: float, out: str | None) -> dict:
             p.remove()
         cluster.close()
         shutil.rmtree(root, ignore_errors=True)
-    figures = {"rate_offered": rate, "host_encode_msgs_per_s": round(speed), "windows": windows,
+    figures = {"rate_offered": rate, "durability": cluster.cfg.durability,
+               "host_encode_msgs_per_s": round(speed), "windows": windows,
                "per_batch": {name: per_batch(w) for name, w in windows.items()}}
     console.print(_table(figures))
     if out:
@@ -261,8 +262,8 @@ def _table(f: dict) -> Table:
     windows, rows = f["windows"], f["per_batch"]
     said = "; ".join(f"{name}: {w['batches']:,.0f} batches of {w['messages'] / max(w['batches'], 1):.1f} messages"
                      for name, w in windows.items())
-    table = Table(title=f"tape bench batch-cost: a batch, counted in each process at {f['rate_offered']:,.0f} msg/s "
-                        f"({said}, each in {windows['kernel']['seconds']:g} s)",
+    table = Table(title=f"tape bench batch-cost: a batch, counted in each process at {f['rate_offered']:,.0f} msg/s, "
+                        f"durability {f['durability']} ({said}, each in {windows['kernel']['seconds']:g} s)",
                   caption=f"host speed {f['host_encode_msgs_per_s'] / 1e6:.2f} M msg/s encoded (tape bench protocol). "
                           "wake-ups: voluntary context switches; send, receive, wait, flush: system calls by kind; "
                           "hashes: BLAKE3 hashers made, BLAKE2b and SHA-256 digests (an HMAC is two SHA-256); "

@@ -102,7 +102,7 @@ def _bench_disk(args) -> int:
 def _bench_batch_cost(args) -> int:
     from tape.ops.bench.batch_cost import bench_batch_cost
 
-    return 0 if bench_batch_cost(args.rate, args.window, args.out) else 1
+    return 0 if bench_batch_cost(args.rate, args.window, args.out, args.durability) else 1
 
 
 def _bench_spark(args) -> int:
@@ -558,6 +558,7 @@ def _add_bench_batch_cost(bsub) -> None:
     bb.add_argument("--rate", type=float, default=2000, help="trades per second (default 2000)")
     bb.add_argument("--window", type=float, default=5.0, help="seconds each count lasts (default 5)")
     bb.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    _add_durability(bb)
     bb.set_defaults(func=_bench_batch_cost)
 
 

@@ -140,11 +140,11 @@ SLOW_NS = (10 * MS, 150 * MS)  # what a slow host (starved, its disk or link con
 GIVE_UP = 60_000 * MS
 TWO_DISKS_LOST = 0.5  # the chance that a disk loss takes two voters' disks at once
 # Durability "replicated" (half the seeds, by seed: not drawn): a voter's journal flushes in the
-# background at the default interval or at a slow disk's pace, and the first crash of a voter is a
+# background at the default interval or ten times as often, and the first crash of a voter is a
 # power loss of its host a millisecond after its next append (acknowledged, not yet flushed), which
 # takes what was not flushed: a loss of durable state, as many a run as disks lost (one host at a
 # time is what the mode survives: docs/failover.md).
-FLUSH_NS = (default_of(Config, "flush_ms") * MS, 50 * MS)
+FLUSH_NS = (default_of(Config, "flush_ms") * MS, 5 * MS)
 SIM_SEGMENT_BYTES = 4096  # a voter's journal segments (the processes' 64 MiB): a run here rolls through several
 # A third of the seeds' replicas catch up over a replay once this many are missing (the processes'
 # REPLAY_BEHIND, 2,000, is more than a run here sequences).
