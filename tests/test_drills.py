@@ -50,6 +50,20 @@ def test_every_drill_passes_its_verdict(tmp_path, drill):
         assert report["checks"]["the node was killed and restarted"]
 
 
+@pytest.mark.parametrize("drill", ["kill-leader", "pause-leader"])
+def test_failover_drills_pass_with_durability_replicated(tmp_path, drill):
+    """Journals flushed in the background: a leader killed (its writes in the page cache, which
+    outlives it) or silent hands over every committed record all the same; the run says which
+    durability it ran."""
+    out = subprocess.run(TAPE + ["drill", drill, "--rate", "4000", "--duration", "5", "--durability", "replicated",
+                                 "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verdict"] == "pass" and report["durability"] == "replicated" and report["sequenced"] == 20_000
+    assert report["new_leader"] not in (None, report["old_leader"]) and report["duplicates"] == 0
+    assert "durability replicated: a record is committed once a majority" in " ".join(out.stdout.split())
+
+
 def test_the_term_check_judges_terms_not_names():
     from tape.ops.verification.verdict import term_problems
 

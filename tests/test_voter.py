@@ -133,6 +133,34 @@ async def test_appends_read_together_share_one_fsync_and_are_acked_after_it(tmp_
     assert journal.last_seq == 50 and journal.syncs == 1 and journal.fsyncs == 1
 
 
+async def test_with_durability_replicated_appends_are_acked_before_any_flush(tmp_path):
+    """Durability "replicated": a voter acknowledges what it wrote to its journal (the page cache);
+    the disk is the background flusher's (held off here: no flush happens at all)."""
+    cfg = parse(tomllib.loads(default_toml(tmp_path, free=True, durability="replicated")))
+    rw_1 = cfg.node("rw-1")
+    Path(rw_1.data).mkdir(parents=True)
+    VoteStore(Path(rw_1.data) / "election.json").save(1, None)
+    journal = cfg.open_journal(rw_1)
+    journal._flusher.stop()
+    voter = VoterShell(cfg, rw_1, journal, can_lead=False)
+    server = await links.start_server(voter.serve, rw_1.host, rw_1.replication_port)
+    try:
+        reader, writer = await asyncio.open_connection(rw_1.host, rw_1.replication_port)
+        frames = rep.FrameReader()
+        assert isinstance(frames.feed(await reader.read(1024))[0], rep.Hello)
+        leader = cfg.node("seq-a").wire_name
+        writer.write(rep.encode_append(1, leader, 0, 0, 0, 1, [m for _, _, m in records(1, 10)]))
+        acks = []
+        async with asyncio.timeout(10):
+            while not acks and (data := await reader.read(1024)):
+                acks += [fr.last_seq for fr in frames.feed(data) if isinstance(fr, rep.Ack) and fr.success]
+        writer.close()
+    finally:
+        server.close()
+    assert acks == [10] and journal.last_seq == 10
+    assert journal.fsyncs == 0 and journal.unflushed_bytes > 0
+
+
 def test_a_voter_ticks_at_its_election_deadline_and_otherwise_only_as_its_stall_clock_needs(tmp_path):
     """No steady 10 ms tick: at most one a `tick_ns` (2/5 of the stall threshold), and one at the
     election's deadline when that comes sooner."""
