@@ -106,6 +106,8 @@ def test_bench_batch_cost_counts_each_processs_share_of_a_batch(tmp_path):
     leader = {**figures["per_batch"]["hashes"]["leader"], **figures["per_batch"]["allocations"]["leader"]}
     assert leader["blake2b"] > 0 and leader["alloc"] > 0, leader
     assert "all nine" in out.stdout
+    floor = figures["wake_floor_us"]  # the host's own cost of a wake-up, beside the counts
+    assert set(floor) == {"a blocking recv", "an asyncio loop"} and all(us > 0 for us in floor.values())
     listed = subprocess.run(["perf", "probe", "-l"], capture_output=True, text=True).stdout
     assert "tape_" not in listed, "the bench removes its probes"
 

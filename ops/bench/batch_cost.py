@@ -19,10 +19,13 @@ Figures, never pass/fail; needs root (perf's tracepoints and probes) and perf.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -45,6 +48,7 @@ SYSCALL_KINDS = {  # what a process asks the kernel for, by purpose
 }
 KERNEL_EVENTS = ["task-clock", "raw_syscalls:sys_enter",
                  *(f"syscalls:sys_enter_{call}" for calls in SYSCALL_KINDS.values() for call in calls)]
+WAKE_DATAGRAMS, WAKE_RATE, WAKE_DATAGRAM = 600, 300.0, 600  # wake_floor: 2 s a receiver, a batch's rate and size
 SENDING_WAIT_S = 60.0  # for the load to build its trades and send
 SETTLE_S = 1.0  # after the load begins to send, before the first window
 
@@ -189,12 +193,61 @@ class Window:
                 _m(m, "tape_sequencer_messages_published_total", self.leader))
 
 
+def _send_paced(address: tuple, n: int, rate: float) -> None:
+    """The other end of `wake_floor`: `n` datagrams to `address`, `rate` a second."""
+    out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    t0 = time.monotonic()
+    for k in range(n):
+        out.sendto(b"x" * WAKE_DATAGRAM, address)
+        time.sleep(max(0.0, t0 + (k + 1) / rate - time.monotonic()))
+
+
+def wake_floor(n: int = WAKE_DATAGRAMS, rate: float = WAKE_RATE) -> dict[str, float]:
+    """This host's CPU µs a wake-up of a process that only receives a datagram (paced, so each
+    comes to a sleeping receiver): with a blocking recv(), and on an asyncio loop as Tape's
+    processes run. What no code of a batch's path can cost less than, per wake-up counted above."""
+    def receive_blocking(sock: socket.socket) -> None:
+        sock.setblocking(True)
+        for _ in range(n):
+            sock.recv(WAKE_DATAGRAM)
+
+    def receive_asyncio(sock: socket.socket) -> None:
+        async def run() -> None:
+            loop, done, got = asyncio.get_running_loop(), asyncio.Event(), [0]
+
+            def readable() -> None:
+                while got[0] < n:
+                    try:
+                        sock.recv(WAKE_DATAGRAM)
+                    except BlockingIOError:
+                        return
+                    got[0] += 1
+                done.set()
+            sock.setblocking(False)
+            loop.add_reader(sock.fileno(), readable)
+            await done.wait()
+        asyncio.run(run())
+
+    floor = {}
+    for name, receive in (("a blocking recv", receive_blocking), ("an asyncio loop", receive_asyncio)):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sender = multiprocessing.get_context("fork").Process(target=_send_paced,
+                                                               args=(sock.getsockname(), n, rate))
+            cpu = time.process_time()
+            sender.start()
+            receive(sock)
+            floor[name] = (time.process_time() - cpu) * 1e6 / n
+            sender.join()
+    return floor
+
+
 def bench_batch_cost(rate: float, window_s: float, out: str | None, durability: str | None = None) -> dict:
     console = Console(width=max(Console().width, 150))
     if shutil.which("perf") is None:
         console.print("perf is not installed (the Makefile's set-up installs it)")
         return {}
-    speed = host_speed()
+    speed, floor = host_speed(), wake_floor()
     root = Path(tempfile.mkdtemp(prefix=f"tape-batch-cost-{rate:.0f}-"))
     seconds = SETTLE_S + 3 * window_s + 10
     books = orders_in(int(rate * seconds))
@@ -223,8 +276,8 @@ def bench_batch_cost(rate: float, window_s: float, out: str | None, durability: 
             p.remove()
         cluster.close()
         shutil.rmtree(root, ignore_errors=True)
-    figures = {"rate_offered": rate, "durability": cluster.cfg.durability,
-               "host_encode_msgs_per_s": round(speed), "windows": windows,
+    figures = {"rate_offered": rate, "durability": cluster.cfg.durability, "host_encode_msgs_per_s": round(speed),
+               "wake_floor_us": floor, "windows": windows,
                "per_batch": {name: per_batch(w) for name, w in windows.items()}}
     console.print(_table(figures))
     if out:
@@ -264,7 +317,9 @@ def _table(f: dict) -> Table:
                      for name, w in windows.items())
     table = Table(title=f"tape bench batch-cost: a batch, counted in each process at {f['rate_offered']:,.0f} msg/s, "
                         f"durability {f['durability']} ({said}, each in {windows['kernel']['seconds']:g} s)",
-                  caption=f"host speed {f['host_encode_msgs_per_s'] / 1e6:.2f} M msg/s encoded (tape bench protocol). "
+                  caption=f"host speed {f['host_encode_msgs_per_s'] / 1e6:.2f} M msg/s encoded (tape bench protocol); "
+                          "a wake-up to receive one datagram costs this host "
+                          + ", ".join(f"{us:.0f} µs with {how}" for how, us in f["wake_floor_us"].items()) + ". "
                           "wake-ups: voluntary context switches; send, receive, wait, flush: system calls by kind; "
                           "hashes: BLAKE3 hashers made, BLAKE2b and SHA-256 digests (an HMAC is two SHA-256); "
                           "alloc: PyObject_Malloc calls (the probes slow each process: those batches are larger)")
