@@ -36,6 +36,12 @@ def test_durability_flush_on_one_host_replicated_on_a_lan(tmp_path):
         journal = cfg.open_journal(cfg.voters[0])
         assert (journal._flusher is not None) == flusher and (journal.fsync_interval == 0) != flusher
         journal.close()
+    from tape.ops.cli.config_check import durability_warnings
+
+    assert durability_warnings(one) == durability_warnings(lan) == []  # (one host flushes; a LAN's voters apart)
+    one.durability = "replicated"
+    [warning] = durability_warnings(one)
+    assert "voters seq-a, rw-1, rw-2 on one host (127.0.0.1)" in warning and 'durability = "flush"' in warning
 
 
 HOSTS = ["10.9.0.1", "10.9.0.2", "10.9.0.3", "10.9.0.4", "10.9.0.5"]

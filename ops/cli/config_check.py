@@ -58,6 +58,19 @@ def key_warnings(cfg) -> list[str]:
     return out
 
 
+def durability_warnings(cfg) -> list[str]:
+    """Voters that share a host (one power supply) under durability "replicated": one power loss
+    takes the unflushed writes of them all, which a committed record may need (docs/failover.md)."""
+    if cfg.durability != "replicated":
+        return []
+    by_host: dict[str, list[str]] = {}
+    for v in cfg.voters:
+        by_host.setdefault(v.host, []).append(v.name)
+    return [f"durability \"replicated\" with voters {', '.join(names)} on one host ({host}): one power loss "
+            f"takes what none of them flushed yet, which a committed record may need; give each voter a host, or "
+            f"use durability = \"flush\" (docs/failover.md)" for host, names in by_host.items() if len(names) > 1]
+
+
 def file_warnings(path: Path, cfg) -> list[str]:
     mode = path.stat().st_mode & 0o777
     if mode & 0o077 and named_keys(cfg):
@@ -137,7 +150,7 @@ def check(path: str, node: str | None, console: Console) -> int:
     console.print(table)
     if node and node not in {n.name for n in cfg.nodes}:
         problems.append(f"no node named {node!r}")
-    warnings = file_warnings(Path(path), cfg) + key_warnings(cfg)
+    warnings = file_warnings(Path(path), cfg) + key_warnings(cfg) + durability_warnings(cfg)
     if not node and not any(lives_here(n) for n in cfg.nodes):
         warnings.append("no node of this config lives on this host (is it this host's file?)")
     console.print("keys: " + (", ".join(f"{name} {fingerprint(k)}" for name, k in named_keys(cfg)) or "none"))

@@ -144,10 +144,12 @@ class Journal:
         self.bytes_written = 0
         self.bytes_flushed = 0  # of bytes_written, what the last fdatasync covered
         self._fd_lock = threading.RLock()  # the tail's descriptor, between the flusher and what replaces it
+        self._flusher: Flusher | None = None
         if not readonly:
             self.dir.mkdir(parents=True, exist_ok=True)
         self._open()
-        self._flusher = Flusher(self, flush_every_s) if flush_every_s is not None and not readonly else None
+        if flush_every_s is not None and not readonly:
+            self._flusher = Flusher(self, flush_every_s)
 
     # --- opening and recovery ------------------------------------------------
 
