@@ -476,8 +476,8 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
     `max_packet`: the stream's packet size (default: a jumbo frame's on loopback, where no frame limits a
     datagram and each packet's costs are cut 6x; on a LAN the 1,400 bytes an Ethernet frame holds). Packets
     of BLAKE3_SEALS_FROM bytes or more are sealed with BLAKE3, smaller ones with BLAKE2b (the faster at each).
-    `durability`: the journal's (default "replicated" on a LAN, where each voter has a host and power of
-    its own; "flush" on one host, where one power loss takes every voter's memory: docs/failover.md)."""
+    `durability`: the journal's (default "replicated" where each voter has a host and power of its own;
+    "flush" where some share one, as on one host: one power loss takes their memory: docs/failover.md)."""
     if free:
         rng = random.Random(seed)
         group = f"239.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}.{rng.randrange(1, 255)}"
@@ -501,10 +501,12 @@ def default_toml(data_dir: str | Path = ".", rewinders: int = 2, clients: int = 
         'session = "TAPE"',
         f'[stream]\ngroup = "{group}"\nport = {port()}{shared}\nheartbeat_ms = 200\ntick_ms = 1000\n'
         f'batch_interval_ms = {GENERATED_BATCH_INTERVAL_MS}',
-        f'[journal]\ndurability = "{durability or ("replicated" if hosts else "flush")}"',
     ]
     delivery = delivery or ("quorum" if hosts else "first")
     where = place(hosts, node_names(sequencers, rewinders, replicas, clients)) if hosts else {}
+    voter_hosts = [where.get(name) for name in node_names(sequencers, rewinders, 0, 0)]
+    apart = bool(hosts) and len(set(voter_hosts)) == len(voter_hosts)  # each voter a host (and power) of its own
+    lines.append(f'[journal]\ndurability = "{durability or ("replicated" if apart else "flush")}"')
 
     def at(name: str) -> str:  # a node's (or client's) host and interface lines, on a LAN
         return f'\nhost = "{where[name]}"\ninterface = "{where[name]}"' if name in where else ""

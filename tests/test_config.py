@@ -32,6 +32,8 @@ def test_durability_flush_on_one_host_replicated_on_a_lan(tmp_path):
     assert one.durability == "flush"
     lan = parse(tomllib.loads(default_toml(tmp_path / "lan", replicas=3, sequencers=2, hosts=HOSTS)))
     assert lan.durability == "replicated"
+    two = parse(tomllib.loads(default_toml(tmp_path / "two", replicas=3, sequencers=2, hosts=HOSTS[:2])))
+    assert two.durability == "flush"  # voters sharing a host (its power) flush
     for cfg, flusher in ((one, False), (lan, True)):
         journal = cfg.open_journal(cfg.voters[0])
         assert (journal._flusher is not None) == flusher and (journal.fsync_interval == 0) != flusher
