@@ -297,8 +297,9 @@ KEYS: dict[str, dict[str, str]] = {
     },
     "journal": {
         "durability": "when a record counts as held: \"flush\" (on a majority's disks: survives any power loss) or "
-                      "\"replicated\" (in a majority's memory, flushed in the background: survives any single "
-                      "process or host, not a majority losing power at once; docs/failover.md)",
+                      "\"replicated\" (in a majority's memory, flushed in the background: survives any one "
+                      "process or host failing, not two voters' hosts losing power within flush_ms; "
+                      "docs/failover.md)",
         "flush_ms": "with \"replicated\": the background flush gathers this many milliseconds of writes",
         "fsync": "when a voter flushes its journal: \"batch\" (each batch, before it acknowledges), \"never\", "
                  "or every that many milliseconds",

@@ -94,7 +94,7 @@ def bench_cluster(rates: list[float], short_s: float, long_s: float, out: str | 
 
 
 def _run_keeping_failures(console: Console, rate: float, seconds: float, max_packet: int | None,
-                          durability: str | None) -> dict:
+                          durability: str | None = None) -> dict:
     """One `tape up` run; a failed verdict keeps the run's files and names the failed checks."""
     root = Path(tempfile.mkdtemp(prefix=f"tape-bench-{rate:.0f}-{seconds:g}s-"))
     quiet = Console(file=open(os.devnull, "w"))

@@ -54,8 +54,9 @@ DURABILITY_SAID = {  # what a run says of its journals (docs/failover.md)
     "flush": "durability flush: a record is committed once a majority of the voters has it on disk (it survives "
              "any power loss)",
     "replicated": "durability replicated: a record is committed once a majority of the voters holds it in memory, "
-                  "flushed in the background (it survives any single process or host, not a power loss of a "
-                  "majority at once: on one host, one power loss takes every voter's memory)",
+                  "flushed in the background (it survives any one process or host failing, its power included, "
+                  "not two voters' hosts losing power within one flush interval: on one host, one power loss "
+                  "takes every voter's memory)",
 }
 
 
