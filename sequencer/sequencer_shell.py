@@ -74,7 +74,6 @@ class Sequencer(NodeProcess):
                                   wrap=lambda endpoint: sn.SequencerNode(endpoint, settings, followers),
                                   on_other=self._carry_out))
         self.seq_node: sn.SequencerNode = self.voter.node_core
-        self.background_flush = cfg.durability == "replicated"  # (the journal's own appends never wait for the disk)
         self._carriers = self._carrier_table()
         self._held: list[asyncio.StreamWriter] = []  # links a partition keeps from closing
         self._tasks: set[asyncio.Task] = set()  # drains under way
@@ -227,18 +226,14 @@ class Sequencer(NodeProcess):
         self.step_downs[a.cause.value] = self.step_downs.get(a.cause.value, 0) + 1
         self._stamped.clear()  # what it did not publish, the next leader may
 
-    def _schedule_stamp(self, due: int) -> list:
-        now = time.monotonic_ns()
-        if due <= now and self.background_flush:  # no fsync of this batch will hold the loop: stamp it now
-            return self.seq_node.on_stamp(time.time_ns(), now)
-        # Else after the other callbacks of this turn of the event loop: the followers'
-        # acknowledgements that came during the last fsync (readable in the same turn as the inbound
-        # socket, which became readable first) commit and publish before this batch's own fsync
-        # holds the loop.
+    def _schedule_stamp(self, due: int) -> None:
         loop = asyncio.get_running_loop()
+        wait = (due - time.monotonic_ns()) / 1e9
+        # After the other callbacks of this turn of the event loop: the followers' acknowledgements
+        # that came during the last fsync (readable in the same turn as the inbound socket, which
+        # became readable first) commit and publish before this batch's own fsync holds the loop.
         stamp = (self.voter.event, None, self._stamp_now)
-        self._stamp_handle = loop.call_soon(*stamp) if due <= now else loop.call_later((due - now) / 1e9, *stamp)
-        return []
+        self._stamp_handle = loop.call_soon(*stamp) if wait <= 0 else loop.call_later(wait, *stamp)
 
     def _stamp_now(self, now: int) -> list:
         return self.seq_node.on_stamp(time.time_ns(), now)
