@@ -3,15 +3,18 @@
 Below saturation the cluster's CPU is spent per batch, not per message (docs/performance.md): this
 counts what a batch costs each of the nine processes of `tape up` at an ordinary rate, so that
 what is removed is what was counted. The cluster runs as `tape up` runs it; once the load sends,
-`perf stat` watches every process twice, each time for `window_s`:
+`perf stat` watches every process in three windows of `window_s` each:
 
 1. in-kernel counters, which cost the processes nothing measurable: CPU time (task-clock), the
    system calls by kind (tracepoints), and the wake-ups (voluntary context switches: the thread
    slept and something woke it) and preemptions (involuntary ones), from /proc;
 2. user-space probes (uprobes), which cost each hit a trap, so the batches grow while they
    count: the hashes (a BLAKE3 hasher made, a BLAKE2b digest, a SHA-256 digest in OpenSSL, two
-   an HMAC) and the allocations (PyObject_Malloc: every object and buffer not served from a free
-   list).
+   an HMAC);
+3. the allocations (PyObject_Malloc: every object and buffer not served from a free list), a
+   probe hit a thousand times as often, in a window of its own.
+
+Before the cluster starts it measures the host's own floor (`wake_floor`).
 
 Each count is divided by the batches the leader stamped in its window (its `batches` counter).
 Figures, never pass/fail; needs root (perf's tracepoints and probes) and perf.
@@ -37,7 +40,7 @@ from rich.table import Table
 from tape.ops.bench.throughput import host_speed
 from tape.ops.verification.local import LocalCluster
 from tape.ops.verification.tradegen import orders_in
-from tape.ops.verification.up import REPLICAS, SEQUENCERS, _load_sending, _m
+from tape.ops.verification.up import REPLICAS, SEQUENCERS, load_sending, node_metric
 
 PROCESSES = ("leader", "standby", "rw-1", "rw-2", *REPLICAS, "emitter", "load")
 SYSCALL_KINDS = {  # what a process asks the kernel for, by purpose
@@ -49,6 +52,7 @@ SYSCALL_KINDS = {  # what a process asks the kernel for, by purpose
 KERNEL_EVENTS = ["task-clock", "raw_syscalls:sys_enter",
                  *(f"syscalls:sys_enter_{call}" for calls in SYSCALL_KINDS.values() for call in calls)]
 WAKE_DATAGRAMS, WAKE_RATE, WAKE_DATAGRAM = 600, 300.0, 600  # wake_floor: 2 s a receiver, a batch's rate and size
+WAKE_WAIT_S = 10.0  # wake_floor: a datagram later than this (lost) ends the measurement
 SENDING_WAIT_S = 60.0  # for the load to build its trades and send
 SETTLE_S = 1.0  # after the load begins to send, before the first window
 
@@ -189,8 +193,8 @@ class Window:
 
     def _leader_counts(self) -> tuple[float, float]:
         m = self.cluster.metrics(self.leader)
-        return (_m(m, "tape_sequencer_batches_total", self.leader),
-                _m(m, "tape_sequencer_messages_published_total", self.leader))
+        return (node_metric(m, "tape_sequencer_batches_total", self.leader),
+                node_metric(m, "tape_sequencer_messages_published_total", self.leader))
 
 
 def _send_paced(address: tuple, n: int, rate: float) -> None:
@@ -207,7 +211,7 @@ def wake_floor(n: int = WAKE_DATAGRAMS, rate: float = WAKE_RATE) -> dict[str, fl
     comes to a sleeping receiver): with a blocking recv(), and on an asyncio loop as Tape's
     processes run. What no code of a batch's path can cost less than, per wake-up counted above."""
     def receive_blocking(sock: socket.socket) -> None:
-        sock.setblocking(True)
+        sock.settimeout(WAKE_WAIT_S)
         for _ in range(n):
             sock.recv(WAKE_DATAGRAM)
 
@@ -225,7 +229,7 @@ def wake_floor(n: int = WAKE_DATAGRAMS, rate: float = WAKE_RATE) -> dict[str, fl
                 done.set()
             sock.setblocking(False)
             loop.add_reader(sock.fileno(), readable)
-            await done.wait()
+            await asyncio.wait_for(done.wait(), n / rate + WAKE_WAIT_S)
         asyncio.run(run())
 
     floor = {}
@@ -236,9 +240,11 @@ def wake_floor(n: int = WAKE_DATAGRAMS, rate: float = WAKE_RATE) -> dict[str, fl
                                                                args=(sock.getsockname(), n, rate))
             cpu = time.process_time()
             sender.start()
-            receive(sock)
+            try:
+                receive(sock)
+            finally:
+                sender.join()
             floor[name] = (time.process_time() - cpu) * 1e6 / n
-            sender.join()
     return floor
 
 
@@ -288,7 +294,7 @@ def bench_batch_cost(rate: float, window_s: float, out: str | None, durability: 
 
 def _wait_sending(cluster: LocalCluster) -> None:
     deadline = time.monotonic() + SENDING_WAIT_S
-    while not _load_sending(cluster):
+    while not load_sending(cluster):
         cluster.check_running(ignore=("load",))
         if time.monotonic() > deadline:
             raise RuntimeError(f"the load did not begin to send within {SENDING_WAIT_S:.0f} s")

@@ -144,7 +144,7 @@ TWO_DISKS_LOST = 0.5  # the chance that a disk loss takes two voters' disks at o
 # power loss of its host a millisecond after its next append (acknowledged, not yet flushed), which
 # takes what was not flushed: a loss of durable state, as many a run as disks lost (one host at a
 # time is what the mode survives: docs/failover.md).
-FLUSH_NS = (default_of(Config, "flush_ms") * MS, 5 * MS)
+FLUSH_INTERVALS_NS = (default_of(Config, "flush_ms") * MS, 5 * MS)
 SIM_SEGMENT_BYTES = 4096  # a voter's journal segments (the processes' 64 MiB): a run here rolls through several
 # A third of the seeds' replicas catch up over a replay once this many are missing (the processes'
 # REPLAY_BEHIND, 2,000, is more than a run here sequences).
@@ -815,7 +815,7 @@ class Sim:
         self.tick_ns = EXPLORED_TICK_NS if seed % 3 else TICK_NS
         self.max_batch = SIM_MAX_BATCH if seed % 4 == 1 else default_of(LeaderSettings, "max_batch")
         self.replicated = seed // 2 % 2 == 1  # durability "replicated" (else "flush")
-        self.flush_ns = FLUSH_NS[seed // 4 % 2]
+        self.flush_ns = FLUSH_INTERVALS_NS[seed // 4 % 2]
         self.voters = {n: SimVoter(self, n) for n in VOTERS}
         self.listeners = {n: Listener(self, n) for n in CLIENTS}
         self.replicas = {n: Replica(self, n) for n in REPLICAS}

@@ -60,7 +60,7 @@ DURABILITY_SAID = {  # what a run says of its journals (docs/failover.md)
 }
 
 
-def _m(metrics: dict, name: str, node: str) -> float:
+def node_metric(metrics: dict, name: str, node: str) -> float:
     return metrics.get(f'{name}{{node="{node}"}}', 0.0)
 
 
@@ -213,11 +213,11 @@ def _cpu_when_applied(cluster: LocalCluster) -> dict[str, float]:
     """Each process's CPU seconds once every replica has applied what was committed when the
     load ended (or APPLIED_WAIT_S passed): all the work of the run's messages, none of stopping."""
     m = _scrape(cluster)
-    committed = max(_m(m[s], "tape_sequencer_commit_seq", s) for s in SEQUENCERS)
+    committed = max(node_metric(m[s], "tape_sequencer_commit_seq", s) for s in SEQUENCERS)
     deadline = time.monotonic() + APPLIED_WAIT_S
     while time.monotonic() < deadline:
         m = _scrape(cluster)
-        if all(_m(m[r], "tape_replica_applied_seq", r) >= committed for r in REPLICAS if m[r]):
+        if all(node_metric(m[r], "tape_replica_applied_seq", r) >= committed for r in REPLICAS if m[r]):
             break
         time.sleep(0.05)
     return cluster.cpu_seconds()
@@ -263,7 +263,7 @@ def _since(start: dict[str, float], now: dict[str, float]) -> dict[str, float]:
     return {name: seconds - start.get(name, 0.0) for name, seconds in now.items()}
 
 
-def _load_sending(cluster: LocalCluster) -> bool:
+def load_sending(cluster: LocalCluster) -> bool:
     try:
         return SENDING in cluster.logs["load"].read_text()
     except OSError:
@@ -293,7 +293,7 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, slack_s: floa
             if now > deadline:
                 awaited = "the load to finish" if cluster.alive("load") else f"the drill's heal ({drill.name})"
                 raise ClusterError(f"still waiting for {awaited} {now - t0 - duration:.0f} s after the run's end")
-            if opened is None and _load_sending(cluster):
+            if opened is None and load_sending(cluster):
                 opened = (cluster.cpu_seconds(), cluster.wait_seconds(), cluster.times_scheduled(),
                           (host_steal_seconds(), now))
                 t0, deadline = now, now + duration + slack_s
@@ -306,7 +306,7 @@ def _watch(console, cluster: LocalCluster, duration: float, drill, slack_s: floa
                     events.append(f"{now - t0:5.1f} s  {note}")
             if now - scraped[0] >= SCRAPE_EVERY_S:
                 m = _scrape(cluster)
-                seq = max(_m(m[s], "tape_sequencer_commit_seq", s) for s in SEQUENCERS)
+                seq = max(node_metric(m[s], "tape_sequencer_commit_seq", s) for s in SEQUENCERS)
                 rate, scraped = (seq - scraped[1]) / (now - scraped[0]), (now, seq)
                 table = _live_table(m, rate)
             progress.update(task, completed=min(duration, now - t0) if opened else 0)
@@ -324,24 +324,24 @@ def _live_table(m: dict, rate: float) -> Table:
         if not m[s]:
             table.add_row(f"{s} (down)", "", "", "")
             continue
-        leads = _m(m[s], "tape_sequencer_leader", s) == 1
+        leads = node_metric(m[s], "tape_sequencer_leader", s) == 1
         table.add_row(
-            f"{s} ({'leader' if leads else 'standby'}, term {_m(m[s], 'tape_sequencer_term', s):.0f})",
-            f"{_m(m[s], 'tape_sequencer_sequenced_seq', s):,.0f}",
+            f"{s} ({'leader' if leads else 'standby'}, term {node_metric(m[s], 'tape_sequencer_term', s):.0f})",
+            f"{node_metric(m[s], 'tape_sequencer_sequenced_seq', s):,.0f}",
             f"{rate:,.0f} msg/s" if leads else "",
-            f"{_m(m[s], 'tape_sequencer_commit_lag', s):,.0f} uncommitted" if leads else "",
+            f"{node_metric(m[s], 'tape_sequencer_commit_lag', s):,.0f} uncommitted" if leads else "",
         )
     for r in ("rw-1", "rw-2"):
-        table.add_row(r if m[r] else f"{r} (down)", f"{_m(m[r], 'tape_rewinder_last_seq', r):,.0f}",
-                      f"{_m(m[r], 'tape_rewinder_gapfill_messages_sent_total', r):,.0f} gap-filled", "")
+        table.add_row(r if m[r] else f"{r} (down)", f"{node_metric(m[r], 'tape_rewinder_last_seq', r):,.0f}",
+                      f"{node_metric(m[r], 'tape_rewinder_gapfill_messages_sent_total', r):,.0f} gap-filled", "")
     for r in REPLICAS:
-        table.add_row(r if m[r] else f"{r} (down)", f"{_m(m[r], 'tape_replica_applied_seq', r):,.0f}",
-                      f"{_m(m[r], 'tape_replica_alerts_raised_total', r):,.0f} alerts",
-                      f"{_m(m[r], 'tape_replica_lag', r):,.0f}")
+        table.add_row(r if m[r] else f"{r} (down)", f"{node_metric(m[r], 'tape_replica_applied_seq', r):,.0f}",
+                      f"{node_metric(m[r], 'tape_replica_alerts_raised_total', r):,.0f} alerts",
+                      f"{node_metric(m[r], 'tape_replica_lag', r):,.0f}")
     e = m["emitter"]
-    table.add_row("emitter" if e else "emitter (down)", f"{_m(e, 'tape_emitter_mark', 'emitter'):,.0f}",
-                  f"{_m(e, 'tape_emitter_alerts_delivered_total', 'emitter'):,.0f} delivered",
-                  f"{_m(e, 'tape_emitter_duplicates_total', 'emitter'):,.0f} dup. copies")
+    table.add_row("emitter" if e else "emitter (down)", f"{node_metric(e, 'tape_emitter_mark', 'emitter'):,.0f}",
+                  f"{node_metric(e, 'tape_emitter_alerts_delivered_total', 'emitter'):,.0f} delivered",
+                  f"{node_metric(e, 'tape_emitter_duplicates_total', 'emitter'):,.0f} dup. copies")
     return table
 
 
