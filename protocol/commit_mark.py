@@ -15,6 +15,7 @@ disk replaced or a journal cut for damage refills behind the mark.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 from tape.protocol.limits import COMMIT_MARK_EVERY_NS
@@ -24,19 +25,32 @@ COMMIT_MARK_FILE = "committed"
 
 @dataclass(frozen=True, slots=True)
 class MarkCommitted:
-    """Write `seq` into the journal's COMMIT_MARK_FILE, atomically (readers never see half of it)."""
+    """Write `seq` into the journal's COMMIT_MARK_FILE (a reader sees a whole mark or one it can tell is not)."""
 
     seq: int
 
 
+MARK_DIGITS = 20  # a seq (u64) in decimal, zero-padded: every mark is MARK_SIZE bytes
+MARK_SIZE = MARK_DIGITS + 1 + 8 + 1
+
+
 def encode_mark(seq: int) -> bytes:
-    return b"%d\n" % seq
+    """The seq, zero-padded, and the CRC-32 of those digits: one fixed width, so the store writes
+    each mark in place over the last (one pwrite, no new file), and a reader that read while it
+    was written sees a check sum that fails rather than a wrong seq."""
+    digits = b"%0*d" % (MARK_DIGITS, seq)
+    return b"%s %08x\n" % (digits, zlib.crc32(digits))
 
 
 def decode_mark(raw: bytes) -> int | None:
-    """The mark's seq; None for a file that is not one (a reader then reads nothing as committed)."""
+    """The mark's seq; None for a file that is not one, or read half-written (a reader then reads
+    nothing new as committed). A bare decimal and a newline is a mark of an older Tape's."""
     text = raw.strip()
-    return int(text) if text.isdigit() and len(text) <= 20 else None
+    if len(raw) == MARK_SIZE:
+        digits, _, check = text.partition(b" ")
+        ok = digits.isdigit() and len(digits) == MARK_DIGITS and check == b"%08x" % zlib.crc32(digits)
+        return int(digits) if ok else None
+    return int(text) if text.isdigit() and len(text) <= MARK_DIGITS else None
 
 
 class CommitMark:

@@ -28,18 +28,36 @@ def test_the_mark_never_goes_back_below_what_the_journal_already_says():
 
 
 def test_the_marks_bytes_and_what_is_not_one():
-    assert decode_mark(encode_mark(12345)) == 12345
+    assert decode_mark(encode_mark(12345)) == 12345 and decode_mark(encode_mark(2**64 - 1)) == 2**64 - 1
+    assert len({len(encode_mark(seq)) for seq in (0, 9, 10**12, 2**64 - 1)}) == 1  # (one width: written in place)
+    assert decode_mark(b"12345\n") == 12345  # (an older Tape's mark)
     for junk in (b"", b"-1\n", b"12x", b"1" * 21, b"\xff"):
         assert decode_mark(junk) is None
 
 
-def test_the_store_replaces_the_mark_whole_and_reads_it_back(tmp_path):
+def test_a_mark_read_while_it_was_written_is_not_taken_for_one():
+    """The store writes each mark over the last in place: a reader may see the first bytes of one
+    and the rest of the other. Every such mix either is one of the two or fails its check sum."""
+    old, new = encode_mark(99_999), encode_mark(100_000)
+    for cut in range(len(old) + 1):
+        for torn in (new[:cut] + old[cut:], old[:cut] + new[cut:]):
+            assert decode_mark(torn) in (None, 99_999, 100_000)
+            assert decode_mark(torn) is None or torn in (old, new)
+
+
+def test_the_store_writes_the_mark_in_place_and_reads_it_back(tmp_path):
     journal = Journal(tmp_path / "j", b"TEST".ljust(10))
     assert journal.commit_mark() == 0
+    (tmp_path / "j" / COMMIT_MARK_FILE).write_bytes(b"5\n")  # (an older Tape's, replaced whole by the first)
+    assert journal.commit_mark() == 5
     journal.mark_committed(7)
+    inode = (tmp_path / "j" / COMMIT_MARK_FILE).stat().st_ino
     journal.mark_committed(8)
-    assert journal.commit_mark() == 8 and (tmp_path / "j" / COMMIT_MARK_FILE).read_bytes() == b"8\n"
+    assert journal.commit_mark() == 8 and (tmp_path / "j" / COMMIT_MARK_FILE).read_bytes() == encode_mark(8)
+    assert (tmp_path / "j" / COMMIT_MARK_FILE).stat().st_ino == inode  # (in place: no file made, none renamed)
     assert [p.name for p in (tmp_path / "j").iterdir()] == [COMMIT_MARK_FILE]  # (no temporary left)
+    journal.close()
+    assert Journal(tmp_path / "j", b"TEST".ljust(10)).commit_mark() == 8
     (tmp_path / "j" / COMMIT_MARK_FILE).write_bytes(b"garbage")
     assert journal.commit_mark() == 0
 

@@ -24,6 +24,7 @@ from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from tape.ops.spark.source import journal_fs, list_segments, read_segment
 
 PARTITION_RECORDS = 250_000  # a micro-batch's records a Spark task at most (~1 s of one core): a catch-up uses them all
+MARK_READS = 3  # times a reader reads a commit mark that fails its check sum before it waits for the next trigger
 
 
 class SeqRange(InputPartition):
@@ -124,8 +125,12 @@ def committed_seq(uri: str, use_mark: bool = True) -> int:
     mark = filesystem.get_file_info(f"{root}/{COMMIT_MARK_FILE}")
     if mark.type != pafs.FileType.File:
         return 0
-    with filesystem.open_input_stream(mark.path) as f:
-        return min(decode_mark(f.read(64)) or 0, whole)
+    for _ in range(MARK_READS):  # (a mark read while its node wrote it fails its check sum: read again)
+        with filesystem.open_input_stream(mark.path) as f:
+            marked = decode_mark(f.read(64))
+        if marked is not None:
+            return min(marked, whole)
+    return 0
 
 
 def seq_ranges(uri: str, lo: int, hi: int) -> list[SeqRange]:

@@ -8,6 +8,7 @@ with `readonly=True`, possibly while a writer appends).
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import mmap
 import os
@@ -141,6 +142,7 @@ class Journal:
         self.slow_fsyncs = 0
         self._slow_log = RateLimitedLog(log, SLOW_FSYNC_LOG_S)
         self._mark_log = RateLimitedLog(log)
+        self._mark_fd: int | None = None  # the commit mark's file, once written
         self.bytes_written = 0
         self.bytes_flushed = 0  # of bytes_written, what the last fdatasync covered
         self._fd_lock = threading.RLock()  # the tail's descriptor, between the flusher and what replaces it
@@ -483,6 +485,9 @@ class Journal:
             if self._fd is not None:
                 self._fsync()
                 self._close_tail()
+        if self._mark_fd is not None:
+            os.close(self._mark_fd)
+            self._mark_fd = None
 
     @property
     def unflushed_bytes(self) -> int:
@@ -499,15 +504,31 @@ class Journal:
             return 0
 
     def mark_committed(self, seq: int) -> None:
-        """Replace the mark whole (a reader sees the old or the new one); not synced: after a
-        crash an older mark only makes a reader wait for the next one. A mark that cannot be
-        written (a full disk) is logged and left: readers wait, the log goes on."""
-        tmp = self.dir / (COMMIT_MARK_FILE + ".tmp")
+        """Write the mark over the last in place, one pwrite of a fixed width (the first in a new
+        file renamed over the old: the file always holds a whole mark of that width, and a reader
+        that reads while it is written sees a check sum fail). A file replaced and renamed each time
+        cost ~270 µs of CPU and waited behind the disk's flush; this ~20. Not synced: after a crash
+        an older mark (or one that is not one) only makes a reader wait for the next. A mark that
+        cannot be written (a full disk) is logged and left: readers wait, the log goes on."""
+        mark = encode_mark(seq)
         try:
-            tmp.write_bytes(encode_mark(seq))
-            os.replace(tmp, self.dir / COMMIT_MARK_FILE)
+            if self._mark_fd is None:
+                self._mark_fd = self._new_mark_file(mark)
+            elif os.pwrite(self._mark_fd, mark, 0) != len(mark):
+                raise OSError(errno.ENOSPC, "short write")
         except OSError as e:
             self._mark_log.warn("mark", "cannot write the commit mark in %s: %s", self.dir, e)
+
+    def _new_mark_file(self, mark: bytes) -> int:
+        tmp = self.dir / (COMMIT_MARK_FILE + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, mark)
+            os.replace(tmp, self.dir / COMMIT_MARK_FILE)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
 
     def __enter__(self):
         return self
