@@ -16,7 +16,7 @@ import pytest
 from conftest import TAPE, wait_for
 from rich.console import Console
 
-from tape.ops.bench import batch_cost, cluster_cpu
+from tape.ops.bench import batch_cost, cluster_cpu, hop_floor
 from tape.ops.bench.cluster_cpu import PROCESSES, marginal_us
 from tape.ops.verification.local import host_steal_seconds, scheduled_count
 
@@ -88,6 +88,19 @@ def test_bench_cluster_measures_every_process_of_a_real_run(tmp_path):
     assert before > 0 and after > 0 and f"{before / 1e6:.2f} / {after / 1e6:.2f} M msg/s encoded" in printed
 
 
+def test_the_hop_floor_carries_every_batch_to_every_process(monkeypatch):
+    """Nine real processes pass each batch along the cluster's hops: every follower acknowledges
+    every append, every replica sees every packet, the emitter every replica's alert, the client
+    its own batches; a process that missed one would not report and the bench would say so."""
+    monkeypatch.setattr(hop_floor, "BATCHES", 60)
+    floor = hop_floor.hop_floor()
+    assert 0 < floor["kernel"] < floor["all"], floor
+    monkeypatch.setattr(hop_floor, "MAJORITY_ACKS", hop_floor.FOLLOWERS + 1)  # (a leader that never commits)
+    monkeypatch.setattr(hop_floor, "DONE_WAIT_S", 1.0)
+    with pytest.raises(RuntimeError, match="did not report"):
+        hop_floor.hop_floor()
+
+
 @pytest.mark.skipif(shutil.which("perf") is None or os.geteuid() != 0, reason="needs perf and root (tracepoints)")
 def test_bench_batch_cost_counts_each_processs_share_of_a_batch(tmp_path):
     """perf's counts of a real cluster at 1,000 msg/s, a batch: every voter flushes its journal
@@ -108,6 +121,9 @@ def test_bench_batch_cost_counts_each_processs_share_of_a_batch(tmp_path):
     assert "all nine" in out.stdout
     floor = figures["wake_floor_us"]  # the host's own cost of a wake-up, beside the counts
     assert set(floor) == {"a blocking recv", "an asyncio loop"} and all(us > 0 for us in floor.values())
+    hops = figures["hop_floor_us"]  # and of a batch's hops with no work
+    assert 0 < hops["kernel"] < hops["all"] < sum(kernel[p]["CPU µs"] for p in batch_cost.PROCESSES), (hops, kernel)
+    assert f"{hops['all']:,.0f} µs ({hops['kernel']:,.0f} in the kernel)" in " ".join(out.stdout.split())
     listed = subprocess.run(["perf", "probe", "-l"], capture_output=True, text=True).stdout
     assert "tape_" not in listed, "the bench removes its probes"
 

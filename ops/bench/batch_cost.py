@@ -14,7 +14,8 @@ what is removed is what was counted. The cluster runs as `tape up` runs it; once
 3. the allocations (PyObject_Malloc: every object and buffer not served from a free list), a
    probe hit a thousand times as often, in a window of its own.
 
-Before the cluster starts it measures the host's own floor (`wake_floor`).
+Before the cluster starts it measures the host's own floor: a wake-up (`wake_floor`), and a batch
+carried along the same nine processes' hops with none of Tape's work (`hop_floor.hop_floor`).
 
 Each count is divided by the batches the leader stamped in its window (its `batches` counter).
 Figures, never pass/fail; needs root (perf's tracepoints and probes) and perf.
@@ -37,6 +38,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tape.ops.bench.hop_floor import hop_floor
 from tape.ops.bench.throughput import host_speed
 from tape.ops.verification.local import LocalCluster
 from tape.ops.verification.tradegen import orders_in
@@ -253,7 +255,7 @@ def bench_batch_cost(rate: float, window_s: float, out: str | None, durability: 
     if shutil.which("perf") is None:
         console.print("perf is not installed (the Makefile's set-up installs it)")
         return {}
-    speed, floor = host_speed(), wake_floor()
+    speed, floor, hops = host_speed(), wake_floor(), hop_floor()
     root = Path(tempfile.mkdtemp(prefix=f"tape-batch-cost-{rate:.0f}-"))
     seconds = SETTLE_S + 3 * window_s + 10
     books = orders_in(int(rate * seconds))
@@ -283,7 +285,7 @@ def bench_batch_cost(rate: float, window_s: float, out: str | None, durability: 
         cluster.close()
         shutil.rmtree(root, ignore_errors=True)
     figures = {"rate_offered": rate, "durability": cluster.cfg.durability, "host_encode_msgs_per_s": round(speed),
-               "wake_floor_us": floor, "windows": windows,
+               "wake_floor_us": floor, "hop_floor_us": hops, "windows": windows,
                "per_batch": {name: per_batch(w) for name, w in windows.items()}}
     console.print(_table(figures))
     if out:
@@ -325,7 +327,9 @@ def _table(f: dict) -> Table:
                         f"durability {f['durability']} ({said}, each in {windows['kernel']['seconds']:g} s)",
                   caption=f"host speed {f['host_encode_msgs_per_s'] / 1e6:.2f} M msg/s encoded (tape bench protocol); "
                           "a wake-up to receive one datagram costs this host "
-                          + ", ".join(f"{us:.0f} µs with {how}" for how, us in f["wake_floor_us"].items()) + ". "
+                          + ", ".join(f"{us:.0f} µs with {how}" for how, us in f["wake_floor_us"].items()) + "; "
+                          f"a batch carried along the same hops by nine asyncio processes doing nothing else, "
+                          f"{f['hop_floor_us']['all']:,.0f} µs ({f['hop_floor_us']['kernel']:,.0f} in the kernel). "
                           "wake-ups: voluntary context switches; send, receive, wait, flush: system calls by kind; "
                           "hashes: BLAKE3 hashers made, BLAKE2b and SHA-256 digests (an HMAC is two SHA-256); "
                           "alloc: PyObject_Malloc calls (the probes slow each process: those batches are larger)")
