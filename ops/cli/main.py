@@ -554,7 +554,9 @@ def _add_bench_batch_cost(bsub) -> None:
                          description="Run the tape up topology at --rate; once the load sends, count with perf over "
                                      "--window seconds each process's CPU time, system calls by kind, wake-ups and "
                                      "preemptions, then over another window with probes its hashes and allocations; "
-                                     "print each a batch (the leader's batches in the window). Needs root and perf.")
+                                     "print each a batch (the leader's batches in the window), beside this host's "
+                                     "floor: a wake-up, and a batch carried along the same nine processes' hops with "
+                                     "no work. Needs root and perf.")
     bb.add_argument("--rate", type=float, default=2000, help="trades per second (default 2000)")
     bb.add_argument("--window", type=float, default=5.0, help="seconds each count lasts (default 5)")
     bb.add_argument("--out", default=None, help="write the figures as JSON to this file")
