@@ -75,6 +75,11 @@ class _Fixed(asyncio.Protocol):
             self.on_messages(self, n)
 
 
+async def _until(counted: _Counted, seconds: float) -> None:
+    async with asyncio.timeout(seconds):  # (the house's way: docs/decisions.md, "never wait_for")
+        await counted.done.wait()
+
+
 def _run(role, *args) -> None:
     """One process: its loop, then its CPU on `args[-1]` (a pipe's end); None if it did not see
     all it waited for in time (a datagram lost) or a socket failed."""
@@ -96,7 +101,7 @@ def _result(pipe, wait_s: float):
 async def _serve_until_done(port: int, factory, counted: _Counted, ready) -> tuple[float, float]:
     server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", port)
     ready.send(True)
-    await asyncio.wait_for(counted.done.wait(), BATCHES / BATCH_RATE + DONE_WAIT_S)
+    await _until(counted, BATCHES / BATCH_RATE + DONE_WAIT_S)
     spent = counted.spent()
     server.close()
     return spent
@@ -127,7 +132,7 @@ async def _replica(group: str, port: int, emitter: int, ready) -> tuple[float, f
             counted.note()
     loop.add_reader(sock.fileno(), readable)
     ready.send(True)
-    await asyncio.wait_for(counted.done.wait(), BATCHES / BATCH_RATE + DONE_WAIT_S)
+    await _until(counted, BATCHES / BATCH_RATE + DONE_WAIT_S)
     return counted.spent()
 
 
@@ -157,7 +162,7 @@ async def _leader(inbound: int, followers: list[int], group: str, port: int, rea
                 link.write(b"b" * APPEND)
     loop.add_reader(sock.fileno(), readable)
     ready.send(True)
-    await asyncio.wait_for(counted.done.wait(), BATCHES / BATCH_RATE + DONE_WAIT_S)
+    await _until(counted, BATCHES / BATCH_RATE + DONE_WAIT_S)
     return counted.spent()
 
 
@@ -181,7 +186,7 @@ async def _client(inbound: int, group: str, port: int, go) -> tuple[float, float
     for k in range(BATCHES):
         out.sendto(b"d" * DATAGRAM, ("127.0.0.1", inbound))
         await asyncio.sleep(max(0.0, t0 + (k + 1) / BATCH_RATE - loop.time()))
-    await asyncio.wait_for(counted.done.wait(), DONE_WAIT_S)
+    await _until(counted, DONE_WAIT_S)
     return counted.spent()
 
 
