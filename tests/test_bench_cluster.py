@@ -16,7 +16,7 @@ import pytest
 from conftest import TAPE, wait_for
 from rich.console import Console
 
-from tape.ops.bench import batch_cost, cluster_cpu, hop_floor
+from tape.ops.bench import batch_cost, cluster_cpu, floors
 from tape.ops.bench.cluster_cpu import PROCESSES, marginal_us
 from tape.ops.verification.local import host_steal_seconds, scheduled_count
 
@@ -92,13 +92,13 @@ def test_the_hop_floor_carries_every_batch_to_every_process(monkeypatch):
     """Nine real processes pass each batch along the cluster's hops: every follower acknowledges
     every append, every replica sees every packet, the emitter every replica's alert, the client
     its own batches; a process that missed one would not report and the bench would say so."""
-    monkeypatch.setattr(hop_floor, "BATCHES", 60)
-    floor = hop_floor.hop_floor()
+    monkeypatch.setattr(floors, "BATCHES", 60)
+    floor = floors.hop_floor()
     assert 0 < floor["kernel"] < floor["all"], floor
-    monkeypatch.setattr(hop_floor, "MAJORITY_ACKS", hop_floor.FOLLOWERS + 1)  # (a leader that never commits)
-    monkeypatch.setattr(hop_floor, "DONE_WAIT_S", 1.0)
+    monkeypatch.setattr(floors, "MAJORITY_ACKS", floors.FOLLOWERS + 1)  # (a leader that never commits)
+    monkeypatch.setattr(floors, "DONE_WAIT_S", 1.0)
     with pytest.raises(RuntimeError, match="did not report"):
-        hop_floor.hop_floor()
+        floors.hop_floor()
 
 
 @pytest.mark.skipif(shutil.which("perf") is None or os.geteuid() != 0, reason="needs perf and root (tracepoints)")

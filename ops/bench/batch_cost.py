@@ -14,8 +14,8 @@ what is removed is what was counted. The cluster runs as `tape up` runs it; once
 3. the allocations (PyObject_Malloc: every object and buffer not served from a free list), a
    probe hit a thousand times as often, in a window of its own.
 
-Before the cluster starts it measures the host's own floor: a wake-up (`wake_floor`), and a batch
-carried along the same nine processes' hops with none of Tape's work (`hop_floor.hop_floor`).
+Before the cluster starts it measures the host's own floors (`floors.py`): a wake-up, and a batch
+carried along the same nine processes' hops with none of Tape's work.
 
 Each count is divided by the batches the leader stamped in its window (its `batches` counter).
 Figures, never pass/fail; needs root (perf's tracepoints and probes) and perf.
@@ -23,13 +23,10 @@ Figures, never pass/fail; needs root (perf's tracepoints and probes) and perf.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import multiprocessing
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -38,7 +35,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tape.ops.bench.hop_floor import hop_floor
+from tape.ops.bench.floors import hop_floor, wake_floor
 from tape.ops.bench.throughput import host_speed
 from tape.ops.verification.local import LocalCluster
 from tape.ops.verification.tradegen import orders_in
@@ -53,8 +50,6 @@ SYSCALL_KINDS = {  # what a process asks the kernel for, by purpose
 }
 KERNEL_EVENTS = ["task-clock", "raw_syscalls:sys_enter",
                  *(f"syscalls:sys_enter_{call}" for calls in SYSCALL_KINDS.values() for call in calls)]
-WAKE_DATAGRAMS, WAKE_RATE, WAKE_DATAGRAM = 600, 300.0, 600  # wake_floor: 2 s a receiver, a batch's rate and size
-WAKE_WAIT_S = 10.0  # wake_floor: a datagram later than this (lost) ends the measurement
 SENDING_WAIT_S = 60.0  # for the load to build its trades and send
 SETTLE_S = 1.0  # after the load begins to send, before the first window
 
@@ -197,57 +192,6 @@ class Window:
         m = self.cluster.metrics(self.leader)
         return (node_metric(m, "tape_sequencer_batches_total", self.leader),
                 node_metric(m, "tape_sequencer_messages_published_total", self.leader))
-
-
-def _send_paced(address: tuple, n: int, rate: float) -> None:
-    """The other end of `wake_floor`: `n` datagrams to `address`, `rate` a second."""
-    out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    t0 = time.monotonic()
-    for k in range(n):
-        out.sendto(b"x" * WAKE_DATAGRAM, address)
-        time.sleep(max(0.0, t0 + (k + 1) / rate - time.monotonic()))
-
-
-def wake_floor(n: int = WAKE_DATAGRAMS, rate: float = WAKE_RATE) -> dict[str, float]:
-    """This host's CPU µs a wake-up of a process that only receives a datagram (paced, so each
-    comes to a sleeping receiver): with a blocking recv(), and on an asyncio loop as Tape's
-    processes run. What no code of a batch's path can cost less than, per wake-up counted above."""
-    def receive_blocking(sock: socket.socket) -> None:
-        sock.settimeout(WAKE_WAIT_S)
-        for _ in range(n):
-            sock.recv(WAKE_DATAGRAM)
-
-    def receive_asyncio(sock: socket.socket) -> None:
-        async def run() -> None:
-            loop, done, got = asyncio.get_running_loop(), asyncio.Event(), [0]
-
-            def readable() -> None:
-                while got[0] < n:
-                    try:
-                        sock.recv(WAKE_DATAGRAM)
-                    except BlockingIOError:
-                        return
-                    got[0] += 1
-                done.set()
-            sock.setblocking(False)
-            loop.add_reader(sock.fileno(), readable)
-            await asyncio.wait_for(done.wait(), n / rate + WAKE_WAIT_S)
-        asyncio.run(run())
-
-    floor = {}
-    for name, receive in (("a blocking recv", receive_blocking), ("an asyncio loop", receive_asyncio)):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            sender = multiprocessing.get_context("fork").Process(target=_send_paced,
-                                                               args=(sock.getsockname(), n, rate))
-            cpu = time.process_time()
-            sender.start()
-            try:
-                receive(sock)
-            finally:
-                sender.join()
-            floor[name] = (time.process_time() - cpu) * 1e6 / n
-    return floor
 
 
 def bench_batch_cost(rate: float, window_s: float, out: str | None, durability: str | None = None) -> dict:

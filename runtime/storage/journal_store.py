@@ -506,10 +506,10 @@ class Journal:
     def mark_committed(self, seq: int) -> None:
         """Write the mark over the last in place, one pwrite of a fixed width (the first in a new
         file renamed over the old: the file always holds a whole mark of that width, and a reader
-        that reads while it is written sees a check sum fail). A file replaced and renamed each time
-        cost ~270 µs of CPU and waited behind the disk's flush; this ~20. Not synced: after a crash
-        an older mark (or one that is not one) only makes a reader wait for the next. A mark that
-        cannot be written (a full disk) is logged and left: readers wait, the log goes on."""
+        that reads while it is written sees a check sum fail): no rename on the voter's loop to
+        wait behind the disk's flush (docs/decisions.md). Not synced: after a crash an older mark
+        (or one that is not one) only makes a reader wait for the next. A mark that cannot be
+        written (a full disk) is logged and left: readers wait, the log goes on."""
         mark = encode_mark(seq)
         try:
             if self._mark_fd is None:

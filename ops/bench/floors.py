@@ -1,8 +1,12 @@
-"""The hops of a batch with none of Tape's work: what nine asyncio processes on this host spend
-to carry one batch along the cluster's path, before any code of Tape's runs.
+"""What this host charges before any code of Tape's runs, printed by `tape bench batch-cost` beside
+what a batch costs each process:
 
-`tape bench batch-cost` divides what each process spends by the batches it carried; this is the
-floor under that sum. The same nine processes, the same sockets, the same messages of about a
+- `wake_floor`: the CPU of a wake-up of a process that only receives a datagram, with a blocking
+  recv() and on an asyncio loop;
+- `hop_floor`: what nine asyncio processes spend to carry one batch along the cluster's path with
+  none of Tape's work, the floor under batch-cost's sum.
+
+The hops are the cluster's: the same nine processes, the same sockets, the same messages of about a
 batch's size at 2,000 msg/s, and nothing else: a client sends a datagram; the leader writes it to
 three followers over TCP; each follower writes back an acknowledgement; on the second, the leader
 sends one multicast packet, which three replicas and the client's listener receive; each replica
@@ -20,6 +24,8 @@ import asyncio
 import multiprocessing
 import random
 import resource
+import socket
+import time
 
 from tape.runtime.udp import free_port, multicast_receiver, multicast_sender, udp_socket
 
@@ -27,7 +33,9 @@ FOLLOWERS, REPLICAS = 3, 3
 MAJORITY_ACKS = 2  # with the leader's own: three of four voters hold it
 DATAGRAM, APPEND, ACK, PACKET, ALERT = 450, 560, 52, 500, 120  # bytes: a batch of ~6.5 trades
 BATCHES, BATCH_RATE = 600, 300.0  # ~2 s at the batches a second of 2,000 msg/s
-DONE_WAIT_S = 20.0  # every process gives up this long after the client's last batch
+DONE_WAIT_S = 20.0  # how long past the batches' own time a process waits for the last of them
+WAKE_DATAGRAMS, WAKE_RATE, WAKE_DATAGRAM = 600, 300.0, 600  # wake_floor: 2 s a receiver, a batch's rate and size
+WAKE_WAIT_S = 10.0  # wake_floor: a datagram later than this (lost) ends the measurement
 
 
 def _cpu_s() -> tuple[float, float]:
@@ -232,3 +240,55 @@ def hop_floor() -> dict[str, float]:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def _send_paced(address: tuple, n: int, rate: float) -> None:
+    """The other end of `wake_floor`: `n` datagrams to `address`, `rate` a second."""
+    out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    t0 = time.monotonic()
+    for k in range(n):
+        out.sendto(b"x" * WAKE_DATAGRAM, address)
+        time.sleep(max(0.0, t0 + (k + 1) / rate - time.monotonic()))
+
+
+def wake_floor(n: int = WAKE_DATAGRAMS, rate: float = WAKE_RATE) -> dict[str, float]:
+    """This host's CPU µs a wake-up of a process that only receives a datagram (paced, so each
+    comes to a sleeping receiver): with a blocking recv(), and on an asyncio loop as Tape's
+    processes run. What no code of a batch's path can cost less than, per wake-up batch-cost counts."""
+    def receive_blocking(sock: socket.socket) -> None:
+        sock.settimeout(WAKE_WAIT_S)
+        for _ in range(n):
+            sock.recv(WAKE_DATAGRAM)
+
+    def receive_asyncio(sock: socket.socket) -> None:
+        async def run() -> None:
+            loop, done, got = asyncio.get_running_loop(), asyncio.Event(), [0]
+
+            def readable() -> None:
+                while got[0] < n:
+                    try:
+                        sock.recv(WAKE_DATAGRAM)
+                    except BlockingIOError:
+                        return
+                    got[0] += 1
+                done.set()
+            sock.setblocking(False)
+            loop.add_reader(sock.fileno(), readable)
+            async with asyncio.timeout(n / rate + WAKE_WAIT_S):
+                await done.wait()
+        asyncio.run(run())
+
+    floor = {}
+    for name, receive in (("a blocking recv", receive_blocking), ("an asyncio loop", receive_asyncio)):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sender = multiprocessing.get_context("fork").Process(target=_send_paced,
+                                                               args=(sock.getsockname(), n, rate))
+            cpu = time.process_time()
+            sender.start()
+            try:
+                receive(sock)
+            finally:
+                sender.join()
+            floor[name] = (time.process_time() - cpu) * 1e6 / n
+    return floor
